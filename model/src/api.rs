@@ -1,0 +1,422 @@
+//! The views and parameters of the public `/v1` API (see CONTRACT.md).
+//!
+//! Views are what clients see; the store's row types never leave the server.
+
+use crate::ids::{AccountId, JobId, PackageId, ServerId, VmId};
+use crate::pci::{DevicePath, HexId, PciClass, Revision};
+use crate::state::DeviceState;
+use crate::variant::DeviceType;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+
+pub const MAX_LOGIN_LEN: usize = 64;
+pub const MAX_PASSWORD_LEN: usize = 1024;
+pub const MIN_PASSWORD_LEN: usize = 8;
+pub const MAX_NAME_LEN: usize = 128;
+pub const MAX_PACKAGE_DEVICE_KINDS: usize = 16;
+pub const MAX_DEVICES_PER_VM: u32 = 16;
+pub const MAX_LIST_LIMIT: u32 = 1000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Operator,
+    /// A read-only operator.
+    Reader,
+    Tenant,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Operator => "operator",
+            Role::Reader => "reader",
+            Role::Tenant => "tenant",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "operator" => Role::Operator,
+            "reader" => Role::Reader,
+            "tenant" => Role::Tenant,
+            _ => return None,
+        })
+    }
+    /// Sees every object (operators and readers).
+    pub fn sees_all(self) -> bool {
+        matches!(self, Role::Operator | Role::Reader)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Account {
+    pub uuid: AccountId,
+    pub login: String,
+    pub role: Role,
+    pub gpu_quota: Option<u32>,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateAccount {
+    pub login: String,
+    pub password: String,
+    #[serde(default = "default_role")]
+    pub role: Role,
+    #[serde(default)]
+    pub gpu_quota: Option<u32>,
+}
+
+fn default_role() -> Role {
+    Role::Tenant
+}
+
+/// `Some(None)` when the field is present and null, `None` when absent.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateAccount {
+    #[serde(default)]
+    pub password: Option<String>,
+    #[serde(default)]
+    pub role: Option<Role>,
+    /// `null` removes the quota.
+    #[serde(default, deserialize_with = "present")]
+    pub gpu_quota: Option<Option<u32>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoginRequest {
+    pub login: String,
+    pub password: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoginResponse {
+    pub token: String,
+    pub expires_at: DateTime<Utc>,
+    pub account: Account,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {
+    pub ok: bool,
+    pub version: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Package {
+    pub uuid: PackageId,
+    pub name: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub disk_gib: u64,
+    pub devices: BTreeMap<String, u32>,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreatePackage {
+    pub name: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub disk_gib: u64,
+    #[serde(default)]
+    pub devices: BTreeMap<String, u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerStatus {
+    Running,
+    Unknown,
+    Offline,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SysinfoDevice {
+    pub vendor: HexId,
+    pub device: HexId,
+    pub subsystem: HexId,
+    pub subvendor: HexId,
+    pub revision: Revision,
+    pub class: PciClass,
+    pub id: DevicePath,
+    /// `-` when no driver is bound, as in RFD 114.
+    pub driver: String,
+    pub numa_node: Option<u32>,
+    pub iommu_group: Option<u32>,
+    pub used_by: Option<VmId>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sysinfo {
+    #[serde(rename = "PCI Devices")]
+    pub pci_devices: Vec<SysinfoDevice>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AssignableDevice {
+    pub id: DevicePath,
+    pub state: DeviceState,
+    #[serde(rename = "type")]
+    pub kind: DeviceType,
+    pub variant: String,
+    pub used_by: Option<VmId>,
+    pub numa_node: Option<u32>,
+    /// Why the device is kept out of placement although its state allows it (for
+    /// example: held, then missing from the agent's latest report).
+    pub taint: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerVm {
+    pub uuid: VmId,
+    pub owner_uuid: AccountId,
+    pub state: VmState,
+    pub brand: String,
+    pub assigned_devices: Vec<DevicePath>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Server {
+    pub uuid: ServerId,
+    pub hostname: String,
+    pub status: ServerStatus,
+    pub last_heartbeat: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub sysinfo: Sysinfo,
+    pub assignable_devices: Vec<AssignableDevice>,
+    pub vms: BTreeMap<VmId, ServerVm>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateServer {
+    #[serde(default)]
+    pub hostname: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateJoinToken {
+    /// How long the token admits a node; default one hour, at most a week.
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinToken {
+    pub token: String,
+    pub expires_at: DateTime<Utc>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Provisioning,
+    Running,
+    Stopped,
+    Destroying,
+    Destroyed,
+    Failed,
+}
+
+impl VmState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmState::Provisioning => "provisioning",
+            VmState::Running => "running",
+            VmState::Stopped => "stopped",
+            VmState::Destroying => "destroying",
+            VmState::Destroyed => "destroyed",
+            VmState::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "provisioning" => VmState::Provisioning,
+            "running" => VmState::Running,
+            "stopped" => VmState::Stopped,
+            "destroying" => VmState::Destroying,
+            "destroyed" => VmState::Destroyed,
+            "failed" => VmState::Failed,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vm {
+    pub uuid: VmId,
+    pub alias: String,
+    pub owner_uuid: AccountId,
+    pub server_uuid: Option<ServerId>,
+    pub package_uuid: Option<PackageId>,
+    pub state: VmState,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub assigned_devices: Vec<DevicePath>,
+    pub job_uuid: Option<JobId>,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVm {
+    pub alias: String,
+    /// A package uuid or name.
+    #[serde(default)]
+    pub package: Option<String>,
+    /// Operators only: create on behalf of this account (default: the caller).
+    #[serde(default)]
+    pub owner_uuid: Option<AccountId>,
+    /// Operators only, without a package: exactly these devices.
+    #[serde(default)]
+    pub assigned_devices: Option<Vec<DevicePath>>,
+    /// Operators only, with `assigned_devices`: the server that has them.
+    #[serde(default)]
+    pub server_uuid: Option<ServerId>,
+    /// Without a package: the VM's size (default 1 vCPU, 1024 MiB).
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl JobState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "queued" => JobState::Queued,
+            "running" => JobState::Running,
+            "succeeded" => JobState::Succeeded,
+            "failed" => JobState::Failed,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepState {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    /// Its undo ran after a later step failed.
+    Undone,
+}
+
+impl StepState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepState::Pending => "pending",
+            StepState::Running => "running",
+            StepState::Succeeded => "succeeded",
+            StepState::Failed => "failed",
+            StepState::Undone => "undone",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pending" => StepState::Pending,
+            "running" => StepState::Running,
+            "succeeded" => StepState::Succeeded,
+            "failed" => StepState::Failed,
+            "undone" => StepState::Undone,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStep {
+    pub name: String,
+    pub state: StepState,
+    pub started_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub uuid: JobId,
+    pub name: String,
+    pub vm_uuid: Option<VmId>,
+    pub state: JobState,
+    pub steps: Vec<JobStep>,
+    pub created_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+}
+
+/// A device's recorded state change: the history behind "dirty, then unassigned only
+/// after its scrub report".
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceEventRecord {
+    pub server_uuid: ServerId,
+    pub device: DevicePath,
+    pub from: DeviceState,
+    pub to: DeviceState,
+    pub reason: String,
+    pub at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrubRecord {
+    pub server_uuid: ServerId,
+    pub device: DevicePath,
+    pub ok: bool,
+    pub steps: Vec<crate::protocol::ScrubStep>,
+    pub at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn update_account_tells_null_from_absent() {
+        let a: UpdateAccount = serde_json::from_str(r#"{"gpu_quota":null}"#).unwrap();
+        assert_eq!(a.gpu_quota, Some(None));
+        let b: UpdateAccount = serde_json::from_str(r#"{}"#).unwrap();
+        assert_eq!(b.gpu_quota, None);
+        let c: UpdateAccount = serde_json::from_str(r#"{"gpu_quota":4}"#).unwrap();
+        assert_eq!(c.gpu_quota, Some(Some(4)));
+    }
+
+    #[test]
+    fn create_vm_refuses_unknown_fields() {
+        assert!(serde_json::from_str::<CreateVm>(r#"{"alias":"a","pkg":"x"}"#).is_err());
+        assert!(serde_json::from_str::<CreateVm>(r#"{"package":"x"}"#).is_err());
+    }
+}

@@ -1,0 +1,16 @@
+//! The pure domain of Passage. No I/O, compiles to wasm32: everything here is shared by
+//! the server, the node agent and the portal.
+
+pub mod api;
+pub mod error;
+pub mod ids;
+pub mod pci;
+pub mod protocol;
+pub mod state;
+pub mod variant;
+
+pub use error::{ApiErrorBody, ErrorCode};
+pub use ids::*;
+pub use pci::{DevicePath, HexId, PciAddress, PciDevice, PciParseError};
+pub use state::{DeviceEvent, DeviceState, TransitionError, transition};
+pub use variant::{Variant, VariantError};

@@ -1,0 +1,428 @@
+//! PCI addresses, device paths and the RFD 114 description of one PCI function.
+//!
+//! Every parser here takes text from outside (sysfs, agents, API bodies) and returns an
+//! error rather than panicking.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::str::FromStr;
+
+/// Longest device path accepted: deeper than any real PCIe hierarchy.
+pub const MAX_DEVICE_PATH_LEN: usize = 512;
+/// Longest driver name accepted (Linux module names are far shorter).
+pub const MAX_DRIVER_LEN: usize = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PciParseError {
+    #[error("PCI address {0:?} is not of the form DDDD:BB:DD.F")]
+    Address(String),
+    #[error("device path {0:?} is not of the form /devices/pciDDDD:BB/DDDD:BB:DD.F[/...]")]
+    DevicePath(String),
+    #[error("{what} {value:?} is not {digits} hexadecimal digits")]
+    Hex {
+        what: &'static str,
+        value: String,
+        digits: usize,
+    },
+    #[error("driver name {0:?} is empty, too long or has characters outside [A-Za-z0-9_.-]")]
+    Driver(String),
+}
+
+/// A PCI function address, `0000:3b:00.0` (domain:bus:device.function).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PciAddress {
+    pub domain: u32,
+    pub bus: u8,
+    pub device: u8,
+    pub function: u8,
+}
+
+fn hex_exact(s: &str, min: usize, max: usize) -> Option<u32> {
+    if s.len() < min || s.len() > max || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u32::from_str_radix(s, 16).ok()
+}
+
+impl FromStr for PciAddress {
+    type Err = PciParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = || PciParseError::Address(s.chars().take(64).collect());
+        let (domain, rest) = s.split_once(':').ok_or_else(err)?;
+        let (bus, rest) = rest.split_once(':').ok_or_else(err)?;
+        let (device, function) = rest.split_once('.').ok_or_else(err)?;
+        // Domains are 4 hex digits, or up to 8 behind Intel VMD.
+        let domain = hex_exact(domain, 4, 8).ok_or_else(err)?;
+        let bus = hex_exact(bus, 2, 2).ok_or_else(err)? as u8;
+        let device = hex_exact(device, 2, 2).ok_or_else(err)? as u8;
+        let function = hex_exact(function, 1, 1).ok_or_else(err)? as u8;
+        if device > 0x1f || function > 7 {
+            return Err(err());
+        }
+        Ok(PciAddress {
+            domain,
+            bus,
+            device,
+            function,
+        })
+    }
+}
+
+impl fmt::Display for PciAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.{:x}",
+            self.domain, self.bus, self.device, self.function
+        )
+    }
+}
+
+impl PciAddress {
+    /// bhyve's `B/S/F` slot notation.
+    pub fn bsf(&self) -> String {
+        format!("{}/{}/{}", self.bus, self.device, self.function)
+    }
+}
+
+/// The physical path of a function under sysfs without the leading `/sys`:
+/// `/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0`. Stable while the hardware stays.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePath {
+    root: String,
+    chain: Vec<PciAddress>,
+}
+
+impl DevicePath {
+    pub fn new(root_domain: u32, root_bus: u8, chain: Vec<PciAddress>) -> Option<Self> {
+        if chain.is_empty() {
+            return None;
+        }
+        Some(DevicePath {
+            root: format!("pci{root_domain:04x}:{root_bus:02x}"),
+            chain,
+        })
+    }
+
+    /// The function itself (the last element of the chain).
+    pub fn address(&self) -> PciAddress {
+        // `chain` is never empty: both constructors refuse an empty one.
+        self.chain[self.chain.len() - 1]
+    }
+
+    /// The bridges above the function, root port first.
+    pub fn parents(&self) -> &[PciAddress] {
+        &self.chain[..self.chain.len() - 1]
+    }
+}
+
+impl FromStr for DevicePath {
+    type Err = PciParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = || PciParseError::DevicePath(s.chars().take(80).collect());
+        if s.len() > MAX_DEVICE_PATH_LEN {
+            return Err(err());
+        }
+        let rest = s.strip_prefix("/devices/").ok_or_else(err)?;
+        let mut parts = rest.split('/');
+        let root = parts.next().ok_or_else(err)?;
+        let root_bus = root.strip_prefix("pci").ok_or_else(err)?;
+        let (dom, bus) = root_bus.split_once(':').ok_or_else(err)?;
+        hex_exact(dom, 4, 8).ok_or_else(err)?;
+        hex_exact(bus, 2, 2).ok_or_else(err)?;
+        let chain = parts
+            .map(|p| p.parse::<PciAddress>().map_err(|_| err()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if chain.is_empty() {
+            return Err(err());
+        }
+        Ok(DevicePath {
+            root: root.to_ascii_lowercase(),
+            chain,
+        })
+    }
+}
+
+impl fmt::Display for DevicePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "/devices/{}", self.root)?;
+        for a in &self.chain {
+            write!(f, "/{a}")?;
+        }
+        Ok(())
+    }
+}
+
+macro_rules! string_serde {
+    ($t:ty) => {
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+                s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+string_serde!(PciAddress);
+string_serde!(DevicePath);
+
+/// A 16-bit PCI id (vendor, device, subsystem vendor, subsystem), written as 4 hex digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HexId(pub u16);
+
+impl FromStr for HexId {
+    type Err = PciParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.strip_prefix("0x").unwrap_or(s);
+        hex_exact(t, 4, 4)
+            .map(|v| HexId(v as u16))
+            .ok_or_else(|| PciParseError::Hex {
+                what: "PCI id",
+                value: s.chars().take(16).collect(),
+                digits: 4,
+            })
+    }
+}
+impl fmt::Display for HexId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:04x}", self.0)
+    }
+}
+string_serde!(HexId);
+
+/// An 8-bit PCI revision, written as 2 hex digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Revision(pub u8);
+
+impl FromStr for Revision {
+    type Err = PciParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.strip_prefix("0x").unwrap_or(s);
+        hex_exact(t, 2, 2)
+            .map(|v| Revision(v as u8))
+            .ok_or_else(|| PciParseError::Hex {
+                what: "PCI revision",
+                value: s.chars().take(16).collect(),
+                digits: 2,
+            })
+    }
+}
+impl fmt::Display for Revision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:02x}", self.0)
+    }
+}
+string_serde!(Revision);
+
+/// A 24-bit PCI class code (class, subclass, programming interface), 6 hex digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PciClass(pub u32);
+
+impl PciClass {
+    pub fn base(&self) -> u8 {
+        (self.0 >> 16) as u8
+    }
+    /// Display controllers (0x03) and processing accelerators (0x12).
+    pub fn is_gpu_like(&self) -> bool {
+        matches!(self.base(), 0x03 | 0x12)
+    }
+    pub fn is_bridge(&self) -> bool {
+        self.base() == 0x06
+    }
+}
+
+impl FromStr for PciClass {
+    type Err = PciParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.strip_prefix("0x").unwrap_or(s);
+        hex_exact(t, 6, 6)
+            .map(PciClass)
+            .ok_or_else(|| PciParseError::Hex {
+                what: "PCI class",
+                value: s.chars().take(16).collect(),
+                digits: 6,
+            })
+    }
+}
+impl fmt::Display for PciClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:06x}", self.0)
+    }
+}
+string_serde!(PciClass);
+
+/// Checks a kernel driver name as reported by an agent.
+pub fn validate_driver(name: &str) -> Result<(), PciParseError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_DRIVER_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(PciParseError::Driver(name.chars().take(80).collect()))
+    }
+}
+
+/// One PCI function as RFD 114's lister and sysinfo describe it, plus what placement
+/// needs (class, NUMA node, IOMMU group).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PciDevice {
+    pub id: DevicePath,
+    pub vendor: HexId,
+    pub device: HexId,
+    pub subvendor: HexId,
+    pub subsystem: HexId,
+    pub revision: Revision,
+    pub class: PciClass,
+    /// `None` when no driver is bound (RFD 114 prints `-`).
+    pub driver: Option<String>,
+    /// `None` where the kernel reports -1 (no NUMA information).
+    pub numa_node: Option<u32>,
+    pub iommu_group: Option<u32>,
+}
+
+impl PciDevice {
+    pub fn address(&self) -> PciAddress {
+        self.id.address()
+    }
+
+    /// RFD 114's lister line: `vendor device subsystem subvendor revision id driver`.
+    pub fn lister_line(&self) -> String {
+        format!(
+            "{} {} {} {} {} {} {}",
+            self.vendor,
+            self.device,
+            self.subsystem,
+            self.subvendor,
+            self.revision,
+            self.id,
+            self.driver.as_deref().unwrap_or("-")
+        )
+    }
+
+    /// Checks what serde cannot: the driver name's alphabet.
+    pub fn validate(&self) -> Result<(), PciParseError> {
+        if let Some(d) = &self.driver {
+            validate_driver(d)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn addresses() {
+        let a: PciAddress = "0000:3b:00.0".parse().unwrap();
+        assert_eq!(a.bus, 0x3b);
+        assert_eq!(a.to_string(), "0000:3b:00.0");
+        assert_eq!(a.bsf(), "59/0/0");
+        let vmd: PciAddress = "10000:e1:1f.7".parse().unwrap();
+        assert_eq!(vmd.to_string(), "10000:e1:1f.7");
+        for bad in [
+            "",
+            "0000:3b:00",
+            "0000:3b:20.0",
+            "0000:3b:00.8",
+            "000:3b:00.0",
+            "0000:3b:0.0",
+            "0000:zz:00.0",
+            "0000:3b:00.0.1",
+            "0000:+3:00.0",
+            "0000:3b:00.00",
+            "ééé",
+        ] {
+            assert!(bad.parse::<PciAddress>().is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn device_paths() {
+        let s = "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0";
+        let p: DevicePath = s.parse().unwrap();
+        assert_eq!(p.to_string(), s);
+        assert_eq!(p.address().to_string(), "0000:3b:00.0");
+        assert_eq!(p.parents().len(), 1);
+        for bad in [
+            "/devices/pci0000:3a",
+            "/devices/pci0000:3a/",
+            "devices/pci0000:3a/0000:3a:00.0",
+            "/devices/pcizz:3a/0000:3a:00.0",
+            "/devices/pci0000:3a/0000:3a:00.0/../x",
+            "/sys/devices/pci0000:3a/0000:3a:00.0",
+        ] {
+            assert!(bad.parse::<DevicePath>().is_err(), "{bad} accepted");
+        }
+        let long = format!("/devices/pci0000:00{}", "/0000:00:00.0".repeat(100));
+        assert!(long.parse::<DevicePath>().is_err());
+    }
+
+    #[test]
+    fn ids_and_lister_line() {
+        let d = PciDevice {
+            id: "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+                .parse()
+                .unwrap(),
+            vendor: "10de".parse().unwrap(),
+            device: "0x1db4".parse().unwrap(),
+            subvendor: "10de".parse().unwrap(),
+            subsystem: "1214".parse().unwrap(),
+            revision: "0xa1".parse().unwrap(),
+            class: "0x030200".parse().unwrap(),
+            driver: None,
+            numa_node: Some(0),
+            iommu_group: Some(12),
+        };
+        assert_eq!(
+            d.lister_line(),
+            "10de 1db4 1214 10de a1 /devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0 -"
+        );
+        let json = serde_json::to_value(&d).unwrap();
+        assert_eq!(json["vendor"], "10de");
+        assert_eq!(json["class"], "030200");
+        let back: PciDevice = serde_json::from_value(json).unwrap();
+        assert_eq!(back, d);
+        assert!("10de0".parse::<HexId>().is_err());
+        assert!("1g00".parse::<HexId>().is_err());
+        assert!("a".parse::<Revision>().is_err());
+        assert!(validate_driver("nvidia").is_ok());
+        assert!(validate_driver("vfio-pci").is_ok());
+        assert!(validate_driver("a b").is_err());
+        assert!(validate_driver("").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn parsers_never_panic(s in "\\PC{0,80}") {
+            let _ = s.parse::<PciAddress>();
+            let _ = s.parse::<DevicePath>();
+            let _ = s.parse::<HexId>();
+            let _ = s.parse::<Revision>();
+            let _ = s.parse::<PciClass>();
+        }
+
+        #[test]
+        fn address_round_trips(d in 0u32..0x10000, b: u8, dev in 0u8..32, f in 0u8..8) {
+            let a = PciAddress { domain: d, bus: b, device: dev, function: f };
+            prop_assert_eq!(a.to_string().parse::<PciAddress>().unwrap(), a);
+        }
+
+        #[test]
+        fn address_like_strings_never_panic(s in "[0-9a-fA-F:.]{0,20}") {
+            let _ = s.parse::<PciAddress>();
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! The agent protocol: what a node agent and the control plane say to each other.
+//!
+//! Paths (all JSON, under `/agent/v1`): `POST register` (join token → node credential),
+//! then with `Authorization: Bearer <credential>`: `POST heartbeat`, `PUT inventory`,
+//! `GET tasks?wait=SECONDS` (long-poll), `POST tasks/{id}/result`.
+
+use crate::ids::{ServerId, TaskId, VmId};
+use crate::pci::{DevicePath, PciDevice};
+use serde::{Deserialize, Serialize};
+
+pub const PROTOCOL_VERSION: u32 = 1;
+/// More functions than any real server has; a report beyond this is refused.
+pub const MAX_INVENTORY_DEVICES: usize = 4096;
+pub const MAX_HOSTNAME_LEN: usize = 253;
+pub const MAX_ERROR_LEN: usize = 4096;
+pub const MAX_TASK_DEVICES: usize = 64;
+pub const MAX_LONG_POLL_SECS: u64 = 60;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterRequest {
+    pub join_token: String,
+    pub hostname: String,
+    pub agent_version: String,
+    pub protocol_version: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterResponse {
+    pub server_uuid: ServerId,
+    /// The node's secret; sent back as a bearer token. Shown once.
+    pub credential: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    /// The VMs the agent's hypervisor is running now.
+    #[serde(default)]
+    pub running_vms: Vec<VmId>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InventoryReport {
+    pub devices: Vec<PciDevice>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    pub uuid: VmId,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub devices: Vec<DevicePath>,
+}
+
+/// Work for one agent. Every task is idempotent on the agent: run twice, same result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Task {
+    /// Reserve the devices for passthrough (vfio-pci on Linux) and remember the binding.
+    BindPassthrough {
+        vm_uuid: VmId,
+        devices: Vec<DevicePath>,
+    },
+    /// Give the devices back to the driver they had before.
+    UnbindPassthrough {
+        vm_uuid: VmId,
+        devices: Vec<DevicePath>,
+    },
+    StartVm {
+        vm: VmSpec,
+    },
+    /// Stop the VM; a VM that is not running is already stopped.
+    StopVm {
+        vm_uuid: VmId,
+    },
+    /// Clean devices a VM had, each step reported.
+    Scrub {
+        devices: Vec<DevicePath>,
+    },
+}
+
+impl Task {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Task::BindPassthrough { .. } => "bind_passthrough",
+            Task::UnbindPassthrough { .. } => "unbind_passthrough",
+            Task::StartVm { .. } => "start_vm",
+            Task::StopVm { .. } => "stop_vm",
+            Task::Scrub { .. } => "scrub",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskEnvelope {
+    pub id: TaskId,
+    pub task: Task,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScrubStep {
+    pub name: String,
+    pub ok: bool,
+    pub duration_ms: u64,
+    #[serde(default)]
+    pub detail: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScrubReport {
+    pub device: DevicePath,
+    pub ok: bool,
+    pub steps: Vec<ScrubStep>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskResult {
+    pub ok: bool,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub scrub_reports: Vec<ScrubReport>,
+}
+
+impl TaskResult {
+    pub fn success() -> Self {
+        TaskResult {
+            ok: true,
+            error: None,
+            scrub_reports: Vec::new(),
+        }
+    }
+    pub fn failure(msg: impl Into<String>) -> Self {
+        let mut m: String = msg.into();
+        if m.len() > MAX_ERROR_LEN {
+            let mut cut = MAX_ERROR_LEN;
+            while !m.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            m.truncate(cut);
+        }
+        TaskResult {
+            ok: false,
+            error: Some(m),
+            scrub_reports: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatResponse {
+    pub server_uuid: ServerId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tasks_are_tagged_and_strict() {
+        let t = Task::StopVm {
+            vm_uuid: VmId::new_random(),
+        };
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["type"], "stop_vm");
+        assert_eq!(serde_json::from_value::<Task>(v).unwrap(), t);
+        assert!(serde_json::from_str::<Task>(r#"{"type":"format_disk"}"#).is_err());
+        assert!(
+            serde_json::from_str::<TaskResult>(r#"{"ok":true,"extra":1}"#).is_err(),
+            "unknown fields are refused"
+        );
+    }
+
+    #[test]
+    fn long_errors_are_cut_on_a_char_boundary() {
+        let r = TaskResult::failure("é".repeat(MAX_ERROR_LEN));
+        assert!(r.error.unwrap().len() <= MAX_ERROR_LEN);
+    }
+}

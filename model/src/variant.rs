@@ -1,0 +1,204 @@
+//! Device variants: the operator's names for "this kind of card", and the rule that maps
+//! a reported PCI function onto one (RFD 114: only the control plane translates).
+
+use crate::pci::{HexId, PciDevice, Revision};
+use serde::{Deserialize, Serialize};
+
+pub const MAX_VARIANT_NAME_LEN: usize = 64;
+pub const MAX_DESCRIPTION_LEN: usize = 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceType {
+    Gpu,
+    Nvme,
+    Nic,
+    Fpga,
+    Other,
+}
+
+impl DeviceType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceType::Gpu => "gpu",
+            DeviceType::Nvme => "nvme",
+            DeviceType::Nic => "nic",
+            DeviceType::Fpga => "fpga",
+            DeviceType::Other => "other",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "gpu" => DeviceType::Gpu,
+            "nvme" => DeviceType::Nvme,
+            "nic" => DeviceType::Nic,
+            "fpga" => DeviceType::Fpga,
+            "other" => DeviceType::Other,
+            _ => return None,
+        })
+    }
+}
+
+/// `{"name","type","vendor","device","subvendor","subsystem","revision","description"}`;
+/// an absent optional id matches any value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: DeviceType,
+    pub vendor: HexId,
+    pub device: HexId,
+    #[serde(default)]
+    pub subvendor: Option<HexId>,
+    #[serde(default)]
+    pub subsystem: Option<HexId>,
+    #[serde(default)]
+    pub revision: Option<Revision>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VariantError {
+    #[error("name must be 1 to 64 characters of A-Z, a-z, 0-9, '_', '-' or '.'")]
+    Name,
+    #[error("description is longer than 1024 characters")]
+    Description,
+}
+
+impl VariantError {
+    pub fn field(&self) -> &'static str {
+        match self {
+            VariantError::Name => "name",
+            VariantError::Description => "description",
+        }
+    }
+}
+
+pub fn validate_name(name: &str) -> Result<(), VariantError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_VARIANT_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok { Ok(()) } else { Err(VariantError::Name) }
+}
+
+impl Variant {
+    pub fn validate(&self) -> Result<(), VariantError> {
+        validate_name(&self.name)?;
+        if self
+            .description
+            .as_ref()
+            .is_some_and(|d| d.chars().count() > MAX_DESCRIPTION_LEN)
+        {
+            return Err(VariantError::Description);
+        }
+        Ok(())
+    }
+
+    pub fn matches(&self, d: &PciDevice) -> bool {
+        self.vendor == d.vendor
+            && self.device == d.device
+            && self.subvendor.is_none_or(|v| v == d.subvendor)
+            && self.subsystem.is_none_or(|v| v == d.subsystem)
+            && self.revision.is_none_or(|v| v == d.revision)
+    }
+
+    /// How many optional ids are pinned: the more, the more specific.
+    pub fn specificity(&self) -> u8 {
+        u8::from(self.subvendor.is_some())
+            + u8::from(self.subsystem.is_some())
+            + u8::from(self.revision.is_some())
+    }
+}
+
+/// The variant a device belongs to: the most specific match, ties broken by name so the
+/// answer never depends on the order variants were listed in.
+pub fn classify<'a>(variants: &'a [Variant], d: &PciDevice) -> Option<&'a Variant> {
+    variants.iter().filter(|v| v.matches(d)).max_by(|a, b| {
+        a.specificity()
+            .cmp(&b.specificity())
+            .then_with(|| b.name.cmp(&a.name))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(vendor: &str, device: &str, sv: &str, ss: &str, rev: &str) -> PciDevice {
+        PciDevice {
+            id: "/devices/pci0000:00/0000:00:01.0/0000:01:00.0"
+                .parse()
+                .unwrap(),
+            vendor: vendor.parse().unwrap(),
+            device: device.parse().unwrap(),
+            subvendor: sv.parse().unwrap(),
+            subsystem: ss.parse().unwrap(),
+            revision: rev.parse().unwrap(),
+            class: "030200".parse().unwrap(),
+            driver: None,
+            numa_node: None,
+            iommu_group: None,
+        }
+    }
+
+    fn variant(name: &str, sv: Option<&str>, rev: Option<&str>) -> Variant {
+        Variant {
+            name: name.into(),
+            kind: DeviceType::Gpu,
+            vendor: "10de".parse().unwrap(),
+            device: "2330".parse().unwrap(),
+            subvendor: sv.map(|s| s.parse().unwrap()),
+            subsystem: None,
+            revision: rev.map(|s| s.parse().unwrap()),
+            description: None,
+        }
+    }
+
+    #[test]
+    fn optional_fields_mean_any() {
+        let d = dev("10de", "2330", "10de", "16c1", "a1");
+        assert!(variant("H100", None, None).matches(&d));
+        assert!(variant("H100", Some("10de"), Some("a1")).matches(&d));
+        assert!(!variant("H100", Some("1028"), None).matches(&d));
+        assert!(!variant("H100", None, Some("a2")).matches(&d));
+        let other = dev("10de", "2331", "10de", "16c1", "a1");
+        assert!(!variant("H100", None, None).matches(&other));
+    }
+
+    #[test]
+    fn most_specific_wins_whatever_the_order() {
+        let d = dev("10de", "2330", "10de", "16c1", "a1");
+        let a = variant("ANY_H100", None, None);
+        let b = variant("H100_A1", None, Some("a1"));
+        let list1 = [a.clone(), b.clone()];
+        let list2 = [b, a];
+        assert_eq!(classify(&list1, &d).unwrap().name, "H100_A1");
+        assert_eq!(classify(&list2, &d).unwrap().name, "H100_A1");
+        assert!(classify(&[], &d).is_none());
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("NVIDIA_GPU_GEN1").is_ok());
+        assert!(validate_name("").is_err());
+        assert!(validate_name("a/b").is_err());
+        assert!(validate_name(&"x".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn json_shape() {
+        let v: Variant = serde_json::from_str(
+            r#"{"name":"NVIDIA_GPU_GEN1","type":"gpu","vendor":"10de","device":"1db4"}"#,
+        )
+        .unwrap();
+        assert_eq!(v.subvendor, None);
+        let bad = serde_json::from_str::<Variant>(
+            r#"{"name":"X","type":"gpu","vendor":"10de","device":"1db4","colour":1}"#,
+        );
+        assert!(bad.unwrap_err().to_string().contains("colour"));
+    }
+}
