@@ -1,1 +1,56 @@
+//! Passage's control plane.
 
+pub mod api;
+pub mod config;
+pub mod error;
+pub mod placement;
+pub mod services;
+pub mod store;
+pub mod workflows;
+
+use config::Config;
+use services::{Ctx, Services};
+use std::net::SocketAddr;
+use store::Db;
+
+/// A running control plane: what `main` and the tests hold.
+pub struct Running {
+    pub ctx: Ctx,
+    pub addr: SocketAddr,
+    /// The generated `admin` password, when this start created the account without one.
+    pub admin_password: Option<String>,
+    pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Opens the database (migrating it), creates `admin` on an empty one, resumes unfinished
+/// jobs, starts the reconcilers and serves HTTP on `listen`.
+pub async fn start(
+    database_url: &str,
+    listen: &str,
+    cfg: Config,
+    admin_password: Option<String>,
+) -> anyhow::Result<Running> {
+    let db = Db::connect(database_url)
+        .await
+        .map_err(|e| anyhow::anyhow!("opening the database: {e}"))?;
+    let ctx = Services::new(db, cfg);
+    let admin_password = services::auth::bootstrap_admin(&ctx, admin_password)
+        .await
+        .map_err(|e| anyhow::anyhow!("creating the admin account: {e}"))?;
+    workflows::resume_all(&ctx)
+        .await
+        .map_err(|e| anyhow::anyhow!("resuming jobs: {e}"))?;
+    workflows::reconcile::spawn_loops(ctx.clone());
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("listening on {listen}: {e}"))?;
+    let addr = listener.local_addr()?;
+    let app = api::router(ctx.clone());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(Running {
+        ctx,
+        addr,
+        admin_password,
+        server,
+    })
+}

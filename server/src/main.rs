@@ -1,1 +1,86 @@
-fn main() {}
+//! `server`: Passage's control plane.
+
+use clap::Parser;
+use passage_server::config::Config;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "server",
+    version,
+    about = "Passage control plane: GPU instances for your own datacenter"
+)]
+struct Args {
+    /// Address to serve HTTP on.
+    #[arg(long, env = "PASSAGE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// `sqlite://PATH` or `postgres://…`.
+    #[arg(
+        long,
+        env = "PASSAGE_DATABASE_URL",
+        default_value = "sqlite://passage.db"
+    )]
+    database: String,
+    /// A node not heard from for this long is offline and gets no placements.
+    #[arg(long, default_value_t = 30)]
+    heartbeat_timeout_secs: u64,
+    /// How long a job step waits for a node's answer.
+    #[arg(long, default_value_t = 120)]
+    task_timeout_secs: u64,
+    /// How long a dirty device may wait before the reconciler scrubs it.
+    #[arg(long, default_value_t = 10)]
+    scrub_grace_secs: u64,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn,tower_http=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut cfg = Config {
+        heartbeat_timeout: Duration::from_secs(args.heartbeat_timeout_secs.max(1)),
+        task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),
+        scrub_grace: Duration::from_secs(args.scrub_grace_secs),
+        ..Config::default()
+    };
+    // Test only: make named job steps fail after their action, to exercise every undo.
+    if let Ok(f) = std::env::var("PASSAGE_INJECT_FAULTS") {
+        cfg.faults = f
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        tracing::warn!(faults = ?cfg.faults, "fault injection is on");
+    }
+    let admin = std::env::var("PASSAGE_ADMIN_PASSWORD")
+        .ok()
+        .filter(|p| !p.is_empty());
+    let running = match passage_server::start(&args.database, &args.listen, cfg, admin).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("server: {e:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    if let Some(pw) = &running.admin_password {
+        println!("Created the operator account 'admin' with password: {pw}");
+        println!("(shown once; set PASSAGE_ADMIN_PASSWORD to choose it)");
+    }
+    println!("Passage listening on http://{}", running.addr);
+    match running.server.await {
+        Ok(Ok(())) => std::process::ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            eprintln!("server: {e}");
+            std::process::ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("server: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

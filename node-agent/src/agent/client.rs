@@ -1,0 +1,258 @@
+//! The HTTP side of the agent protocol. Every body is parsed with serde; every failure is
+//! an error value saying whether retrying can help.
+
+use passage_model::TaskId;
+use passage_model::protocol::{
+    Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TaskEnvelope,
+    TaskResult,
+};
+use reqwest::StatusCode;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Bodies beyond this are not agent protocol answers.
+const MAX_BODY: usize = 16 * 1024 * 1024;
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{what}: cannot reach the server: {}", chain(source))]
+    Transport {
+        what: &'static str,
+        source: reqwest::Error,
+    },
+    #[error("{what}: server answered {status}: {code} {message}")]
+    Server {
+        what: &'static str,
+        status: u16,
+        code: String,
+        message: String,
+    },
+    #[error("{what}: unreadable answer: {detail}")]
+    Decode { what: &'static str, detail: String },
+    #[error("invalid server URL {0:?}")]
+    Url(String),
+}
+
+/// reqwest's own message hides the cause ("connection refused") in its source chain.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+impl ClientError {
+    /// Worth retrying: the network, an overloaded or restarting server.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ClientError::Transport { .. } => true,
+            ClientError::Server { status, .. } => {
+                *status >= 500 || *status == 429 || *status == 408
+            }
+            ClientError::Decode { .. } | ClientError::Url(_) => false,
+        }
+    }
+
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Server { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct AgentClient {
+    http: reqwest::Client,
+    base: String,
+    credential: Option<String>,
+}
+
+impl AgentClient {
+    pub fn new(server_url: &str) -> Result<Self, ClientError> {
+        let base = server_url.trim_end_matches('/').to_string();
+        if !(base.starts_with("http://") || base.starts_with("https://")) || base.len() < 8 {
+            return Err(ClientError::Url(server_url.to_string()));
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("passage-node-agent/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|_| ClientError::Url(server_url.to_string()))?;
+        Ok(AgentClient {
+            http,
+            base,
+            credential: None,
+        })
+    }
+
+    pub fn with_credential(mut self, credential: String) -> Self {
+        self.credential = Some(credential);
+        self
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}/agent/v1/{path}", self.base)
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        what: &'static str,
+        req: reqwest::RequestBuilder,
+        timeout: Duration,
+    ) -> Result<T, ClientError> {
+        let req = match &self.credential {
+            Some(c) => req.bearer_auth(c),
+            None => req,
+        };
+        let resp = req
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|source| ClientError::Transport { what, source })?;
+        let status = resp.status();
+        let body = read_body(what, resp).await?;
+        if !status.is_success() {
+            return Err(server_error(what, status, &body));
+        }
+        // An empty success body stands for "nothing to say" (204 and friends).
+        let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+            b"null"
+        } else {
+            &body
+        };
+        serde_json::from_slice(body).map_err(|e| ClientError::Decode {
+            what,
+            detail: e.to_string(),
+        })
+    }
+
+    async fn call<B: Serialize, T: DeserializeOwned>(
+        &self,
+        what: &'static str,
+        method: reqwest::Method,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        let req = self.http.request(method, self.url(path)).json(body);
+        self.send(what, req, REQUEST_TIMEOUT).await
+    }
+
+    pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse, ClientError> {
+        self.call("register", reqwest::Method::POST, "register", req)
+            .await
+    }
+
+    pub async fn put_inventory(&self, report: &InventoryReport) -> Result<(), ClientError> {
+        let _: serde_json::Value = self
+            .call("inventory", reqwest::Method::PUT, "inventory", report)
+            .await?;
+        Ok(())
+    }
+
+    /// The answer's body is optional to us: an older server may send none.
+    pub async fn heartbeat(
+        &self,
+        hb: &Heartbeat,
+    ) -> Result<Option<HeartbeatResponse>, ClientError> {
+        self.call("heartbeat", reqwest::Method::POST, "heartbeat", hb)
+            .await
+    }
+
+    /// Long-polls for work; the server answers at the latest after `wait`.
+    pub async fn poll_tasks(&self, wait: Duration) -> Result<Vec<TaskEnvelope>, ClientError> {
+        let secs = wait.as_secs();
+        let req = self.http.get(self.url(&format!("tasks?wait={secs}")));
+        let tasks: Option<Vec<TaskEnvelope>> =
+            self.send("tasks", req, wait + REQUEST_TIMEOUT).await?;
+        Ok(tasks.unwrap_or_default())
+    }
+
+    pub async fn post_result(&self, id: TaskId, result: &TaskResult) -> Result<(), ClientError> {
+        let _: serde_json::Value = self
+            .call(
+                "task result",
+                reqwest::Method::POST,
+                &format!("tasks/{id}/result"),
+                result,
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+async fn read_body(
+    what: &'static str,
+    mut resp: reqwest::Response,
+) -> Result<Vec<u8>, ClientError> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|source| ClientError::Transport { what, source })?
+    {
+        if body.len() + chunk.len() > MAX_BODY {
+            return Err(ClientError::Decode {
+                what,
+                detail: format!("body larger than {MAX_BODY} bytes"),
+            });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// `{"code","message"}`, read leniently: a code this agent does not know is still shown.
+#[derive(Deserialize)]
+struct ErrorBody {
+    code: String,
+    message: String,
+}
+
+fn server_error(what: &'static str, status: StatusCode, body: &[u8]) -> ClientError {
+    match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(e) => ClientError::Server {
+            what,
+            status: status.as_u16(),
+            code: e.code,
+            message: e.message,
+        },
+        Err(_) => ClientError::Server {
+            what,
+            status: status.as_u16(),
+            code: status
+                .canonical_reason()
+                .unwrap_or("error")
+                .replace(' ', ""),
+            // Keep a little of a non-JSON body (a proxy's page) for the log.
+            message: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_classify() {
+        let e = server_error(
+            "x",
+            StatusCode::UNAUTHORIZED,
+            br#"{"code":"Unauthorized","message":"bad token"}"#,
+        );
+        assert_eq!(e.status(), Some(401));
+        assert!(!e.is_transient());
+        assert!(e.to_string().contains("bad token"));
+        let e = server_error("x", StatusCode::BAD_GATEWAY, b"<html>");
+        assert!(e.is_transient());
+        assert!(AgentClient::new("ftp://x").is_err());
+        assert!(AgentClient::new("http://cp:8080/").is_ok());
+    }
+}

@@ -1,0 +1,346 @@
+//! The agent loop: register once, then report inventory, heartbeat and run tasks until
+//! stopped. Transient failures (network, 5xx) are retried with capped backoff and never
+//! end the agent; a rejected join token or credential does.
+
+pub mod client;
+pub mod credential;
+pub mod tasks;
+
+pub use client::{AgentClient, ClientError};
+pub use credential::Credential;
+pub use tasks::Executor;
+
+use crate::host::{Binder, open_sysfs, try_discover};
+use crate::hypervisor::{self, HypervisorKind};
+use passage_model::protocol::{
+    Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
+};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+use tracing::{debug, error, info, warn};
+
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/passage-agent";
+const LONG_POLL: Duration = Duration::from_secs(30);
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub server_url: String,
+    pub join_token: String,
+    pub sysfs_root: PathBuf,
+    pub state_dir: PathBuf,
+    pub hypervisor: HypervisorKind,
+    pub heartbeat: Duration,
+    pub hostname: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("the server refused the join token ({0}); ask an operator for a new one")]
+    BadJoinToken(String),
+    #[error(
+        "the server refused this node's credential ({0}); remove {1} and register again with a new join token"
+    )]
+    CredentialRejected(String, PathBuf),
+    #[error(
+        "{path} holds a credential for {saved}, not {requested}; remove it to join another control plane"
+    )]
+    OtherServer {
+        path: PathBuf,
+        saved: String,
+        requested: String,
+    },
+    #[error("registration failed: {0}")]
+    Register(ClientError),
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// The hostname the kernel knows, without a dependency on libc.
+pub fn system_hostname() -> String {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .map(|s| s.trim().to_string())
+        .find(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// Retries `f` while its error is transient, doubling the wait up to [`MAX_BACKOFF`].
+pub async fn with_retry<T, F, Fut>(what: &str, mut f: F) -> Result<T, ClientError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ClientError>>,
+{
+    let mut delay = FIRST_BACKOFF;
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_transient() => {
+                warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "{what} failed; retrying");
+                tokio::time::sleep(jitter(delay)).await;
+                delay = (delay * 2).min(MAX_BACKOFF);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Up to a quarter more, so a fleet that lost its server does not come back in lockstep.
+fn jitter(d: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.subsec_nanos())
+        .unwrap_or(0);
+    d + d.mul_f64(f64::from(nanos % 1000) / 4000.0)
+}
+
+fn blocking_err(e: tokio::task::JoinError) -> AgentError {
+    AgentError::Setup(format!("background work failed: {e}"))
+}
+
+/// Loads the saved credential, or registers with the join token and saves one.
+pub async fn ensure_credential(cfg: &AgentConfig) -> Result<Credential, AgentError> {
+    let dir = cfg.state_dir.clone();
+    let saved = tokio::task::spawn_blocking(move || credential::load(&dir))
+        .await
+        .map_err(blocking_err)?
+        .map_err(|e| AgentError::Setup(format!("reading the saved credential: {e}")))?;
+    let requested = cfg.server_url.trim_end_matches('/').to_string();
+    if let Some(c) = saved {
+        if c.server_url.trim_end_matches('/') != requested {
+            return Err(AgentError::OtherServer {
+                path: credential::credential_path(&cfg.state_dir),
+                saved: c.server_url,
+                requested,
+            });
+        }
+        info!(server_uuid = %c.server_uuid, "using the saved node credential");
+        return Ok(c);
+    }
+    let client = AgentClient::new(&cfg.server_url).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let req = RegisterRequest {
+        join_token: cfg.join_token.clone(),
+        hostname: cfg.hostname.clone(),
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        protocol_version: PROTOCOL_VERSION,
+    };
+    let resp = with_retry("register", || client.register(&req))
+        .await
+        .map_err(|e| match e.status() {
+            Some(401) => AgentError::BadJoinToken(e.to_string()),
+            _ => AgentError::Register(e),
+        })?;
+    let c = Credential {
+        server_url: requested,
+        server_uuid: resp.server_uuid,
+        credential: resp.credential,
+    };
+    let (dir, saved) = (cfg.state_dir.clone(), c.clone());
+    tokio::task::spawn_blocking(move || credential::save(&dir, &saved))
+        .await
+        .map_err(blocking_err)?
+        .map_err(|e| AgentError::Setup(format!("saving the node credential: {e}")))?;
+    info!(server_uuid = %c.server_uuid, "registered with the control plane");
+    Ok(c)
+}
+
+struct Agent {
+    client: AgentClient,
+    executor: Arc<tasks::Executor>,
+    sysfs_root: PathBuf,
+    credential_path: PathBuf,
+    // Held across discovery and upload, so the two loops never report out of order.
+    last_inventory: Mutex<Option<InventoryReport>>,
+}
+
+impl Agent {
+    fn fatal(&self, e: &ClientError) -> Option<AgentError> {
+        (e.status() == Some(401))
+            .then(|| AgentError::CredentialRejected(e.to_string(), self.credential_path.clone()))
+    }
+
+    /// Re-discovers and uploads the inventory if it changed since the last upload. A tree
+    /// that cannot be read is not reported as empty: that would look like lost devices.
+    async fn report_inventory(&self) -> Result<(), AgentError> {
+        let mut last = self.last_inventory.lock().await;
+        let root = self.sysfs_root.clone();
+        let found = match tokio::task::spawn_blocking(move || try_discover(&root)).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => {
+                warn!(error = %e, "PCI discovery failed; inventory not reported");
+                return Ok(());
+            }
+            Err(e) => {
+                warn!(error = %e, "PCI discovery panicked; inventory not reported");
+                return Ok(());
+            }
+        };
+        let mut devices = found.devices;
+        if devices.len() > MAX_INVENTORY_DEVICES {
+            warn!(
+                found = devices.len(),
+                "more PCI functions than the protocol allows; reporting the first ones"
+            );
+            devices.truncate(MAX_INVENTORY_DEVICES);
+        }
+        let report = InventoryReport { devices };
+        if last.as_ref() == Some(&report) {
+            return Ok(());
+        }
+        for s in &found.skipped {
+            debug!(skipped = %s, "PCI function left out of the inventory");
+        }
+        match self.client.put_inventory(&report).await {
+            Ok(()) => {
+                info!(
+                    devices = report.devices.len(),
+                    skipped = found.skipped.len(),
+                    "inventory reported"
+                );
+                *last = Some(report);
+                Ok(())
+            }
+            Err(e) => match self.fatal(&e) {
+                Some(f) => Err(f),
+                None => {
+                    // Not remembered, so the next heartbeat tries again.
+                    warn!(error = %e, "inventory upload failed");
+                    Ok(())
+                }
+            },
+        }
+    }
+
+    async fn heartbeat_loop(self: Arc<Self>, every: Duration) -> Result<(), AgentError> {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let hv = self.executor.hypervisor.clone();
+            let running_vms = tokio::task::spawn_blocking(move || hv.running())
+                .await
+                .map_err(blocking_err)?;
+            match self.client.heartbeat(&Heartbeat { running_vms }).await {
+                Ok(_) => debug!("heartbeat"),
+                Err(e) => {
+                    if let Some(f) = self.fatal(&e) {
+                        return Err(f);
+                    }
+                    warn!(error = %e, "heartbeat failed");
+                }
+            }
+            self.report_inventory().await?;
+        }
+    }
+
+    async fn task_loop(self: Arc<Self>) -> Result<(), AgentError> {
+        loop {
+            let polled = with_retry("task poll", || self.client.poll_tasks(LONG_POLL)).await;
+            let envelopes = match polled {
+                Ok(t) => t,
+                Err(e) => {
+                    if let Some(f) = self.fatal(&e) {
+                        return Err(f);
+                    }
+                    // A 4xx here is a server bug or a protocol mismatch: slow down, go on.
+                    error!(error = %e, "task poll refused");
+                    tokio::time::sleep(MAX_BACKOFF).await;
+                    continue;
+                }
+            };
+            for env in envelopes {
+                let name = env.task.name();
+                info!(task = %env.id, kind = name, "running task");
+                let exec = self.executor.clone();
+                let task = env.task.clone();
+                let result = tokio::task::spawn_blocking(move || exec.execute(&task))
+                    .await
+                    .unwrap_or_else(|e| {
+                        passage_model::protocol::TaskResult::failure(format!("task crashed: {e}"))
+                    });
+                if result.ok {
+                    info!(task = %env.id, kind = name, "task succeeded");
+                } else {
+                    warn!(task = %env.id, kind = name, error = ?result.error, "task failed");
+                }
+                if matches!(
+                    env.task,
+                    Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. }
+                ) {
+                    self.report_inventory().await?;
+                }
+                if let Err(e) =
+                    with_retry("task result", || self.client.post_result(env.id, &result)).await
+                {
+                    if let Some(f) = self.fatal(&e) {
+                        return Err(f);
+                    }
+                    warn!(task = %env.id, error = %e, "task result refused");
+                }
+            }
+        }
+    }
+}
+
+fn prepare_state_dir(dir: &Path) -> Result<(), AgentError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| AgentError::Setup(format!("creating state dir {}: {e}", dir.display())))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Holds the node credential: nobody else needs to look inside.
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    Ok(())
+}
+
+/// Runs the agent until a fatal error or Ctrl-C.
+pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
+    let setup = {
+        let cfg = cfg.clone();
+        tokio::task::spawn_blocking(move || -> Result<tasks::Executor, AgentError> {
+            prepare_state_dir(&cfg.state_dir)?;
+            let hv = hypervisor::open(cfg.hypervisor, &cfg.state_dir, Some(&cfg.sysfs_root))
+                .map_err(|e| AgentError::Setup(e.to_string()))?;
+            let ops = open_sysfs(&cfg.sysfs_root).map_err(|e| {
+                AgentError::Setup(format!("sysfs root {}: {e}", cfg.sysfs_root.display()))
+            })?;
+            let binder = Binder::new(ops, &cfg.state_dir);
+            match binder.reapply_bindings() {
+                Ok(failures) => {
+                    for (dev, e) in failures {
+                        error!(device = %dev, error = %e, "could not re-apply a passthrough binding");
+                    }
+                }
+                Err(e) => error!(error = %e, "could not read the saved bindings"),
+            }
+            Ok(tasks::Executor::new(binder, hv))
+        })
+    };
+    let executor = setup.await.map_err(blocking_err)??;
+    let cred = ensure_credential(&cfg).await?;
+    let client = AgentClient::new(&cfg.server_url)
+        .map_err(|e| AgentError::Setup(e.to_string()))?
+        .with_credential(cred.credential.clone());
+    let agent = Arc::new(Agent {
+        client,
+        executor: Arc::new(executor),
+        sysfs_root: cfg.sysfs_root.clone(),
+        credential_path: credential::credential_path(&cfg.state_dir),
+        last_inventory: Mutex::new(None),
+    });
+    agent.report_inventory().await?;
+    tokio::select! {
+        r = agent.clone().heartbeat_loop(cfg.heartbeat) => r,
+        r = agent.clone().task_loop() => r,
+        _ = tokio::signal::ctrl_c() => {
+            info!("interrupted; stopping");
+            Ok(())
+        }
+    }
+}

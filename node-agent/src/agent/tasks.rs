@@ -1,0 +1,89 @@
+//! Running one task: the pure part of the agent loop, testable over a fake tree and the
+//! simulated hypervisor without any server.
+
+use crate::host::Binder;
+use crate::hypervisor::Hypervisor;
+use crate::scrub::scrub;
+use passage_model::DevicePath;
+use passage_model::protocol::{MAX_TASK_DEVICES, Task, TaskResult};
+use std::sync::Arc;
+
+pub struct Executor {
+    pub binder: Binder,
+    pub hypervisor: Arc<dyn Hypervisor>,
+}
+
+impl Executor {
+    pub fn new(binder: Binder, hypervisor: Arc<dyn Hypervisor>) -> Self {
+        Executor { binder, hypervisor }
+    }
+
+    /// Runs `task` (blocking: sysfs writes, hypervisor calls). Every failure becomes a
+    /// failed [`TaskResult`]; the agent reports it and carries on.
+    pub fn execute(&self, task: &Task) -> TaskResult {
+        match task {
+            Task::BindPassthrough { devices, .. } => self.each(devices, |d| {
+                self.binder.bind_passthrough(d).map_err(|e| e.to_string())
+            }),
+            Task::UnbindPassthrough { devices, .. } => self.each(devices, |d| {
+                self.binder.unbind_passthrough(d).map_err(|e| e.to_string())
+            }),
+            Task::StartVm { vm } => {
+                if vm.devices.len() > MAX_TASK_DEVICES {
+                    return too_many(vm.devices.len());
+                }
+                match self.hypervisor.start(vm) {
+                    Ok(()) => TaskResult::success(),
+                    Err(e) => TaskResult::failure(e.to_string()),
+                }
+            }
+            Task::StopVm { vm_uuid } => match self.hypervisor.stop(*vm_uuid) {
+                Ok(()) => TaskResult::success(),
+                Err(e) => TaskResult::failure(e.to_string()),
+            },
+            Task::Scrub { devices } => {
+                if devices.len() > MAX_TASK_DEVICES {
+                    return too_many(devices.len());
+                }
+                let ops = self.binder.ops();
+                let reports: Vec<_> = devices.iter().map(|d| scrub(ops.as_ref(), d)).collect();
+                let failed: Vec<String> = reports
+                    .iter()
+                    .filter(|r| !r.ok)
+                    .map(|r| r.device.to_string())
+                    .collect();
+                let mut result = if failed.is_empty() {
+                    TaskResult::success()
+                } else {
+                    TaskResult::failure(format!("scrub failed for {}", failed.join(", ")))
+                };
+                result.scrub_reports = reports;
+                result
+            }
+        }
+    }
+
+    /// Tries every device even after a failure, so one bad device does not hide the
+    /// state of the others; the result names each failure.
+    fn each(
+        &self,
+        devices: &[DevicePath],
+        f: impl Fn(&DevicePath) -> Result<(), String>,
+    ) -> TaskResult {
+        if devices.len() > MAX_TASK_DEVICES {
+            return too_many(devices.len());
+        }
+        let errors: Vec<String> = devices.iter().filter_map(|d| f(d).err()).collect();
+        if errors.is_empty() {
+            TaskResult::success()
+        } else {
+            TaskResult::failure(errors.join("; "))
+        }
+    }
+}
+
+fn too_many(n: usize) -> TaskResult {
+    TaskResult::failure(format!(
+        "task names {n} devices, more than the {MAX_TASK_DEVICES} allowed"
+    ))
+}

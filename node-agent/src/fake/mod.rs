@@ -1,0 +1,8 @@
+//! Fake hardware: a generator of sysfs trees shaped like a real kernel's for a GPU
+//! server, and a fake kernel that reacts to attribute writes on such a tree.
+
+mod kernel;
+mod tree;
+
+pub use kernel::{FakeKernel, RESET_LOG, native_driver};
+pub use tree::{FakeError, FakeSpec, FakeTree, GpuModel, generate};

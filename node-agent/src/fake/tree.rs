@@ -1,0 +1,542 @@
+//! Writes a sysfs tree for a GPU server: PCI roots per NUMA node, host bridges, root
+//! ports, PCIe switches with GPUs behind them, and the usual chipset functions, with the
+//! files and relative symlinks a kernel shows (and a `config` space pciutils can read).
+
+use super::kernel::native_driver;
+use crate::host::FAKE_MARKER;
+use passage_model::{DevicePath, PciAddress};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum GpuModel {
+    V100,
+    A100,
+    H100,
+    L40s,
+}
+
+impl GpuModel {
+    /// (device, subsystem device, revision); all NVIDIA parts, subsystem vendor NVIDIA.
+    fn ids(self) -> (u16, u16, u8) {
+        match self {
+            GpuModel::V100 => (0x1db4, 0x1214, 0xa1),
+            GpuModel::A100 => (0x20b0, 0x134f, 0xa1),
+            GpuModel::H100 => (0x2330, 0x16c1, 0xa1),
+            GpuModel::L40s => (0x26b9, 0x1851, 0xa1),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FakeSpec {
+    pub gpus: u32,
+    pub model: GpuModel,
+    pub numa_nodes: u32,
+}
+
+impl Default for FakeSpec {
+    fn default() -> Self {
+        FakeSpec {
+            gpus: 8,
+            model: GpuModel::H100,
+            numa_nodes: 2,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FakeError {
+    #[error("--numa-nodes must be between 1 and 8, not {0}")]
+    NumaNodes(u32),
+    #[error("{gpus} GPUs do not fit in the bus numbers of {numa_nodes} NUMA node(s)")]
+    TooManyGpus { gpus: u32, numa_nodes: u32 },
+    #[error("{0} exists and is not empty")]
+    NotEmpty(PathBuf),
+    #[error("writing {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// What was written, for callers and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakeTree {
+    pub root: PathBuf,
+    pub functions: Vec<DevicePath>,
+    pub gpus: Vec<DevicePath>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Ids {
+    vendor: u16,
+    device: u16,
+    subvendor: u16,
+    subsystem: u16,
+    revision: u8,
+    class: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Func {
+    addr: PciAddress,
+    ids: Ids,
+    numa: u32,
+    multifunction: bool,
+    /// Primary, secondary and subordinate bus numbers for type-1 (bridge) headers.
+    bridge: Option<(u8, u8, u8)>,
+    children: Vec<Func>,
+}
+
+const INTEL: u16 = 0x8086;
+const PLX: u16 = 0x10b5;
+const NVIDIA: u16 = 0x10de;
+
+fn ids(vendor: u16, device: u16, subvendor: u16, subsystem: u16, revision: u8, class: u32) -> Ids {
+    Ids {
+        vendor,
+        device,
+        subvendor,
+        subsystem,
+        revision,
+        class,
+    }
+}
+
+fn addr(bus: u8, device: u8, function: u8) -> PciAddress {
+    PciAddress {
+        domain: 0,
+        bus,
+        device,
+        function,
+    }
+}
+
+fn endpoint(a: PciAddress, ids: Ids, numa: u32) -> Func {
+    Func {
+        addr: a,
+        ids,
+        numa,
+        multifunction: false,
+        bridge: None,
+        children: Vec::new(),
+    }
+}
+
+/// Hands out bus numbers depth-first, as firmware enumerates them.
+struct Buses {
+    next: u16,
+    limit: u16,
+}
+
+impl Buses {
+    fn take(&mut self) -> Option<u8> {
+        if self.next > self.limit {
+            return None;
+        }
+        let b = self.next as u8;
+        self.next += 1;
+        Some(b)
+    }
+    fn last(&self) -> u8 {
+        (self.next - 1) as u8
+    }
+}
+
+/// A bridge at `a` on `primary`, whose children are built on the secondary bus it gets.
+fn bridge(
+    a: PciAddress,
+    ids: Ids,
+    numa: u32,
+    buses: &mut Buses,
+    build: impl FnOnce(u8, &mut Buses) -> Option<Vec<Func>>,
+) -> Option<Func> {
+    let secondary = buses.take()?;
+    let children = build(secondary, buses)?;
+    Some(Func {
+        addr: a,
+        ids,
+        numa,
+        multifunction: false,
+        bridge: Some((a.bus, secondary, buses.last())),
+        children,
+    })
+}
+
+fn root_port(dev: u8, root_bus: u8) -> (PciAddress, Ids) {
+    (
+        addr(root_bus, dev, 0),
+        ids(INTEL, 0x347a, INTEL, 0x0000, 0x04, 0x060400),
+    )
+}
+
+/// Root port → switch upstream port → downstream ports → one GPU each.
+fn gpu_switch(
+    port_dev: u8,
+    root_bus: u8,
+    numa: u32,
+    gpus: u32,
+    model: GpuModel,
+    buses: &mut Buses,
+) -> Option<Func> {
+    let (rp, rp_ids) = root_port(port_dev, root_bus);
+    let plx = ids(PLX, 0x8747, PLX, 0x8747, 0xca, 0x060400);
+    let (gdev, gsub, grev) = model.ids();
+    let gpu_ids = ids(NVIDIA, gdev, NVIDIA, gsub, grev, 0x030200);
+    bridge(rp, rp_ids, numa, buses, |up_bus, buses| {
+        let up = bridge(addr(up_bus, 0, 0), plx, numa, buses, |down_bus, buses| {
+            let mut downs = Vec::new();
+            for i in 0..gpus {
+                let d = bridge(
+                    addr(down_bus, (i * 8) as u8, 0),
+                    plx,
+                    numa,
+                    buses,
+                    |gpu_bus, _| Some(vec![endpoint(addr(gpu_bus, 0, 0), gpu_ids, numa)]),
+                )?;
+                downs.push(d);
+            }
+            Some(downs)
+        })?;
+        Some(vec![up])
+    })
+}
+
+fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
+    let k = spec.numa_nodes;
+    if !(1..=8).contains(&k) {
+        return Err(FakeError::NumaNodes(k));
+    }
+    let too_many = || FakeError::TooManyGpus {
+        gpus: spec.gpus,
+        numa_nodes: k,
+    };
+    let span = 256 / k as u16;
+    let mut roots = Vec::new();
+    for node in 0..k {
+        let root_bus = (node as u16 * span) as u8;
+        let mut buses = Buses {
+            next: root_bus as u16 + 1,
+            limit: root_bus as u16 + span - 1,
+        };
+        let mut funcs = vec![endpoint(
+            addr(root_bus, 0, 0),
+            ids(INTEL, 0x09a2, INTEL, 0x0000, 0x04, 0x060000),
+            node,
+        )];
+        let mut port_dev = 1u8;
+        if node == 0 {
+            let (rp, rp_ids) = root_port(port_dev, root_bus);
+            port_dev += 1;
+            let nic = ids(INTEL, 0x1521, 0x15d9, 0x1521, 0x01, 0x020000);
+            funcs.push(
+                bridge(rp, rp_ids, node, &mut buses, |b, _| {
+                    let mut f0 = endpoint(addr(b, 0, 0), nic, node);
+                    f0.multifunction = true;
+                    let mut f1 = endpoint(addr(b, 0, 1), nic, node);
+                    f1.multifunction = true;
+                    Some(vec![f0, f1])
+                })
+                .ok_or_else(too_many)?,
+            );
+            let (rp, rp_ids) = root_port(port_dev, root_bus);
+            port_dev += 1;
+            let nvme = ids(0x144d, 0xa80a, 0x144d, 0xa801, 0x00, 0x010802);
+            funcs.push(
+                bridge(rp, rp_ids, node, &mut buses, |b, _| {
+                    Some(vec![endpoint(addr(b, 0, 0), nvme, node)])
+                })
+                .ok_or_else(too_many)?,
+            );
+            let mut isa = endpoint(
+                addr(root_bus, 0x1f, 0),
+                ids(INTEL, 0xa1cb, 0x15d9, 0x1c48, 0x09, 0x060100),
+                node,
+            );
+            isa.multifunction = true;
+            funcs.push(isa);
+            let mut smbus = endpoint(
+                addr(root_bus, 0x1f, 4),
+                ids(INTEL, 0xa1a3, 0x15d9, 0x1c48, 0x09, 0x0c0500),
+                node,
+            );
+            smbus.multifunction = true;
+            funcs.push(smbus);
+        }
+        // GPUs go round-robin over the nodes, two behind each switch as in HGX boards.
+        let on_node = (0..spec.gpus).filter(|g| g % k == node).count() as u32;
+        let mut left = on_node;
+        while left > 0 {
+            let here = left.min(2);
+            if port_dev >= 0x1f {
+                return Err(too_many());
+            }
+            funcs.push(
+                gpu_switch(port_dev, root_bus, node, here, spec.model, &mut buses)
+                    .ok_or_else(too_many)?,
+            );
+            port_dev += 1;
+            left -= here;
+        }
+        funcs.sort_by_key(|f| f.addr);
+        roots.push((root_bus, funcs));
+    }
+    Ok(roots)
+}
+
+/// Writes the tree for `spec` under `out`, which must be absent or empty.
+pub fn generate(out: &Path, spec: &FakeSpec) -> Result<FakeTree, FakeError> {
+    let roots = build(spec)?;
+    let io_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| FakeError::Io { path, source }
+    };
+    if out.exists() {
+        let mut entries = fs::read_dir(out).map_err(io_err(out))?;
+        if entries.next().is_some() {
+            return Err(FakeError::NotEmpty(out.to_path_buf()));
+        }
+    }
+    let mut w = Writer {
+        root: out.to_path_buf(),
+        flat: Vec::new(),
+    };
+    w.skeleton().map_err(io_err(out))?;
+    for (root_bus, funcs) in &roots {
+        let rel = PathBuf::from(format!("devices/pci0000:{root_bus:02x}"));
+        fs::create_dir_all(out.join(&rel)).map_err(io_err(&out.join(&rel)))?;
+        for f in funcs {
+            w.collect(&rel, f);
+        }
+    }
+    w.flat.sort_by_key(|(_, f)| f.addr);
+    let flat = std::mem::take(&mut w.flat);
+    let mut tree = FakeTree {
+        root: out.to_path_buf(),
+        functions: Vec::new(),
+        gpus: Vec::new(),
+    };
+    for (group, (rel, f)) in flat.iter().enumerate() {
+        w.function(rel, f, group as u32)
+            .map_err(io_err(&out.join(rel)))?;
+        let id: Result<DevicePath, _> = format!("/{}", rel.display()).parse();
+        if let Ok(id) = id {
+            if f.ids.class >> 8 == 0x0302 {
+                tree.gpus.push(id.clone());
+            }
+            tree.functions.push(id);
+        }
+    }
+    fs::write(
+        out.join(FAKE_MARKER),
+        "generated by node-agent fake-sysfs\n",
+    )
+    .map_err(io_err(&out.join(FAKE_MARKER)))?;
+    Ok(tree)
+}
+
+struct Writer {
+    root: PathBuf,
+    flat: Vec<(PathBuf, Func)>,
+}
+
+const DRIVERS: &[&str] = &[
+    "nvidia",
+    "pcieport",
+    "igb",
+    "nvme",
+    "i801_smbus",
+    "vfio-pci",
+];
+
+fn symlink(target: &str, link: &Path) -> io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(target, link)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (target, link);
+        Err(io::Error::other("symlinks need unix"))
+    }
+}
+
+impl Writer {
+    fn skeleton(&self) -> io::Result<()> {
+        let pci = self.root.join("bus/pci");
+        fs::create_dir_all(pci.join("devices"))?;
+        fs::create_dir_all(pci.join("slots"))?;
+        fs::create_dir_all(self.root.join("kernel/iommu_groups"))?;
+        fs::write(pci.join("drivers_probe"), "")?;
+        fs::write(pci.join("drivers_autoprobe"), "1\n")?;
+        fs::write(pci.join("rescan"), "")?;
+        for d in DRIVERS {
+            let dir = pci.join("drivers").join(d);
+            fs::create_dir_all(&dir)?;
+            for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
+                fs::write(dir.join(f), "")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn collect(&mut self, parent: &Path, f: &Func) {
+        let rel = parent.join(f.addr.to_string());
+        for c in &f.children {
+            self.collect(&rel, c);
+        }
+        self.flat.push((rel, f.clone()));
+    }
+
+    fn function(&self, rel: &Path, f: &Func, group: u32) -> io::Result<()> {
+        let dir = self.root.join(rel);
+        fs::create_dir_all(&dir)?;
+        let i = f.ids;
+        let bdf = f.addr.to_string();
+        let files: [(&str, String); 14] = [
+            ("vendor", format!("0x{:04x}\n", i.vendor)),
+            ("device", format!("0x{:04x}\n", i.device)),
+            ("subsystem_vendor", format!("0x{:04x}\n", i.subvendor)),
+            ("subsystem_device", format!("0x{:04x}\n", i.subsystem)),
+            ("revision", format!("0x{:02x}\n", i.revision)),
+            ("class", format!("0x{:06x}\n", i.class)),
+            ("numa_node", format!("{}\n", f.numa)),
+            ("driver_override", "(null)\n".to_string()),
+            ("reset", String::new()),
+            ("enable", "1\n".to_string()),
+            (
+                "irq",
+                if f.bridge.is_some() {
+                    "0\n".into()
+                } else {
+                    format!("{}\n", 32 + group)
+                },
+            ),
+            (
+                "resource",
+                "0x0000000000000000 0x0000000000000000 0x0000000000000000\n".repeat(13),
+            ),
+            ("local_cpulist", "0-15\n".to_string()),
+            (
+                "modalias",
+                format!(
+                    "pci:v{:08X}d{:08X}sv{:08X}sd{:08X}bc{:02X}sc{:02X}i{:02X}\n",
+                    i.vendor,
+                    i.device,
+                    i.subvendor,
+                    i.subsystem,
+                    i.class >> 16,
+                    (i.class >> 8) & 0xff,
+                    i.class & 0xff
+                ),
+            ),
+        ];
+        for (name, text) in files {
+            fs::write(dir.join(name), text)?;
+        }
+        fs::write(dir.join("config"), config_space(f))?;
+        let up = "../".repeat(rel.components().count());
+        symlink(&format!("{up}bus/pci"), &dir.join("subsystem"))?;
+        let group_dir = self.root.join(format!("kernel/iommu_groups/{group}"));
+        fs::create_dir_all(group_dir.join("devices"))?;
+        fs::write(group_dir.join("type"), "DMA\n")?;
+        symlink(
+            &format!("{up}kernel/iommu_groups/{group}"),
+            &dir.join("iommu_group"),
+        )?;
+        symlink(
+            &format!("../../../../{}", rel.display()),
+            &group_dir.join("devices").join(&bdf),
+        )?;
+        symlink(
+            &format!("../../../{}", rel.display()),
+            &self.root.join("bus/pci/devices").join(&bdf),
+        )?;
+        if let Some(d) = native_driver(i.vendor, i.device, i.class) {
+            symlink(&format!("{up}bus/pci/drivers/{d}"), &dir.join("driver"))?;
+            symlink(
+                &format!("../../../../{}", rel.display()),
+                &self.root.join("bus/pci/drivers").join(d).join(&bdf),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The first 256 bytes of configuration space: the standard header, no capabilities.
+fn config_space(f: &Func) -> Vec<u8> {
+    let mut c = vec![0u8; 256];
+    let i = f.ids;
+    c[0x00..0x02].copy_from_slice(&i.vendor.to_le_bytes());
+    c[0x02..0x04].copy_from_slice(&i.device.to_le_bytes());
+    // Memory space and bus master enabled, as firmware leaves an enumerated function.
+    c[0x04..0x06].copy_from_slice(&0x0006u16.to_le_bytes());
+    c[0x08] = i.revision;
+    c[0x09] = (i.class & 0xff) as u8;
+    c[0x0a] = ((i.class >> 8) & 0xff) as u8;
+    c[0x0b] = (i.class >> 16) as u8;
+    let multi = if f.multifunction && f.addr.function == 0 {
+        0x80
+    } else {
+        0
+    };
+    match f.bridge {
+        Some((primary, secondary, subordinate)) => {
+            c[0x0e] = 0x01 | multi;
+            c[0x18] = primary;
+            c[0x19] = secondary;
+            c[0x1a] = subordinate;
+        }
+        None => {
+            c[0x0e] = multi;
+            c[0x2c..0x2e].copy_from_slice(&i.subvendor.to_le_bytes());
+            c[0x2e..0x30].copy_from_slice(&i.subsystem.to_le_bytes());
+            if i.class >> 16 != 0x06 {
+                c[0x3d] = 1;
+            }
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_numbers_nest() {
+        let roots = build(&FakeSpec::default()).unwrap();
+        fn check(f: &Func) {
+            if let Some((_, sec, sub)) = f.bridge {
+                assert!(sec <= sub);
+                for c in &f.children {
+                    assert_eq!(c.addr.bus, sec);
+                    if let Some((p, s2, sub2)) = c.bridge {
+                        assert_eq!(p, sec);
+                        assert!(s2 > sec && sub2 <= sub);
+                    }
+                    check(c);
+                }
+            }
+        }
+        assert_eq!(roots.len(), 2);
+        assert_eq!(roots[1].0, 0x80);
+        for (_, funcs) in &roots {
+            funcs.iter().for_each(check);
+        }
+    }
+
+    #[test]
+    fn refuses_impossible_specs() {
+        let spec = FakeSpec {
+            numa_nodes: 0,
+            ..FakeSpec::default()
+        };
+        assert!(matches!(build(&spec), Err(FakeError::NumaNodes(0))));
+        let spec = FakeSpec {
+            gpus: 10_000,
+            numa_nodes: 8,
+            ..FakeSpec::default()
+        };
+        assert!(matches!(build(&spec), Err(FakeError::TooManyGpus { .. })));
+    }
+}

@@ -1,0 +1,233 @@
+//! Binding functions to vfio-pci for passthrough, through `driver_override` and
+//! `drivers_probe` (never `new_id`, which would grab every function with the same ids).
+//!
+//! The desired bindings and each device's original driver live in
+//! `STATE/bindings.json`, written before the first change to a device, so a restarted
+//! agent can re-apply them and give devices back to the right driver.
+
+use super::{SysfsOps, bound_driver, device_dir};
+use crate::state::{read_json, write_json};
+use passage_model::DevicePath;
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub const VFIO_DRIVER: &str = "vfio-pci";
+const STATE_FILE: &str = "bindings.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("device {0} is not in the sysfs tree")]
+    NotFound(DevicePath),
+    #[error("driver {VFIO_DRIVER} is not loaded (no {0}); run `modprobe vfio-pci`")]
+    VfioMissing(PathBuf),
+    #[error("device {device}: writing {path}: {source}")]
+    Write {
+        device: DevicePath,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("device {device}: reading its driver: {source}")]
+    Read {
+        device: DevicePath,
+        source: io::Error,
+    },
+    #[error("device {device} is bound to {found} after binding, expected {expected}")]
+    WrongDriver {
+        device: DevicePath,
+        expected: String,
+        found: String,
+    },
+    #[error("binding state {path}: {source}")]
+    State { path: PathBuf, source: io::Error },
+}
+
+/// One device the agent holds for passthrough.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindingRecord {
+    pub device: DevicePath,
+    /// The driver the device had before; `None` when it had none.
+    pub original_driver: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindingState {
+    pub bindings: Vec<BindingRecord>,
+}
+
+/// Binds and unbinds over any [`SysfsOps`]: the same code drives a real kernel and the
+/// fake one.
+pub struct Binder {
+    ops: Arc<dyn SysfsOps>,
+    state_path: PathBuf,
+    // Serialises read-modify-write of the state file between concurrent tasks.
+    lock: Mutex<()>,
+}
+
+impl Binder {
+    pub fn new(ops: Arc<dyn SysfsOps>, state_dir: &Path) -> Self {
+        Binder {
+            ops,
+            state_path: state_dir.join(STATE_FILE),
+            lock: Mutex::new(()),
+        }
+    }
+
+    pub fn ops(&self) -> &Arc<dyn SysfsOps> {
+        &self.ops
+    }
+
+    pub fn state(&self) -> Result<BindingState, BindError> {
+        read_json(&self.state_path)
+            .map(Option::unwrap_or_default)
+            .map_err(|source| BindError::State {
+                path: self.state_path.clone(),
+                source,
+            })
+    }
+
+    fn save(&self, state: &BindingState) -> Result<(), BindError> {
+        write_json(&self.state_path, state, 0o600).map_err(|source| BindError::State {
+            path: self.state_path.clone(),
+            source,
+        })
+    }
+
+    fn locked(&self) -> std::sync::MutexGuard<'_, ()> {
+        // A panic elsewhere while holding the lock leaves nothing half-done in memory.
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn existing_dir(&self, dev: &DevicePath) -> Result<PathBuf, BindError> {
+        let dir = device_dir(self.ops.root(), dev);
+        let listed = self
+            .ops
+            .root()
+            .join("bus/pci/devices")
+            .join(dev.address().to_string());
+        if dir.is_dir() && listed.exists() {
+            Ok(dir)
+        } else {
+            Err(BindError::NotFound(dev.clone()))
+        }
+    }
+
+    fn write(&self, dev: &DevicePath, path: PathBuf, value: &str) -> Result<(), BindError> {
+        self.ops
+            .write_attr(&path, value)
+            .map_err(|source| BindError::Write {
+                device: dev.clone(),
+                path,
+                source,
+            })
+    }
+
+    fn driver_of(&self, dev: &DevicePath, dir: &Path) -> Result<Option<String>, BindError> {
+        bound_driver(dir).map_err(|source| BindError::Read {
+            device: dev.clone(),
+            source,
+        })
+    }
+
+    fn drivers(&self) -> PathBuf {
+        self.ops.root().join("bus/pci/drivers")
+    }
+
+    /// Reserves `dev` for passthrough. Binding a device already on vfio-pci is a no-op
+    /// apart from making sure the binding is remembered.
+    pub fn bind_passthrough(&self, dev: &DevicePath) -> Result<(), BindError> {
+        let _guard = self.locked();
+        let dir = self.existing_dir(dev)?;
+        let vfio_dir = self.drivers().join(VFIO_DRIVER);
+        if !vfio_dir.is_dir() {
+            return Err(BindError::VfioMissing(vfio_dir));
+        }
+        let current = self.driver_of(dev, &dir)?;
+        let mut state = self.state()?;
+        if !state.bindings.iter().any(|b| &b.device == dev) {
+            // A device found on vfio-pci without a record was put there by someone else;
+            // giving it back later must not "restore" vfio-pci.
+            let original = current.clone().filter(|d| d != VFIO_DRIVER);
+            state.bindings.push(BindingRecord {
+                device: dev.clone(),
+                original_driver: original,
+            });
+            state.bindings.sort_by(|a, b| a.device.cmp(&b.device));
+            self.save(&state)?;
+        }
+        let bdf = dev.address().to_string();
+        // Set even when already bound, so a later reprobe (hotplug, driver reload) keeps it.
+        self.write(dev, dir.join("driver_override"), VFIO_DRIVER)?;
+        if current.as_deref() == Some(VFIO_DRIVER) {
+            return Ok(());
+        }
+        if let Some(d) = &current {
+            self.write(dev, self.drivers().join(d).join("unbind"), &bdf)?;
+        }
+        self.write(dev, self.ops.root().join("bus/pci/drivers_probe"), &bdf)?;
+        match self.driver_of(dev, &dir)? {
+            Some(d) if d == VFIO_DRIVER => Ok(()),
+            found => Err(BindError::WrongDriver {
+                device: dev.clone(),
+                expected: VFIO_DRIVER.to_string(),
+                found: found.unwrap_or_else(|| "no driver".to_string()),
+            }),
+        }
+    }
+
+    /// Gives `dev` back to the driver it had before binding. A device not bound for
+    /// passthrough is left alone.
+    pub fn unbind_passthrough(&self, dev: &DevicePath) -> Result<(), BindError> {
+        let _guard = self.locked();
+        let dir = self.existing_dir(dev)?;
+        let mut state = self.state()?;
+        let record = state.bindings.iter().find(|b| &b.device == dev).cloned();
+        let current = self.driver_of(dev, &dir)?;
+        let bdf = dev.address().to_string();
+        if current.as_deref() == Some(VFIO_DRIVER) || record.is_some() {
+            // A newline clears the override (the kernel shows "(null)" again).
+            self.write(dev, dir.join("driver_override"), "\n")?;
+        }
+        if current.as_deref() == Some(VFIO_DRIVER) {
+            self.write(dev, self.drivers().join(VFIO_DRIVER).join("unbind"), &bdf)?;
+            let original = record.as_ref().and_then(|r| r.original_driver.clone());
+            match &original {
+                Some(o) if self.drivers().join(o).is_dir() => {
+                    self.write(dev, self.drivers().join(o).join("bind"), &bdf)?;
+                }
+                _ => {
+                    self.write(dev, self.ops.root().join("bus/pci/drivers_probe"), &bdf)?;
+                }
+            }
+            if let Some(o) = original {
+                let found = self.driver_of(dev, &dir)?;
+                if found.as_deref() != Some(o.as_str()) {
+                    return Err(BindError::WrongDriver {
+                        device: dev.clone(),
+                        expected: o,
+                        found: found.unwrap_or_else(|| "no driver".to_string()),
+                    });
+                }
+            }
+        }
+        if record.is_some() {
+            state.bindings.retain(|b| &b.device != dev);
+            self.save(&state)?;
+        }
+        Ok(())
+    }
+
+    /// Re-applies every remembered binding (after an agent or host restart). Each device
+    /// is tried; the failures come back with the device they concern.
+    pub fn reapply_bindings(&self) -> Result<Vec<(DevicePath, BindError)>, BindError> {
+        let state = self.state()?;
+        let mut failures = Vec::new();
+        for b in state.bindings {
+            if let Err(e) = self.bind_passthrough(&b.device) {
+                failures.push((b.device, e));
+            }
+        }
+        Ok(failures)
+    }
+}

@@ -1,0 +1,140 @@
+//! A hypervisor that runs nothing: it keeps the set of "running" VMs in memory and in
+//! `STATE/sim-vms.json`, so a restarted agent still reports them.
+
+use super::{Hypervisor, HypervisorError};
+use crate::host::{VFIO_DRIVER, bound_driver, device_dir};
+use crate::state::{read_json, write_json};
+use passage_model::VmId;
+use passage_model::protocol::VmSpec;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+const STATE_FILE: &str = "sim-vms.json";
+
+pub struct SimHypervisor {
+    path: PathBuf,
+    sysfs_root: Option<PathBuf>,
+    vms: Mutex<BTreeMap<VmId, VmSpec>>,
+}
+
+impl SimHypervisor {
+    pub fn open(state_dir: &Path, sysfs_root: Option<&Path>) -> Result<Self, HypervisorError> {
+        let path = state_dir.join(STATE_FILE);
+        let list: Vec<VmSpec> = read_json(&path)
+            .map_err(|source| HypervisorError::State {
+                path: path.clone(),
+                source,
+            })?
+            .unwrap_or_default();
+        Ok(SimHypervisor {
+            path,
+            sysfs_root: sysfs_root.map(Path::to_path_buf),
+            vms: Mutex::new(list.into_iter().map(|s| (s.uuid, s)).collect()),
+        })
+    }
+
+    fn save(&self, vms: &BTreeMap<VmId, VmSpec>) -> Result<(), HypervisorError> {
+        let list: Vec<&VmSpec> = vms.values().collect();
+        write_json(&self.path, &list, 0o600).map_err(|source| HypervisorError::State {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    fn vms(&self) -> std::sync::MutexGuard<'_, BTreeMap<VmId, VmSpec>> {
+        self.vms.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Hypervisor for SimHypervisor {
+    fn start(&self, spec: &VmSpec) -> Result<(), HypervisorError> {
+        let mut vms = self.vms();
+        if let Some(running) = vms.get(&spec.uuid) {
+            return if running == spec {
+                Ok(())
+            } else {
+                Err(HypervisorError::Conflict { vm: spec.uuid })
+            };
+        }
+        if let Some(root) = &self.sysfs_root {
+            for dev in &spec.devices {
+                let driver = bound_driver(&device_dir(root, dev)).ok().flatten();
+                if driver.as_deref() != Some(VFIO_DRIVER) {
+                    return Err(HypervisorError::DeviceNotReady {
+                        vm: spec.uuid,
+                        device: dev.to_string(),
+                        driver: driver.unwrap_or_else(|| "none".to_string()),
+                    });
+                }
+            }
+        }
+        vms.insert(spec.uuid, spec.clone());
+        self.save(&vms)
+    }
+
+    fn stop(&self, vm: VmId) -> Result<(), HypervisorError> {
+        let mut vms = self.vms();
+        if vms.remove(&vm).is_some() {
+            self.save(&vms)?;
+        }
+        Ok(())
+    }
+
+    fn running(&self) -> Vec<VmId> {
+        self.vms().keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            uuid: VmId::new_random(),
+            vcpus: 4,
+            memory_mib: 4096,
+            devices: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn start_stop_idempotent_and_persisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = SimHypervisor::open(dir.path(), None).unwrap();
+        let s = spec();
+        h.start(&s).unwrap();
+        h.start(&s).unwrap();
+        assert_eq!(h.running(), vec![s.uuid]);
+        let mut other = s.clone();
+        other.vcpus = 8;
+        assert!(matches!(
+            h.start(&other),
+            Err(HypervisorError::Conflict { .. })
+        ));
+        let again = SimHypervisor::open(dir.path(), None).unwrap();
+        assert_eq!(again.running(), vec![s.uuid]);
+        again.stop(s.uuid).unwrap();
+        again.stop(s.uuid).unwrap();
+        assert!(again.running().is_empty());
+        assert!(
+            SimHypervisor::open(dir.path(), None)
+                .unwrap()
+                .running()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn other_backends_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = super::super::open(super::super::HypervisorKind::Qemu, dir.path(), None)
+            .err()
+            .unwrap();
+        assert_eq!(
+            e.to_string(),
+            "hypervisor qemu is not supported yet; use sim"
+        );
+    }
+}

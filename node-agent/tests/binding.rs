@@ -1,0 +1,235 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Passthrough binding, scrubbing and task execution over a generated tree driven by the
+//! fake kernel, checked through the real `node-agent lspci` binary and discovery.
+
+use node_agent::agent::Executor;
+use node_agent::fake::{FakeSpec, GpuModel, RESET_LOG, generate};
+use node_agent::host::{BindError, Binder, discover, open_sysfs};
+use node_agent::hypervisor::{Hypervisor, SimHypervisor};
+use node_agent::scrub::scrub;
+use passage_model::protocol::{Task, VmSpec};
+use passage_model::{DevicePath, VmId};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+struct World {
+    _dir: tempfile::TempDir,
+    root: std::path::PathBuf,
+    state: std::path::PathBuf,
+    gpus: Vec<DevicePath>,
+}
+
+fn world(gpus: u32) -> World {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("sys");
+    let state = dir.path().join("state");
+    let tree = generate(
+        &root,
+        &FakeSpec {
+            gpus,
+            model: GpuModel::A100,
+            numa_nodes: 2,
+        },
+    )
+    .unwrap();
+    World {
+        _dir: dir,
+        root,
+        state,
+        gpus: tree.gpus,
+    }
+}
+
+fn binder(w: &World) -> Binder {
+    Binder::new(open_sysfs(&w.root).unwrap(), &w.state)
+}
+
+fn driver_via_cli(root: &Path, dev: &DevicePath) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_node-agent"))
+        .arg("lspci")
+        .arg("--sysfs-root")
+        .arg(root)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let line = stdout
+        .lines()
+        .find(|l| l.split_whitespace().nth(5) == Some(&dev.to_string()))
+        .unwrap_or_else(|| panic!("{dev} not listed:\n{stdout}"));
+    line.split_whitespace().nth(6).unwrap().to_string()
+}
+
+fn driver_override(root: &Path, dev: &DevicePath) -> String {
+    let p = root
+        .join(dev.to_string().trim_start_matches('/'))
+        .join("driver_override");
+    std::fs::read_to_string(p).unwrap().trim().to_string()
+}
+
+#[test]
+fn bind_and_unbind_round_trip_idempotently() {
+    let w = world(4);
+    let b = binder(&w);
+    let gpu = &w.gpus[1];
+    assert_eq!(driver_via_cli(&w.root, gpu), "nvidia");
+
+    b.bind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
+    assert_eq!(driver_override(&w.root, gpu), "vfio-pci");
+    b.bind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
+    // Only the one device moved: no binding by vendor:device.
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[0]), "nvidia");
+    let state = b.state().unwrap();
+    assert_eq!(state.bindings.len(), 1);
+    assert_eq!(state.bindings[0].original_driver.as_deref(), Some("nvidia"));
+    // Back links in the driver directories follow the device.
+    let bdf = gpu.address().to_string();
+    assert!(w.root.join("bus/pci/drivers/vfio-pci").join(&bdf).exists());
+    assert!(!w.root.join("bus/pci/drivers/nvidia").join(&bdf).exists());
+
+    b.unbind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "nvidia");
+    assert_eq!(driver_override(&w.root, gpu), "(null)");
+    assert!(b.state().unwrap().bindings.is_empty());
+    b.unbind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "nvidia");
+    assert!(w.root.join("bus/pci/drivers/nvidia").join(&bdf).exists());
+}
+
+#[test]
+fn unknown_devices_are_refused() {
+    let w = world(2);
+    let b = binder(&w);
+    let ghost: DevicePath = "/devices/pci0000:00/0000:00:03.0/0000:7f:00.0"
+        .parse()
+        .unwrap();
+    let e = b.bind_passthrough(&ghost).unwrap_err();
+    assert!(matches!(e, BindError::NotFound(_)), "{e}");
+    assert!(e.to_string().contains("0000:7f:00.0"));
+    assert!(b.unbind_passthrough(&ghost).is_err());
+}
+
+#[test]
+fn missing_vfio_driver_is_reported() {
+    let w = world(2);
+    std::fs::remove_dir_all(w.root.join("bus/pci/drivers/vfio-pci")).unwrap();
+    let e = binder(&w).bind_passthrough(&w.gpus[0]).unwrap_err();
+    assert!(e.to_string().contains("modprobe vfio-pci"), "{e}");
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[0]), "nvidia");
+}
+
+#[test]
+fn bindings_survive_a_restart_and_are_reapplied() {
+    let w = world(2);
+    binder(&w).bind_passthrough(&w.gpus[0]).unwrap();
+    // A reboot: the kernel forgets the override and nvidia grabs the device again.
+    let dir = w.root.join(w.gpus[0].to_string().trim_start_matches('/'));
+    let ops = open_sysfs(&w.root).unwrap();
+    ops.write_attr(&dir.join("driver_override"), "\n").unwrap();
+    ops.write_attr(
+        &w.root.join("bus/pci/drivers/vfio-pci/unbind"),
+        &w.gpus[0].address().to_string(),
+    )
+    .unwrap();
+    ops.write_attr(
+        &w.root.join("bus/pci/drivers_probe"),
+        &w.gpus[0].address().to_string(),
+    )
+    .unwrap();
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[0]), "nvidia");
+
+    let fresh = binder(&w);
+    assert!(fresh.reapply_bindings().unwrap().is_empty());
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[0]), "vfio-pci");
+    fresh.unbind_passthrough(&w.gpus[0]).unwrap();
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[0]), "nvidia");
+}
+
+#[test]
+fn scrub_resets_and_verifies() {
+    let w = world(2);
+    let ops = open_sysfs(&w.root).unwrap();
+    let r = scrub(ops.as_ref(), &w.gpus[0]);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(
+        r.steps.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+        ["flr", "verify_driver"]
+    );
+    let log = std::fs::read_to_string(w.root.join(RESET_LOG)).unwrap();
+    assert_eq!(log.trim(), w.gpus[0].address().to_string());
+
+    let dir = w.root.join(w.gpus[1].to_string().trim_start_matches('/'));
+    std::fs::remove_file(dir.join("reset")).unwrap();
+    let r = scrub(ops.as_ref(), &w.gpus[1]);
+    assert!(!r.ok);
+    assert!(!r.steps[0].ok);
+    assert!(r.steps[0].detail.as_deref().unwrap().contains("reset"));
+
+    let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
+    let r = scrub(ops.as_ref(), &ghost);
+    assert!(!r.ok && r.steps.iter().all(|s| !s.ok));
+}
+
+#[test]
+fn executor_runs_a_vm_lifecycle() {
+    let w = world(4);
+    let hv = Arc::new(SimHypervisor::open(&w.state, Some(&w.root)).unwrap());
+    let exec = Executor::new(binder(&w), hv.clone());
+    let vm = VmId::new_random();
+    let devices = vec![w.gpus[2].clone(), w.gpus[3].clone()];
+    let spec = VmSpec {
+        uuid: vm,
+        vcpus: 8,
+        memory_mib: 16384,
+        devices: devices.clone(),
+    };
+
+    // Launching before binding fails, as a real hypervisor would.
+    let r = exec.execute(&Task::StartVm { vm: spec.clone() });
+    assert!(!r.ok);
+    assert!(r.error.unwrap().contains("vfio-pci"));
+
+    let bind = Task::BindPassthrough {
+        vm_uuid: vm,
+        devices: devices.clone(),
+    };
+    assert!(exec.execute(&bind).ok);
+    assert!(exec.execute(&bind).ok);
+    let found = discover(&w.root);
+    for d in &devices {
+        let dev = found.devices.iter().find(|x| &x.id == d).unwrap();
+        assert_eq!(dev.driver.as_deref(), Some("vfio-pci"));
+    }
+    assert!(exec.execute(&Task::StartVm { vm: spec.clone() }).ok);
+    assert_eq!(hv.running(), vec![vm]);
+    assert!(exec.execute(&Task::StopVm { vm_uuid: vm }).ok);
+    assert!(exec.execute(&Task::StopVm { vm_uuid: vm }).ok);
+    assert!(hv.running().is_empty());
+
+    let r = exec.execute(&Task::Scrub {
+        devices: devices.clone(),
+    });
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.scrub_reports.len(), 2);
+
+    let unbind = Task::UnbindPassthrough {
+        vm_uuid: vm,
+        devices: devices.clone(),
+    };
+    assert!(exec.execute(&unbind).ok);
+    assert!(exec.execute(&unbind).ok);
+    for d in &devices {
+        assert_eq!(driver_via_cli(&w.root, d), "nvidia");
+    }
+
+    // A failing scrub fails the task and still reports every device.
+    let dir = w.root.join(devices[0].to_string().trim_start_matches('/'));
+    std::fs::remove_file(dir.join("reset")).unwrap();
+    let r = exec.execute(&Task::Scrub { devices });
+    assert!(!r.ok);
+    assert_eq!(r.scrub_reports.len(), 2);
+    assert!(!r.scrub_reports[0].ok && r.scrub_reports[1].ok);
+}

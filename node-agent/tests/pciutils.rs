@@ -1,0 +1,202 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The fake tree must look like a kernel's to pciutils, and `node-agent lspci` must agree
+//! with pciutils' `lspci` both on a fake tree and on the machine's own /sys.
+
+use node_agent::fake::{FakeSpec, GpuModel, generate};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+const LSPCI: &str = "/usr/bin/lspci";
+
+fn lspci_bin() -> &'static str {
+    assert!(
+        Path::new(LSPCI).exists(),
+        "install pciutils (cargo xtask test does)"
+    );
+    LSPCI
+}
+
+/// BDF → (vendor, device, class base+sub, revision) from `lspci -n -D` lines such as
+/// `0000:05:00.0 0302: 10de:2330 (rev a1)`.
+fn parse_lspci(out: &str) -> BTreeMap<String, (String, String, String, String)> {
+    let mut m = BTreeMap::new();
+    for line in out.lines().filter(|l| !l.trim().is_empty()) {
+        let mut it = line.split_whitespace();
+        let bdf = it.next().unwrap().to_string();
+        let class = it.next().unwrap().trim_end_matches(':').to_string();
+        let (v, d) = it.next().unwrap().split_once(':').unwrap();
+        let rest: Vec<&str> = it.collect();
+        let rev = rest
+            .windows(2)
+            .find(|w| w[0] == "(rev")
+            .map(|w| w[1].trim_end_matches(')').to_string())
+            .unwrap_or_else(|| "00".to_string());
+        m.insert(bdf, (v.to_string(), d.to_string(), class, rev));
+    }
+    m
+}
+
+/// `node-agent lspci` lines (`vendor device subsystem subvendor revision id driver`),
+/// keyed by the BDF at the end of the id.
+fn parse_agent(out: &str) -> BTreeMap<String, Vec<String>> {
+    out.lines()
+        .map(|l| {
+            let f: Vec<String> = l.split_whitespace().map(str::to_string).collect();
+            assert_eq!(f.len(), 7, "bad lister line {l:?}");
+            let bdf = f[5].rsplit('/').next().unwrap().to_string();
+            (bdf, f)
+        })
+        .collect()
+}
+
+fn agent_lspci(root: &Path) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_node-agent"))
+        .arg("lspci")
+        .arg("--sysfs-root")
+        .arg(root)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "node-agent lspci failed: {out:?}");
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn pciutils_reads_the_fake_tree_like_node_agent() {
+    let lspci = lspci_bin();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("sys");
+    let spec = FakeSpec {
+        gpus: 8,
+        model: GpuModel::H100,
+        numa_nodes: 2,
+    };
+    let tree = generate(&root, &spec).unwrap();
+    assert_eq!(tree.gpus.len(), 8);
+
+    let sysfs_path = format!("sysfs.path={}", root.join("bus/pci").display());
+    let out = Command::new(lspci)
+        .args(["-A", "linux-sysfs", "-O", &sysfs_path, "-n", "-D"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "lspci failed: {out:?}");
+    let theirs = parse_lspci(&String::from_utf8(out.stdout).unwrap());
+
+    let (stdout, stderr) = agent_lspci(&root);
+    assert!(stderr.trim().is_empty(), "skipped functions: {stderr}");
+    let ours = parse_agent(&stdout);
+    assert_eq!(ours.len(), tree.functions.len());
+
+    let ours_cmp: BTreeMap<String, (String, String, String, String)> = ours
+        .iter()
+        .map(|(bdf, f)| {
+            let root_rel = f[5].trim_start_matches('/');
+            let class = std::fs::read_to_string(root.join(root_rel).join("class")).unwrap();
+            let class = class.trim().trim_start_matches("0x")[..4].to_string();
+            (
+                bdf.clone(),
+                (f[0].clone(), f[1].clone(), class, f[4].clone()),
+            )
+        })
+        .collect();
+    assert_eq!(theirs, ours_cmp);
+
+    let gpus = ours.values().filter(|f| f[1] == "2330").count();
+    assert_eq!(gpus, 8);
+    assert!(
+        ours.values()
+            .filter(|f| f[1] == "2330")
+            .all(|f| f[6] == "nvidia")
+    );
+
+    // The machine-readable form also carries subsystem ids and the programming interface.
+    let out = Command::new(lspci)
+        .args(["-A", "linux-sysfs", "-O", &sysfs_path, "-mm", "-n", "-D"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    for line in String::from_utf8(out.stdout).unwrap().lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let bdf = parts[0];
+        let quoted: Vec<&str> = parts
+            .iter()
+            .filter(|p| p.starts_with('"'))
+            .map(|p| p.trim_matches('"'))
+            .collect();
+        let f = &ours[bdf];
+        // Bridges have type-1 headers, where pciutils finds no subsystem ids.
+        if quoted.len() == 5 && !quoted[3].is_empty() {
+            assert_eq!(
+                (quoted[3], quoted[4]),
+                (f[3].as_str(), f[2].as_str()),
+                "{line}"
+            );
+        }
+    }
+
+    // Topology: every GPU sits behind a switch, and the GPUs span both NUMA roots.
+    for g in &tree.gpus {
+        assert_eq!(g.parents().len(), 3, "{g}");
+    }
+    let roots: std::collections::BTreeSet<String> = tree
+        .gpus
+        .iter()
+        .map(|g| g.to_string().split('/').nth(2).unwrap().to_string())
+        .collect();
+    assert_eq!(roots.len(), 2);
+}
+
+#[test]
+fn node_agent_agrees_with_lspci_on_this_machine() {
+    let lspci = lspci_bin();
+    let empty = std::fs::read_dir("/sys/bus/pci/devices")
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(true);
+    if empty {
+        eprintln!("note: /sys/bus/pci/devices is empty here; nothing to compare");
+        return;
+    }
+    let out = Command::new(lspci).args(["-n", "-D"]).output().unwrap();
+    assert!(out.status.success(), "lspci failed: {out:?}");
+    let theirs = parse_lspci(&String::from_utf8(out.stdout).unwrap());
+
+    let out = Command::new(env!("CARGO_BIN_EXE_node-agent"))
+        .arg("lspci")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let ours = parse_agent(&stdout);
+    // Functions whose sysfs path is not a plain PCI chain (VMD domains, Hyper-V) are
+    // skipped with a reason; they still count as seen.
+    let skipped: Vec<String> = stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("skipped "))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .next()
+                .and_then(|p| p.trim_end_matches(':').rsplit('/').next())
+                .map(str::to_string)
+        })
+        .collect();
+    if !skipped.is_empty() {
+        eprintln!("note: node-agent skipped {skipped:?}:\n{stderr}");
+    }
+    for (bdf, (v, d, _, rev)) in &theirs {
+        match ours.get(bdf) {
+            Some(f) => {
+                assert_eq!((&f[0], &f[1], &f[4]), (v, d, rev), "ids differ for {bdf}");
+            }
+            None => assert!(
+                skipped.iter().any(|s| s == bdf),
+                "{bdf} neither listed nor skipped; stderr: {stderr}"
+            ),
+        }
+    }
+    for bdf in ours.keys() {
+        assert!(theirs.contains_key(bdf), "{bdf} listed by node-agent only");
+    }
+}

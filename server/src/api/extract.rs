@@ -1,0 +1,147 @@
+//! Request extractors: JSON bodies with errors that name the field, bearer credentials,
+//! list paging.
+
+use crate::error::ApiError;
+use crate::services::auth::{self, Caller};
+use crate::services::{Ctx, agents};
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, header};
+use passage_model::api::MAX_LIST_LIMIT;
+use passage_model::{ErrorCode, ServerId};
+use serde::de::DeserializeOwned;
+use std::collections::HashMap;
+
+/// A JSON body. Malformed JSON, unknown or missing fields and wrong types answer 400 with
+/// the path of the offending field; a body over the limit answers 413.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(ErrorCode::PayloadTooLarge, "the request body is too large")
+            } else {
+                ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    "could not read the request body",
+                )
+            }
+        })?;
+        parse_json(&bytes).map(ApiJson)
+    }
+}
+
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.to_string();
+        // serde names a missing or unknown field in its message; the path is its parent.
+        let field = quoted_field(&msg)
+            .map(|f| {
+                if path == "." || path.is_empty() {
+                    f
+                } else {
+                    format!("{path}.{f}")
+                }
+            })
+            .unwrap_or_else(|| if path == "." { "body".into() } else { path });
+        ApiError::invalid(field, msg)
+    })
+}
+
+fn quoted_field(msg: &str) -> Option<String> {
+    if !(msg.starts_with("missing field") || msg.starts_with("unknown field")) {
+        return None;
+    }
+    let start = msg.find('`')? + 1;
+    let len = msg[start..].find('`')?;
+    Some(msg[start..start + len].to_string())
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v: &HeaderValue| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+impl FromRequestParts<Ctx> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, ctx: &Ctx) -> Result<Self, Self::Rejection> {
+        let token = bearer(&parts.headers).ok_or_else(ApiError::unauthorized)?;
+        let account = auth::caller_from_token(ctx, token).await?;
+        Ok(Caller { account })
+    }
+}
+
+/// The node a request of the agent API comes from.
+pub struct AgentServer(pub ServerId);
+
+impl FromRequestParts<Ctx> for AgentServer {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, ctx: &Ctx) -> Result<Self, Self::Rejection> {
+        let credential = bearer(&parts.headers).ok_or_else(ApiError::unauthorized)?;
+        Ok(AgentServer(
+            agents::server_from_credential(ctx, credential).await?,
+        ))
+    }
+}
+
+/// Query parameters, parsed by hand so a bad value gets a 400 naming it.
+pub struct QueryMap(pub HashMap<String, String>);
+
+impl<S: Send + Sync> FromRequestParts<S> for QueryMap {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let q = parts.uri.query().unwrap_or("");
+        if q.len() > 4096 {
+            return Err(ApiError::invalid("query", "too long"));
+        }
+        let map: HashMap<String, String> =
+            serde_urlencoded::from_str(q).map_err(|e| ApiError::invalid("query", e.to_string()))?;
+        Ok(QueryMap(map))
+    }
+}
+
+impl QueryMap {
+    pub fn get(&self, k: &str) -> Option<&str> {
+        self.0.get(k).map(String::as_str)
+    }
+
+    pub fn parse<T: std::str::FromStr>(&self, k: &str) -> Result<Option<T>, ApiError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .parse()
+                .map(Some)
+                .map_err(|_| ApiError::invalid(k, format!("{v:?} is not valid here"))),
+        }
+    }
+
+    /// `?limit=N&offset=N` as Triton's CloudAPI takes them.
+    pub fn page(&self) -> Result<(i64, i64), ApiError> {
+        let limit: u32 = self.parse("limit")?.unwrap_or(MAX_LIST_LIMIT);
+        if limit == 0 || limit > MAX_LIST_LIMIT {
+            return Err(ApiError::invalid(
+                "limit",
+                format!("must be 1 to {MAX_LIST_LIMIT}"),
+            ));
+        }
+        let offset: u32 = self.parse("offset")?.unwrap_or(0);
+        Ok((i64::from(limit), i64::from(offset)))
+    }
+}

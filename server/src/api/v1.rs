@@ -1,0 +1,339 @@
+//! Handlers of the public REST API under /v1: thin, they parse, call a service, answer.
+
+use super::extract::{ApiJson, QueryMap};
+use crate::error::{ApiError, ApiResult};
+use crate::services::auth::{self, Caller};
+use crate::services::{Ctx, accounts, catalog, servers, vms};
+use crate::store::vms::VmFilter;
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use passage_model::api::{
+    CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
+    UpdateServer, VmState,
+};
+use passage_model::{AccountId, JobId, PackageId, ServerId, Variant, VmId};
+use serde::Serialize;
+
+/// A list answer: the items, with the total in `x-resource-count`.
+fn listed<T: Serialize>(items: Vec<T>, total: i64) -> Response {
+    let mut r = Json(items).into_response();
+    if let Ok(v) = HeaderValue::from_str(&total.to_string()) {
+        r.headers_mut()
+            .insert(HeaderName::from_static("x-resource-count"), v);
+    }
+    r
+}
+
+fn id<T: std::str::FromStr>(raw: &str, what: &'static str) -> ApiResult<T> {
+    // A malformed id cannot name anything: same answer as an unknown one.
+    raw.parse().map_err(|_| ApiError::not_found(what))
+}
+
+pub async fn ping() -> Json<Ping> {
+    Json(Ping {
+        ok: true,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    })
+}
+
+pub async fn login(
+    State(ctx): State<Ctx>,
+    ApiJson(req): ApiJson<LoginRequest>,
+) -> ApiResult<Response> {
+    let r = auth::login(&ctx, &req.login, &req.password).await?;
+    Ok(Json(r).into_response())
+}
+
+pub async fn logout(
+    State(ctx): State<Ctx>,
+    _caller: Caller,
+    headers: HeaderMap,
+) -> ApiResult<StatusCode> {
+    if let Some(t) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    {
+        auth::logout(&ctx, t.trim()).await?;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- accounts ----
+
+pub async fn list_accounts(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = accounts::list(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn create_account(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateAccount>,
+) -> ApiResult<Response> {
+    let a = accounts::create(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(a)).into_response())
+}
+
+pub async fn get_account(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: AccountId = id(&raw, "account")?;
+    Ok(Json(accounts::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+pub async fn update_account(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<UpdateAccount>,
+) -> ApiResult<Response> {
+    caller.require_operator()?;
+    let uuid: AccountId = id(&raw, "account")?;
+    Ok(Json(accounts::update(&ctx, &caller, uuid, req).await?).into_response())
+}
+
+pub async fn delete_account(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    caller.require_operator()?;
+    let uuid: AccountId = id(&raw, "account")?;
+    accounts::delete(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- variants ----
+
+pub async fn list_variants(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
+    let items = catalog::list_variants(&ctx, &caller).await?;
+    let n = items.len() as i64;
+    Ok(listed(items, n))
+}
+
+pub async fn create_variant(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(v): ApiJson<Variant>,
+) -> ApiResult<Response> {
+    let v = catalog::create_variant(&ctx, &caller, v).await?;
+    Ok((StatusCode::CREATED, Json(v)).into_response())
+}
+
+pub async fn get_variant(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    Ok(Json(catalog::get_variant(&ctx, &caller, &name).await?).into_response())
+}
+
+pub async fn put_variant(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(name): Path<String>,
+    ApiJson(v): ApiJson<Variant>,
+) -> ApiResult<Response> {
+    caller.require_operator()?;
+    Ok(Json(catalog::put_variant(&ctx, &caller, &name, v).await?).into_response())
+}
+
+pub async fn delete_variant(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    catalog::delete_variant(&ctx, &caller, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- packages ----
+
+pub async fn list_packages(
+    State(ctx): State<Ctx>,
+    _caller: Caller,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = catalog::list_packages(&ctx, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn create_package(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreatePackage>,
+) -> ApiResult<Response> {
+    let p = catalog::create_package(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(p)).into_response())
+}
+
+pub async fn get_package(
+    State(ctx): State<Ctx>,
+    _caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: PackageId = id(&raw, "package")?;
+    Ok(Json(catalog::get_package(&ctx, uuid).await?).into_response())
+}
+
+pub async fn delete_package(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    caller.require_operator()?;
+    let uuid: PackageId = id(&raw, "package")?;
+    catalog::delete_package(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- servers ----
+
+pub async fn list_servers(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = servers::list(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn get_server(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    caller.require_staff()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    Ok(Json(servers::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+pub async fn update_server(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<UpdateServer>,
+) -> ApiResult<Response> {
+    caller.require_operator()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    Ok(Json(servers::update(&ctx, &caller, uuid, req).await?).into_response())
+}
+
+pub async fn create_join_token(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    caller.require_operator()?;
+    let req: CreateJoinToken = if body.iter().all(u8::is_ascii_whitespace) {
+        CreateJoinToken::default()
+    } else {
+        super::extract::parse_json(&body)?
+    };
+    let t = servers::create_join_token(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+pub async fn device_events(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    caller.require_staff()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    let items = servers::device_events(&ctx, &caller, uuid, q.get("device")).await?;
+    let n = items.len() as i64;
+    Ok(listed(items, n))
+}
+
+pub async fn scrub_reports(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    caller.require_staff()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    let items = servers::scrub_reports(&ctx, &caller, uuid, q.get("device")).await?;
+    let n = items.len() as i64;
+    Ok(listed(items, n))
+}
+
+// ---- vms and jobs ----
+
+pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let state = match q.get("state") {
+        None => None,
+        Some(s) => Some(
+            VmState::parse(s)
+                .ok_or_else(|| ApiError::invalid("state", format!("{s:?} is not a VM state")))?,
+        ),
+    };
+    let filter = VmFilter {
+        owner: q.parse("owner_uuid")?,
+        state,
+        server: q.parse("server_uuid")?,
+        assigned_device: q
+            .parse::<passage_model::DevicePath>("assigned_device")?
+            .map(|d| d.to_string()),
+    };
+    let (items, total) = vms::list(&ctx, &caller, filter, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn create_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateVm>,
+) -> ApiResult<Response> {
+    let vm = vms::create(&ctx, &caller, req).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+pub async fn get_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+pub async fn delete_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let vm = vms::destroy(&ctx, &caller, uuid).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+pub async fn get_job(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: JobId = id(&raw, "job")?;
+    Ok(Json(vms::job(&ctx, &caller, uuid).await?).into_response())
+}
+
+pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = vms::list_jobs(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}

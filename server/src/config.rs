@@ -1,0 +1,36 @@
+//! Run-time settings of the control plane.
+
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// A server not heard from for this long is `offline` and gets no placements.
+    pub heartbeat_timeout: Duration,
+    /// How long a job step waits for an agent's answer before failing.
+    pub task_timeout: Duration,
+    /// A task handed out but never answered is handed out again after this.
+    pub task_redeliver_after: Duration,
+    /// Lifetime of a login token.
+    pub token_ttl: Duration,
+    /// Dirty devices left this long without a scrub get one from the reconciler.
+    pub scrub_grace: Duration,
+    /// How often background reconcilers run.
+    pub reconcile_every: Duration,
+    /// Test only: job steps (`provision.launch`, `destroy.stop`, …) made to fail after
+    /// their action ran, to prove every undo.
+    pub faults: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            heartbeat_timeout: Duration::from_secs(30),
+            task_timeout: Duration::from_secs(120),
+            task_redeliver_after: Duration::from_secs(60),
+            token_ttl: Duration::from_secs(24 * 3600),
+            scrub_grace: Duration::from_secs(10),
+            reconcile_every: Duration::from_secs(2),
+            faults: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! The server's one error type. Its outside face is `{"code","message","field"}` with a
+//! stable code; internal detail goes to the log only.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use passage_model::{ApiErrorBody, ErrorCode};
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub field: Option<String>,
+    /// Logged, never sent.
+    pub internal: Option<String>,
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            field: None,
+            internal: None,
+        }
+    }
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        let field = field.into();
+        let message = message.into();
+        ApiError {
+            code: ErrorCode::InvalidArgument,
+            message: format!("{field}: {message}"),
+            field: Some(field),
+            internal: None,
+        }
+    }
+    pub fn not_found(what: &str) -> Self {
+        Self::new(ErrorCode::ResourceNotFound, format!("{what} not found"))
+    }
+    pub fn unauthorized() -> Self {
+        Self::new(
+            ErrorCode::Unauthorized,
+            "missing, invalid or expired credentials",
+        )
+    }
+    pub fn forbidden() -> Self {
+        Self::new(ErrorCode::Forbidden, "your role may not do this")
+    }
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Conflict, message)
+    }
+    pub fn invalid_state(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidState, message)
+    }
+    pub fn internal(detail: impl Into<String>) -> Self {
+        ApiError {
+            code: ErrorCode::InternalError,
+            message: "internal error".into(),
+            field: None,
+            internal: Some(detail.into()),
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.message)?;
+        if let Some(i) = &self.internal {
+            write!(f, " ({i})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(e: crate::store::StoreError) -> Self {
+        use crate::store::StoreError as S;
+        match e {
+            S::NotFound(what) => ApiError::not_found(what),
+            S::Conflict(m) => ApiError::conflict(m),
+            S::Quota(m) => ApiError::new(passage_model::ErrorCode::QuotaExceeded, m),
+            S::InvalidState(m) => ApiError::invalid_state(m),
+            S::Retry => ApiError::conflict("a concurrent change won; try again"),
+            other => ApiError::internal(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let Some(detail) = &self.internal {
+            tracing::error!(code = ?self.code, detail = %detail, "request failed");
+        }
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = ApiErrorBody {
+            code: self.code,
+            message: self.message,
+            field: self.field,
+        };
+        (status, axum::Json(body)).into_response()
+    }
+}

@@ -1,0 +1,155 @@
+//! Placement: which server and which devices a VM gets. Pure: it sees candidates, never
+//! the database, so it can be tested and benchmarked alone. The store then reserves the
+//! choice with conditional writes; a lost race means placing again.
+
+use crate::store::devices::Candidate;
+use passage_model::{DevicePath, ServerId};
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub server: ServerId,
+    pub devices: Vec<DevicePath>,
+}
+
+/// Picks a server that has `count` free devices of every requested variant, preferring
+/// one where each variant's devices can all come from one NUMA node, then the server with
+/// the fewest free devices (packing keeps whole servers free for big requests).
+/// Servers in `avoid` (where the caller just lost a race) come last.
+pub fn choose(
+    candidates: &[Candidate],
+    request: &BTreeMap<String, u32>,
+    avoid: &[ServerId],
+) -> Option<Placement> {
+    if request.is_empty() || request.values().any(|n| *n == 0) {
+        return None;
+    }
+    let mut by_server: HashMap<ServerId, Vec<&Candidate>> = HashMap::new();
+    for c in candidates {
+        by_server.entry(c.server_uuid).or_default().push(c);
+    }
+    // Smallest key wins: (avoided, not NUMA-local, free devices, uuid for determinism).
+    let mut best: Option<((bool, bool, usize, ServerId), Vec<DevicePath>)> = None;
+    for (server, devs) in by_server {
+        let Some((numa_local, picked)) = pick_on_server(&devs, request) else {
+            continue;
+        };
+        let key = (avoid.contains(&server), !numa_local, devs.len(), server);
+        if best.as_ref().is_none_or(|(k, _)| key < *k) {
+            best = Some((key, picked));
+        }
+    }
+    best.map(|((_, _, _, server), devices)| Placement { server, devices })
+}
+
+/// The devices one server would give, and whether each variant's share sits on a single
+/// NUMA node.
+fn pick_on_server(
+    devs: &[&Candidate],
+    request: &BTreeMap<String, u32>,
+) -> Option<(bool, Vec<DevicePath>)> {
+    let mut all_local = true;
+    let mut picked = Vec::new();
+    for (variant, &count) in request {
+        let count = count as usize;
+        let mut of_variant: Vec<&Candidate> = devs
+            .iter()
+            .copied()
+            .filter(|c| &c.variant == variant)
+            .collect();
+        if of_variant.len() < count {
+            return None;
+        }
+        of_variant.sort_by(|a, b| a.id.cmp(&b.id));
+        let mut by_numa: BTreeMap<Option<u32>, Vec<&Candidate>> = BTreeMap::new();
+        for c in &of_variant {
+            by_numa.entry(c.numa_node).or_default().push(c);
+        }
+        // The fullest node that fits alone, else the smallest that fits: leaves big
+        // blocks for big requests.
+        let local = by_numa
+            .values()
+            .filter(|v| v.len() >= count)
+            .min_by_key(|v| v.len());
+        match local {
+            Some(v) => picked.extend(v.iter().take(count).map(|c| c.id.clone())),
+            None => {
+                all_local = false;
+                picked.extend(of_variant.iter().take(count).map(|c| c.id.clone()));
+            }
+        }
+    }
+    Some((all_local, picked))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    fn server(n: u128) -> ServerId {
+        ServerId(Uuid::from_u128(n))
+    }
+
+    fn cand(s: u128, bus: u8, variant: &str, numa: u32) -> Candidate {
+        Candidate {
+            server_uuid: server(s),
+            id: format!("/devices/pci0000:00/0000:00:01.0/0000:{bus:02x}:00.0")
+                .parse()
+                .unwrap(),
+            variant: variant.into(),
+            numa_node: Some(numa),
+        }
+    }
+
+    fn req(v: &[(&str, u32)]) -> BTreeMap<String, u32> {
+        v.iter().map(|(k, n)| (k.to_string(), *n)).collect()
+    }
+
+    #[test]
+    fn needs_enough_of_every_variant() {
+        let c = vec![cand(1, 1, "A", 0), cand(1, 2, "B", 0), cand(2, 1, "A", 0)];
+        let p = choose(&c, &req(&[("A", 1), ("B", 1)]), &[]).unwrap();
+        assert_eq!(p.server, server(1));
+        assert_eq!(p.devices.len(), 2);
+        assert!(choose(&c, &req(&[("A", 2)]), &[]).is_none());
+        assert!(choose(&c, &req(&[("C", 1)]), &[]).is_none());
+        assert!(choose(&c, &req(&[]), &[]).is_none());
+        assert!(choose(&[], &req(&[("A", 1)]), &[]).is_none());
+    }
+
+    #[test]
+    fn prefers_one_numa_node_then_packs() {
+        // Server 1: 2 A on node 0 and 2 on node 1 (a 3-GPU request must straddle).
+        // Server 2: 3 A on node 0, more free devices overall.
+        let mut c = vec![
+            cand(1, 1, "A", 0),
+            cand(1, 2, "A", 0),
+            cand(1, 3, "A", 1),
+            cand(1, 4, "A", 1),
+        ];
+        c.extend([
+            cand(2, 1, "A", 0),
+            cand(2, 2, "A", 0),
+            cand(2, 3, "A", 0),
+            cand(2, 4, "A", 1),
+            cand(2, 5, "A", 1),
+        ]);
+        let p = choose(&c, &req(&[("A", 3)]), &[]).unwrap();
+        assert_eq!(p.server, server(2), "NUMA-local wins over packing");
+        // One device: both are local; server 1 has fewer free, so pack onto it.
+        let p = choose(&c, &req(&[("A", 1)]), &[]).unwrap();
+        assert_eq!(p.server, server(1));
+        // The avoided server comes last.
+        let p = choose(&c, &req(&[("A", 1)]), &[server(1)]).unwrap();
+        assert_eq!(p.server, server(2));
+    }
+
+    #[test]
+    fn devices_on_the_chosen_node() {
+        let c = vec![cand(1, 1, "A", 1), cand(1, 2, "A", 0), cand(1, 3, "A", 0)];
+        let p = choose(&c, &req(&[("A", 2)]), &[]).unwrap();
+        let buses: Vec<String> = p.devices.iter().map(|d| d.address().to_string()).collect();
+        assert_eq!(buses, vec!["0000:02:00.0", "0000:03:00.0"]);
+    }
+}

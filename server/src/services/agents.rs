@@ -1,0 +1,131 @@
+//! The agent side: registration, heartbeats, inventory, the task queue.
+
+use super::Ctx;
+use super::auth::{NODE_CREDENTIAL_PREFIX, new_secret, sha256_hex};
+use crate::error::{ApiError, ApiResult};
+use crate::store::{devices, servers, tasks, variants};
+use passage_model::protocol::{
+    InventoryReport, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS, PROTOCOL_VERSION, RegisterRequest,
+    RegisterResponse, TaskEnvelope, TaskResult,
+};
+use passage_model::{ErrorCode, ServerId, TaskId};
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// Tasks handed to an agent per poll.
+const TASK_BATCH: i64 = 32;
+
+pub async fn register(ctx: &Ctx, req: RegisterRequest) -> ApiResult<RegisterResponse> {
+    if req.protocol_version != PROTOCOL_VERSION {
+        return Err(ApiError::invalid(
+            "protocol_version",
+            format!("this server speaks agent protocol {PROTOCOL_VERSION}"),
+        ));
+    }
+    super::servers::validate_hostname("hostname", &req.hostname)?;
+    if req.join_token.len() > 128 || req.agent_version.len() > 64 {
+        return Err(ApiError::new(
+            ErrorCode::Unauthorized,
+            "join token invalid, expired or already used",
+        ));
+    }
+    let credential = new_secret(NODE_CREDENTIAL_PREFIX);
+    let server = servers::register(
+        &ctx.db,
+        &sha256_hex(&req.join_token),
+        &req.hostname,
+        &sha256_hex(&credential),
+    )
+    .await?
+    .ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::Unauthorized,
+            "join token invalid, expired or already used",
+        )
+    })?;
+    tracing::info!(%server, hostname = %req.hostname, agent = %req.agent_version, "node registered");
+    Ok(RegisterResponse {
+        server_uuid: server,
+        credential,
+    })
+}
+
+/// The server a node credential belongs to; user tokens are not node credentials.
+pub async fn server_from_credential(ctx: &Ctx, credential: &str) -> ApiResult<ServerId> {
+    if !credential.starts_with(NODE_CREDENTIAL_PREFIX) || credential.len() > 128 {
+        return Err(ApiError::unauthorized());
+    }
+    servers::by_credential(&ctx.db, &sha256_hex(credential))
+        .await?
+        .ok_or_else(ApiError::unauthorized)
+}
+
+pub async fn heartbeat(ctx: &Ctx, server: ServerId) -> ApiResult<()> {
+    Ok(servers::heartbeat(&ctx.db, server).await?)
+}
+
+pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> ApiResult<()> {
+    if report.devices.len() > MAX_INVENTORY_DEVICES {
+        return Err(ApiError::invalid(
+            "devices",
+            format!("at most {MAX_INVENTORY_DEVICES} functions per report"),
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (i, d) in report.devices.iter().enumerate() {
+        d.validate()
+            .map_err(|e| ApiError::invalid(format!("devices[{i}]"), e.to_string()))?;
+        if !seen.insert(d.id.to_string()) {
+            return Err(ApiError::invalid(
+                format!("devices[{i}].id"),
+                "reported twice",
+            ));
+        }
+    }
+    let all = variants::list(&ctx.db).await?;
+    devices::apply_inventory(&ctx.db, server, &report.devices, &all).await?;
+    servers::heartbeat(&ctx.db, server).await?;
+    Ok(())
+}
+
+/// Long-poll: answers as soon as tasks are queued, or empty after `wait`.
+pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec<TaskEnvelope>> {
+    let wait = Duration::from_secs(wait.min(MAX_LONG_POLL_SECS));
+    let deadline = tokio::time::Instant::now() + wait;
+    let redeliver = i64::try_from(ctx.cfg.task_redeliver_after.as_millis()).unwrap_or(i64::MAX);
+    servers::heartbeat(&ctx.db, server).await?;
+    loop {
+        let notified = ctx.tasks_queued.notified();
+        let got = tasks::take(&ctx.db, server, TASK_BATCH, redeliver).await?;
+        if !got.is_empty() || tokio::time::Instant::now() >= deadline {
+            return Ok(got);
+        }
+        // The poll fallback covers a wake-up sent by another replica.
+        let _ = tokio::time::timeout_at(
+            deadline.min(tokio::time::Instant::now() + Duration::from_secs(1)),
+            notified,
+        )
+        .await;
+    }
+}
+
+pub async fn task_result(
+    ctx: &Ctx,
+    server: ServerId,
+    task: TaskId,
+    result: TaskResult,
+) -> ApiResult<()> {
+    if result
+        .error
+        .as_ref()
+        .is_some_and(|e| e.len() > passage_model::protocol::MAX_ERROR_LEN)
+    {
+        return Err(ApiError::invalid("error", "too long"));
+    }
+    if result.scrub_reports.len() > passage_model::protocol::MAX_TASK_DEVICES {
+        return Err(ApiError::invalid("scrub_reports", "too many"));
+    }
+    tasks::complete(&ctx.db, server, task, &result).await?;
+    ctx.task_done.notify_waiters();
+    Ok(())
+}

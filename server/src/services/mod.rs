@@ -1,0 +1,41 @@
+//! The control plane's application layer: one module per aggregate. Handlers (REST, agent
+//! API, later the portal) call these; these call the store.
+
+pub mod accounts;
+pub mod agents;
+pub mod auth;
+pub mod catalog;
+pub mod servers;
+pub mod vms;
+
+use crate::config::Config;
+use crate::store::Db;
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+pub struct Services {
+    pub db: Db,
+    pub cfg: Config,
+    /// Wakes agents' long-polls when a task is queued.
+    pub tasks_queued: Notify,
+    /// Wakes job steps waiting on an agent when a result arrives.
+    pub task_done: Notify,
+}
+
+pub type Ctx = Arc<Services>;
+
+impl Services {
+    pub fn new(db: Db, cfg: Config) -> Ctx {
+        Arc::new(Services {
+            db,
+            cfg,
+            tasks_queued: Notify::new(),
+            task_done: Notify::new(),
+        })
+    }
+
+    /// The oldest heartbeat (ms since the epoch) a server may have and still be running.
+    pub fn alive_after_ms(&self) -> i64 {
+        crate::store::now_ms() - i64::try_from(self.cfg.heartbeat_timeout.as_millis()).unwrap_or(0)
+    }
+}

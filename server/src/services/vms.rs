@@ -1,0 +1,342 @@
+//! VMs: placement and reservation on create, the destroy workflow, and jobs.
+
+use super::Ctx;
+use super::auth::Caller;
+use super::catalog;
+use crate::error::{ApiError, ApiResult};
+use crate::placement;
+use crate::store::{self, StoreError, accounts, devices, jobs, vms};
+use crate::workflows;
+use passage_model::api::{CreateVm, Job, Role, Vm, VmState};
+use passage_model::{DevicePath, ErrorCode, JobId, VmId};
+use std::collections::BTreeMap;
+
+pub const MAX_ALIAS_LEN: usize = 64;
+/// A lost race means someone else took a device; each retry re-reads the free devices, so
+/// this bounds work, not correctness.
+const MAX_PLACEMENT_ATTEMPTS: usize = 32;
+
+fn validate_alias(alias: &str) -> ApiResult<()> {
+    let ok = !alias.is_empty()
+        && alias.len() <= MAX_ALIAS_LEN
+        && alias
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "alias",
+            format!("must be 1 to {MAX_ALIAS_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
+        ))
+    }
+}
+
+fn insufficient(request: &BTreeMap<String, u32>) -> ApiError {
+    let what: Vec<String> = request.iter().map(|(v, n)| format!("{n} × {v}")).collect();
+    ApiError::new(
+        ErrorCode::InsufficientCapacity,
+        format!(
+            "no running server has {} free right now",
+            if what.is_empty() {
+                "room".to_string()
+            } else {
+                what.join(" and ")
+            }
+        ),
+    )
+}
+
+pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> {
+    if caller.account.role == Role::Reader {
+        return Err(ApiError::forbidden());
+    }
+    validate_alias(&req.alias)?;
+    if req.package.is_some() && req.assigned_devices.is_some() {
+        return Err(ApiError::invalid(
+            "assigned_devices",
+            "give either a package or assigned_devices, not both",
+        ));
+    }
+    let owner = match req.owner_uuid {
+        Some(o) if o != caller.account.uuid => {
+            caller.require_operator()?;
+            match accounts::get(&ctx.db, o).await {
+                Ok(_) => o,
+                Err(StoreError::NotFound(_)) => {
+                    return Err(ApiError::invalid("owner_uuid", "no such account"));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        _ => caller.account.uuid,
+    };
+    let job = JobId::new_random();
+    let uuid = VmId::new_random();
+    let vm = if let Some(devs) = req.assigned_devices.clone() {
+        caller.require_operator()?;
+        create_with_devices(
+            ctx,
+            &req.alias,
+            owner,
+            uuid,
+            job,
+            devs,
+            req.server_uuid,
+            &req,
+        )
+        .await?
+    } else {
+        let key = req
+            .package
+            .as_deref()
+            .ok_or_else(|| ApiError::invalid("package", "a package (uuid or name) is required"))?;
+        if req.server_uuid.is_some() {
+            return Err(ApiError::invalid(
+                "server_uuid",
+                "only with assigned_devices; packages are placed by the control plane",
+            ));
+        }
+        if req.vcpus.is_some() || req.memory_mib.is_some() {
+            return Err(ApiError::invalid(
+                "vcpus",
+                "the package sets vcpus and memory_mib",
+            ));
+        }
+        let package = match catalog::find_package(ctx, key).await {
+            Ok(p) => p,
+            Err(e) if e.code == ErrorCode::ResourceNotFound => {
+                return Err(ApiError::invalid("package", "no such package"));
+            }
+            Err(e) => return Err(e),
+        };
+        place_and_reserve(ctx, &req.alias, owner, uuid, job, &package).await?
+    };
+    workflows::spawn(ctx.clone(), job);
+    Ok(vm)
+}
+
+async fn place_and_reserve(
+    ctx: &Ctx,
+    alias: &str,
+    owner: passage_model::AccountId,
+    uuid: VmId,
+    job: JobId,
+    package: &passage_model::api::Package,
+) -> ApiResult<Vm> {
+    let variants: Vec<String> = package.devices.keys().cloned().collect();
+    let mut avoid = Vec::new();
+    for _ in 0..MAX_PLACEMENT_ATTEMPTS {
+        let choice = if package.devices.is_empty() {
+            any_running_server(ctx)
+                .await?
+                .map(|server| placement::Placement {
+                    server,
+                    devices: Vec::new(),
+                })
+        } else {
+            let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+            placement::choose(&cands, &package.devices, &avoid)
+        };
+        let Some(choice) = choice else {
+            return Err(insufficient(&package.devices));
+        };
+        let r = vms::create_reserved(
+            &ctx.db,
+            vms::NewVm {
+                uuid,
+                alias,
+                owner,
+                package: Some(package.uuid),
+                vcpus: package.vcpus,
+                memory_mib: package.memory_mib,
+                server: Some(choice.server),
+                devices: &choice.devices,
+                job,
+                job_steps: workflows::PROVISION_STEPS,
+            },
+        )
+        .await;
+        match r {
+            Ok(vm) => return Ok(vm),
+            Err(StoreError::Retry) => avoid.push(choice.server),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::conflict(
+        "too many concurrent provisions for the same devices; try again",
+    ))
+}
+
+async fn any_running_server(ctx: &Ctx) -> ApiResult<Option<passage_model::ServerId>> {
+    let (servers, _) = store::servers::list(&ctx.db, 1000, 0).await?;
+    Ok(servers
+        .into_iter()
+        .filter(|s| {
+            s.last_heartbeat
+                .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
+        })
+        .map(|s| s.uuid)
+        .min())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn create_with_devices(
+    ctx: &Ctx,
+    alias: &str,
+    owner: passage_model::AccountId,
+    uuid: VmId,
+    job: JobId,
+    devs: Vec<DevicePath>,
+    server: Option<passage_model::ServerId>,
+    req: &CreateVm,
+) -> ApiResult<Vm> {
+    let server =
+        server.ok_or_else(|| ApiError::invalid("server_uuid", "required with assigned_devices"))?;
+    if devs.is_empty() || devs.len() > passage_model::api::MAX_DEVICES_PER_VM as usize {
+        return Err(ApiError::invalid(
+            "assigned_devices",
+            format!(
+                "must list 1 to {} devices",
+                passage_model::api::MAX_DEVICES_PER_VM
+            ),
+        ));
+    }
+    let vcpus = req.vcpus.unwrap_or(1);
+    let memory_mib = req.memory_mib.unwrap_or(1024);
+    if !(1..=1024).contains(&vcpus) {
+        return Err(ApiError::invalid("vcpus", "must be 1 to 1024"));
+    }
+    if !(64..=16 * 1024 * 1024).contains(&memory_mib) {
+        return Err(ApiError::invalid("memory_mib", "must be 64 to 16777216"));
+    }
+    let known = match store::servers::get(&ctx.db, server).await {
+        Ok(_) => devices::for_server(&ctx.db, server).await?,
+        Err(StoreError::NotFound(_)) => {
+            return Err(ApiError::invalid("server_uuid", "no such server"));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    for (i, d) in devs.iter().enumerate() {
+        if devs[..i].contains(d) {
+            return Err(ApiError::invalid(
+                format!("assigned_devices[{i}]"),
+                "listed twice",
+            ));
+        }
+        let Some(rec) = known.iter().find(|k| k.pci.id == *d) else {
+            return Err(ApiError::invalid(
+                format!("assigned_devices[{i}]"),
+                "no such device on that server",
+            ));
+        };
+        if rec.variant.is_none() {
+            return Err(ApiError::invalid(
+                format!("assigned_devices[{i}]"),
+                "the device matches no variant, so it is not assignable",
+            ));
+        }
+        if rec.missing || rec.taint.is_some() {
+            return Err(ApiError::conflict(format!(
+                "device {d} is tainted: {}",
+                rec.taint.as_deref().unwrap_or("missing")
+            )));
+        }
+    }
+    let r = vms::create_reserved(
+        &ctx.db,
+        vms::NewVm {
+            uuid,
+            alias,
+            owner,
+            package: None,
+            vcpus,
+            memory_mib,
+            server: Some(server),
+            devices: &devs,
+            job,
+            job_steps: workflows::PROVISION_STEPS,
+        },
+    )
+    .await;
+    match r {
+        Ok(vm) => Ok(vm),
+        Err(StoreError::Retry) => Err(ApiError::conflict(
+            "one of the devices is not unassigned (held, dirty, quarantined or disabled)",
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub async fn get(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = match vms::get(&ctx.db, uuid).await {
+        Ok(vm) => vm,
+        Err(StoreError::NotFound(_)) => return Err(ApiError::not_found("vm")),
+        Err(e) => return Err(e.into()),
+    };
+    if !caller.sees(vm.owner_uuid) {
+        return Err(ApiError::not_found("vm"));
+    }
+    Ok(vm)
+}
+
+pub async fn list(
+    ctx: &Ctx,
+    caller: &Caller,
+    mut filter: vms::VmFilter,
+    limit: i64,
+    offset: i64,
+) -> ApiResult<(Vec<Vm>, i64)> {
+    if !caller.account.role.sees_all() {
+        if filter.owner.is_some_and(|o| o != caller.account.uuid) {
+            // Another tenant's VMs: none that this caller can see.
+            return Ok((Vec::new(), 0));
+        }
+        filter.owner = Some(caller.account.uuid);
+    }
+    Ok(vms::list(&ctx.db, &filter, limit, offset).await?)
+}
+
+pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = get(ctx, caller, uuid).await?;
+    caller.may_change(vm.owner_uuid)?;
+    if vm.state == VmState::Destroyed {
+        return Err(ApiError::invalid_state("the VM is already destroyed"));
+    }
+    let job = JobId::new_random();
+    let vm =
+        vms::begin_destroy(&ctx.db, uuid, vm.owner_uuid, job, workflows::DESTROY_STEPS).await?;
+    workflows::spawn(ctx.clone(), job);
+    Ok(vm)
+}
+
+pub async fn job(ctx: &Ctx, caller: &Caller, uuid: JobId) -> ApiResult<Job> {
+    let rec = match jobs::get(&ctx.db, uuid).await {
+        Ok(r) => r,
+        Err(StoreError::NotFound(_)) => return Err(ApiError::not_found("job")),
+        Err(e) => return Err(e.into()),
+    };
+    let visible = match rec.owner {
+        Some(owner) => caller.sees(owner),
+        None => caller.account.role.sees_all(),
+    };
+    if !visible {
+        return Err(ApiError::not_found("job"));
+    }
+    Ok(rec.view)
+}
+
+pub async fn list_jobs(
+    ctx: &Ctx,
+    caller: &Caller,
+    limit: i64,
+    offset: i64,
+) -> ApiResult<(Vec<Job>, i64)> {
+    let owner = (!caller.account.role.sees_all()).then_some(caller.account.uuid);
+    let (ids, total) = jobs::list(&ctx.db, owner, limit, offset).await?;
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        out.push(jobs::get(&ctx.db, id).await?.view);
+    }
+    Ok((out, total))
+}

@@ -1,0 +1,470 @@
+//! Reported PCI functions and the state of the assignable ones. Every state change goes
+//! through `DeviceTx::move_devices`: the pure state machine decides, a conditional
+//! `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
+
+use super::{Db, StoreError, StoreResult, now_ms, parse_uuid};
+use crate::{in_tx, on_read};
+use passage_model::state::transition;
+use passage_model::variant::classify;
+use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDevice, ServerId, Variant, VmId};
+use std::collections::{HashMap, HashSet};
+
+#[derive(Clone, Debug)]
+pub struct DeviceRecord {
+    pub server_uuid: ServerId,
+    pub pci: PciDevice,
+    pub variant: Option<String>,
+    pub state: DeviceState,
+    pub used_by: Option<VmId>,
+    pub missing: bool,
+    pub taint: Option<String>,
+}
+
+#[derive(sqlx::FromRow)]
+struct DeviceRow {
+    server_uuid: String,
+    id: String,
+    vendor: String,
+    device: String,
+    subvendor: String,
+    subsystem: String,
+    revision: String,
+    class: String,
+    driver: Option<String>,
+    numa_node: Option<i64>,
+    iommu_group: Option<i64>,
+    variant: Option<String>,
+    state: String,
+    used_by: Option<String>,
+    missing: i64,
+    taint: Option<String>,
+}
+
+pub(crate) const COLS: &str = "server_uuid, id, vendor, device, subvendor, subsystem, revision, \
+    class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint";
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+impl DeviceRow {
+    fn into_record(self) -> StoreResult<DeviceRecord> {
+        Ok(DeviceRecord {
+            server_uuid: parse_uuid(&self.server_uuid, "server")?,
+            pci: PciDevice {
+                id: self.id.parse().map_err(corrupt)?,
+                vendor: self.vendor.parse().map_err(corrupt)?,
+                device: self.device.parse().map_err(corrupt)?,
+                subvendor: self.subvendor.parse().map_err(corrupt)?,
+                subsystem: self.subsystem.parse().map_err(corrupt)?,
+                revision: self.revision.parse().map_err(corrupt)?,
+                class: self.class.parse().map_err(corrupt)?,
+                driver: self.driver,
+                numa_node: self.numa_node.and_then(|n| u32::try_from(n).ok()),
+                iommu_group: self.iommu_group.and_then(|n| u32::try_from(n).ok()),
+            },
+            variant: self.variant,
+            state: DeviceState::parse(&self.state).ok_or_else(|| corrupt(&self.state))?,
+            used_by: self.used_by.map(|u| parse_uuid(&u, "vm")).transpose()?,
+            missing: self.missing != 0,
+            taint: self.taint,
+        })
+    }
+}
+
+fn records(rows: Vec<DeviceRow>) -> StoreResult<Vec<DeviceRecord>> {
+    rows.into_iter().map(DeviceRow::into_record).collect()
+}
+
+pub async fn for_server(db: &Db, server: ServerId) -> StoreResult<Vec<DeviceRecord>> {
+    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM devices WHERE server_uuid = $1 ORDER BY bdf"
+    ))
+    .bind(server.to_string())
+    .fetch_all(p)
+    .await)?;
+    records(rows)
+}
+
+pub async fn held_by(db: &Db, vm: VmId) -> StoreResult<Vec<DeviceRecord>> {
+    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM devices WHERE used_by = $1 ORDER BY bdf"
+    ))
+    .bind(vm.to_string())
+    .fetch_all(p)
+    .await)?;
+    records(rows)
+}
+
+pub async fn in_state(db: &Db, state: DeviceState) -> StoreResult<Vec<DeviceRecord>> {
+    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM devices WHERE state = $1 AND variant IS NOT NULL"
+    ))
+    .bind(state.as_str())
+    .fetch_all(p)
+    .await)?;
+    records(rows)
+}
+
+/// Every assignable device: for whole-fleet checks in tests and the capacity view.
+pub async fn all_assignable(db: &Db) -> StoreResult<Vec<DeviceRecord>> {
+    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM devices WHERE variant IS NOT NULL OR state <> 'unassigned'"
+    ))
+    .fetch_all(p)
+    .await)?;
+    records(rows)
+}
+
+/// A device placement may choose.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub server_uuid: ServerId,
+    pub id: DevicePath,
+    pub variant: String,
+    pub numa_node: Option<u32>,
+}
+
+/// Unassigned, untainted devices of these variants on servers heard from since
+/// `alive_after_ms`.
+pub async fn candidates(
+    db: &Db,
+    variants: &[String],
+    alive_after_ms: i64,
+) -> StoreResult<Vec<Candidate>> {
+    if variants.is_empty() {
+        return Ok(Vec::new());
+    }
+    let marks: Vec<String> = (0..variants.len()).map(|i| format!("${}", i + 2)).collect();
+    let sql = format!(
+        "SELECT d.server_uuid, d.id, d.variant, d.numa_node FROM devices d \
+         JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.state = 'unassigned' AND d.missing = 0 AND d.taint IS NULL \
+         AND s.last_heartbeat >= $1 AND d.variant IN ({})",
+        marks.join(", ")
+    );
+    let rows: Vec<(String, String, String, Option<i64>)> = on_read!(db, |p| {
+        let mut q = sqlx::query_as(&sql).bind(alive_after_ms);
+        for v in variants {
+            q = q.bind(v);
+        }
+        q.fetch_all(p).await
+    })?;
+    rows.into_iter()
+        .map(|(s, id, variant, numa)| {
+            Ok(Candidate {
+                server_uuid: parse_uuid(&s, "server")?,
+                id: id.parse().map_err(corrupt)?,
+                variant,
+                numa_node: numa.and_then(|n| u32::try_from(n).ok()),
+            })
+        })
+        .collect()
+}
+
+/// What `move_devices` changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Moved {
+    pub id: String,
+    pub from: DeviceState,
+    pub to: DeviceState,
+}
+
+/// Device changes that must share a transaction with other writes (VM rows, quotas).
+pub trait DeviceTx {
+    /// Applies `event` to each device that can take it. With `vm`: `Reserve` sets it as
+    /// the holder; any other event only moves a held device if `vm` holds it. Devices
+    /// that cannot take the event are left alone (so undo steps are idempotent); a lost
+    /// race is `StoreError::Retry`.
+    fn move_devices(
+        &mut self,
+        server: ServerId,
+        ids: &[String],
+        event: DeviceEvent,
+        vm: Option<VmId>,
+        reason: &str,
+    ) -> impl Future<Output = StoreResult<Vec<Moved>>> + Send;
+}
+
+macro_rules! impl_device_tx {
+    ($db:ty) => {
+        impl DeviceTx for sqlx::Transaction<'_, $db> {
+            async fn move_devices(
+                &mut self,
+                server: ServerId,
+                ids: &[String],
+                event: DeviceEvent,
+                vm: Option<VmId>,
+                reason: &str,
+            ) -> StoreResult<Vec<Moved>> {
+                let now = now_ms();
+                let server_s = server.to_string();
+                let vm_s = vm.map(|v| v.to_string());
+                let mut moved = Vec::new();
+                for id in ids {
+                    let row: Option<(String, Option<String>, i64)> = sqlx::query_as(
+                        "SELECT state, used_by, generation FROM devices \
+                         WHERE server_uuid = $1 AND id = $2",
+                    )
+                    .bind(&server_s)
+                    .bind(id)
+                    .fetch_optional(&mut **self)
+                    .await?;
+                    let Some((state, used_by, generation)) = row else {
+                        continue;
+                    };
+                    let from = DeviceState::parse(&state).ok_or_else(|| corrupt(&state))?;
+                    if event != DeviceEvent::Reserve
+                        && from.is_held()
+                        && vm_s.is_some()
+                        && used_by != vm_s
+                    {
+                        continue;
+                    }
+                    let Ok(to) = transition(from, event) else {
+                        continue;
+                    };
+                    if to == from {
+                        continue;
+                    }
+                    let new_used_by = if !to.is_held() {
+                        None
+                    } else if event == DeviceEvent::Reserve {
+                        vm_s.clone()
+                    } else {
+                        used_by.clone()
+                    };
+                    let n = sqlx::query(
+                        "UPDATE devices SET state = $3, used_by = $4, \
+                         generation = generation + 1, updated_at = $5 \
+                         WHERE server_uuid = $1 AND id = $2 AND generation = $6",
+                    )
+                    .bind(&server_s)
+                    .bind(id)
+                    .bind(to.as_str())
+                    .bind(&new_used_by)
+                    .bind(now)
+                    .bind(generation)
+                    .execute(&mut **self)
+                    .await?
+                    .rows_affected();
+                    if n != 1 {
+                        return Err(StoreError::Retry);
+                    }
+                    if from.is_held() && !to.is_held() {
+                        if let Some(holder) = &used_by {
+                            sqlx::query(
+                                "UPDATE accounts SET gpu_held = gpu_held - 1 WHERE gpu_held > 0 \
+                                 AND uuid = (SELECT owner_uuid FROM vms WHERE uuid = $1)",
+                            )
+                            .bind(holder)
+                            .execute(&mut **self)
+                            .await?;
+                        }
+                    }
+                    sqlx::query(
+                        "INSERT INTO device_events (server_uuid, device, from_state, to_state, \
+                         reason, at) VALUES ($1, $2, $3, $4, $5, $6)",
+                    )
+                    .bind(&server_s)
+                    .bind(id)
+                    .bind(from.as_str())
+                    .bind(to.as_str())
+                    .bind(reason)
+                    .bind(now)
+                    .execute(&mut **self)
+                    .await?;
+                    moved.push(Moved {
+                        id: id.clone(),
+                        from,
+                        to,
+                    });
+                }
+                Ok(moved)
+            }
+        }
+    };
+}
+
+impl_device_tx!(sqlx::Sqlite);
+impl_device_tx!(sqlx::Postgres);
+
+/// Moves devices in a transaction of their own.
+pub async fn move_devices(
+    db: &Db,
+    server: ServerId,
+    ids: &[String],
+    event: DeviceEvent,
+    vm: Option<VmId>,
+    reason: &str,
+) -> StoreResult<Vec<Moved>> {
+    in_tx!(db, |tx| tx
+        .move_devices(server, ids, event, vm, reason)
+        .await)
+}
+
+/// Applies an agent's inventory: new functions appear, known ones are refreshed, and a
+/// device missing from the report is flagged and kept out of placement but never freed.
+pub async fn apply_inventory(
+    db: &Db,
+    server: ServerId,
+    report: &[PciDevice],
+    variants: &[Variant],
+) -> StoreResult<()> {
+    let now = now_ms();
+    let server_s = server.to_string();
+    let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
+    in_tx!(db, |tx| {
+        let known: Vec<(String, String, Option<String>)> =
+            sqlx::query_as("SELECT id, state, variant FROM devices WHERE server_uuid = $1")
+                .bind(&server_s)
+                .fetch_all(&mut *tx)
+                .await?;
+        let known: HashMap<String, (String, Option<String>)> = known
+            .into_iter()
+            .map(|(id, state, variant)| (id, (state, variant)))
+            .collect();
+        for d in report {
+            let id = d.id.to_string();
+            let matched = classify(variants, d).map(|v| v.name.clone());
+            match known.get(&id) {
+                None => {
+                    sqlx::query(
+                        "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
+                         subsystem, revision, class, driver, numa_node, iommu_group, variant, \
+                         state, used_by, generation, missing, taint, updated_at) VALUES \
+                         ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'unassigned', \
+                         NULL, 0, 0, NULL, $14)",
+                    )
+                    .bind(&server_s)
+                    .bind(&id)
+                    .bind(d.address().to_string())
+                    .bind(d.vendor.to_string())
+                    .bind(d.device.to_string())
+                    .bind(d.subvendor.to_string())
+                    .bind(d.subsystem.to_string())
+                    .bind(d.revision.to_string())
+                    .bind(d.class.to_string())
+                    .bind(&d.driver)
+                    .bind(d.numa_node.map(i64::from))
+                    .bind(d.iommu_group.map(i64::from))
+                    .bind(&matched)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                Some((state, old_variant)) => {
+                    // A held or dirty device keeps its variant until it is free again.
+                    let variant = if matches!(state.as_str(), "unassigned" | "disabled") {
+                        matched
+                    } else {
+                        old_variant.clone()
+                    };
+                    sqlx::query(
+                        "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
+                         subsystem = $6, revision = $7, class = $8, driver = $9, \
+                         numa_node = $10, iommu_group = $11, variant = $12, missing = 0, \
+                         taint = CASE WHEN missing = 1 THEN NULL ELSE taint END, \
+                         updated_at = $13 WHERE server_uuid = $1 AND id = $2",
+                    )
+                    .bind(&server_s)
+                    .bind(&id)
+                    .bind(d.vendor.to_string())
+                    .bind(d.device.to_string())
+                    .bind(d.subvendor.to_string())
+                    .bind(d.subsystem.to_string())
+                    .bind(d.revision.to_string())
+                    .bind(d.class.to_string())
+                    .bind(&d.driver)
+                    .bind(d.numa_node.map(i64::from))
+                    .bind(d.iommu_group.map(i64::from))
+                    .bind(&variant)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+            }
+        }
+        for (id, (state, _)) in &known {
+            if reported.contains(id) {
+                continue;
+            }
+            sqlx::query(
+                "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
+                 WHERE server_uuid = $1 AND id = $2 AND missing = 0",
+            )
+            .bind(&server_s)
+            .bind(id)
+            .bind(format!(
+                "missing from the agent's inventory report (state was {state})"
+            ))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(())
+    })
+}
+
+/// Re-derives every free device's variant after the variants changed.
+pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u64> {
+    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled')"
+    ))
+    .fetch_all(p)
+    .await)?;
+    let mut changes = Vec::new();
+    for r in records(rows)? {
+        let v = classify(variants, &r.pci).map(|v| v.name.clone());
+        if v != r.variant {
+            changes.push((r.server_uuid.to_string(), r.pci.id.to_string(), v));
+        }
+    }
+    let n = changes.len() as u64;
+    in_tx!(db, |tx| {
+        for (server, id, variant) in &changes {
+            sqlx::query(
+                "UPDATE devices SET variant = $3, generation = generation + 1 \
+                 WHERE server_uuid = $1 AND id = $2 AND state IN ('unassigned', 'disabled')",
+            )
+            .bind(server)
+            .bind(id)
+            .bind(variant)
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(())
+    })?;
+    Ok(n)
+}
+
+/// Count of devices per variant that match, for the variants view.
+pub async fn count_by_variant(db: &Db) -> StoreResult<HashMap<String, i64>> {
+    let rows: Vec<(String, i64)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT variant, COUNT(*) FROM devices WHERE variant IS NOT NULL GROUP BY variant"
+    )
+    .fetch_all(p)
+    .await)?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Dirty devices untouched since `before_ms`: scrubs someone forgot (a job that failed, a
+/// server that restarted).
+/// Only on servers heard from since `alive_after_ms`: an offline node cannot scrub.
+pub async fn dirty_before(
+    db: &Db,
+    before_ms: i64,
+    alive_after_ms: i64,
+) -> StoreResult<Vec<(ServerId, String)>> {
+    let rows: Vec<(String, String)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT d.server_uuid, d.id FROM devices d JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.state = 'dirty' AND d.updated_at < $1 AND s.last_heartbeat >= $2"
+    )
+    .bind(before_ms)
+    .bind(alive_after_ms)
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(s, id)| Ok((parse_uuid(&s, "server")?, id)))
+        .collect()
+}

@@ -1,0 +1,260 @@
+//! Persisted jobs and their steps: the saga log a restarted server resumes from.
+
+use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use crate::{in_tx, on_read, on_write};
+use passage_model::api::{Job, JobState, JobStep, StepState};
+use passage_model::{AccountId, JobId, VmId};
+
+pub trait JobTx {
+    fn insert_job(
+        &mut self,
+        job: JobId,
+        name: &str,
+        vm: Option<VmId>,
+        owner: Option<AccountId>,
+        payload: Option<&str>,
+        steps: &[&str],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+}
+
+macro_rules! impl_job_tx {
+    ($db:ty) => {
+        impl JobTx for sqlx::Transaction<'_, $db> {
+            async fn insert_job(
+                &mut self,
+                job: JobId,
+                name: &str,
+                vm: Option<VmId>,
+                owner: Option<AccountId>,
+                payload: Option<&str>,
+                steps: &[&str],
+            ) -> StoreResult<()> {
+                let now = now_ms();
+                sqlx::query(
+                    "INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, \
+                     created_at) VALUES ($1, $2, $3, $4, $6, 'queued', $5)",
+                )
+                .bind(job.to_string())
+                .bind(name)
+                .bind(vm.map(|v| v.to_string()))
+                .bind(owner.map(|o| o.to_string()))
+                .bind(now)
+                .bind(payload)
+                .execute(&mut **self)
+                .await?;
+                for (i, step) in steps.iter().enumerate() {
+                    sqlx::query(
+                        "INSERT INTO job_steps (job_uuid, idx, name, state) \
+                         VALUES ($1, $2, $3, 'pending')",
+                    )
+                    .bind(job.to_string())
+                    .bind(i as i64)
+                    .bind(*step)
+                    .execute(&mut **self)
+                    .await?;
+                }
+                Ok(())
+            }
+        }
+    };
+}
+impl_job_tx!(sqlx::Sqlite);
+impl_job_tx!(sqlx::Postgres);
+
+pub async fn insert(
+    db: &Db,
+    job: JobId,
+    name: &str,
+    vm: Option<VmId>,
+    owner: Option<AccountId>,
+    payload: Option<&str>,
+    steps: &[&str],
+) -> StoreResult<()> {
+    in_tx!(db, |tx| tx
+        .insert_job(job, name, vm, owner, payload, steps)
+        .await)
+}
+
+#[derive(sqlx::FromRow)]
+struct JobRow {
+    uuid: String,
+    name: String,
+    vm_uuid: Option<String>,
+    owner_uuid: Option<String>,
+    payload: Option<String>,
+    state: String,
+    error: Option<String>,
+    created_at: i64,
+    ended_at: Option<i64>,
+}
+
+#[derive(sqlx::FromRow)]
+struct StepRow {
+    name: String,
+    state: String,
+    started_at: Option<i64>,
+    ended_at: Option<i64>,
+    error: Option<String>,
+}
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+pub struct JobRecord {
+    pub view: Job,
+    /// The account whose VM the job works on (for access checks).
+    pub owner: Option<AccountId>,
+    pub payload: Option<String>,
+}
+
+pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
+    let row: Option<JobRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at \
+         FROM jobs WHERE uuid = $1"
+    )
+    .bind(job.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let row = row.ok_or(StoreError::NotFound("job"))?;
+    let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT name, state, started_at, ended_at, error FROM job_steps \
+         WHERE job_uuid = $1 ORDER BY idx"
+    )
+    .bind(job.to_string())
+    .fetch_all(p)
+    .await)?;
+    let owner = row
+        .owner_uuid
+        .as_deref()
+        .map(|o| parse_uuid(o, "account"))
+        .transpose()?;
+    let view = Job {
+        uuid: parse_uuid(&row.uuid, "job")?,
+        name: row.name,
+        vm_uuid: row
+            .vm_uuid
+            .as_deref()
+            .map(|v| parse_uuid(v, "vm"))
+            .transpose()?,
+        state: JobState::parse(&row.state).ok_or_else(|| corrupt(&row.state))?,
+        steps: steps
+            .into_iter()
+            .map(|s| {
+                Ok(JobStep {
+                    state: StepState::parse(&s.state).ok_or_else(|| corrupt(&s.state))?,
+                    name: s.name,
+                    started_at: s.started_at.map(to_time),
+                    ended_at: s.ended_at.map(to_time),
+                    error: s.error,
+                })
+            })
+            .collect::<StoreResult<_>>()?,
+        created_at: to_time(row.created_at),
+        ended_at: row.ended_at.map(to_time),
+        error: row.error,
+    };
+    Ok(JobRecord {
+        view,
+        owner,
+        payload: row.payload,
+    })
+}
+
+pub async fn set_state(
+    db: &Db,
+    job: JobId,
+    state: JobState,
+    error: Option<&str>,
+) -> StoreResult<()> {
+    let ended = matches!(state, JobState::Succeeded | JobState::Failed).then(now_ms);
+    on_write!(db, |p| sqlx::query(
+        "UPDATE jobs SET state = $2, error = COALESCE($3, error), ended_at = $4 WHERE uuid = $1"
+    )
+    .bind(job.to_string())
+    .bind(state.as_str())
+    .bind(error)
+    .bind(ended)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+pub async fn step_started(db: &Db, job: JobId, idx: usize) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE job_steps SET state = 'running', started_at = COALESCE(started_at, $3), \
+         error = NULL WHERE job_uuid = $1 AND idx = $2"
+    )
+    .bind(job.to_string())
+    .bind(idx as i64)
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+pub async fn step_ended(
+    db: &Db,
+    job: JobId,
+    idx: usize,
+    state: StepState,
+    error: Option<&str>,
+) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE job_steps SET state = $3, ended_at = $4, error = COALESCE($5, error) \
+         WHERE job_uuid = $1 AND idx = $2"
+    )
+    .bind(job.to_string())
+    .bind(idx as i64)
+    .bind(state.as_str())
+    .bind(now_ms())
+    .bind(error)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+/// Jobs not yet ended, oldest first: what a restarted server must resume or unwind.
+pub async fn unfinished(db: &Db) -> StoreResult<Vec<(JobId, String)>> {
+    let rows: Vec<(String, String)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT uuid, name FROM jobs WHERE state IN ('queued', 'running') ORDER BY created_at"
+    )
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(u, n)| Ok((parse_uuid(&u, "job")?, n)))
+        .collect()
+}
+
+pub async fn list(
+    db: &Db,
+    owner: Option<AccountId>,
+    limit: i64,
+    offset: i64,
+) -> StoreResult<(Vec<JobId>, i64)> {
+    let owner_s = owner.map(|o| o.to_string());
+    let rows: Vec<String> = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT uuid FROM jobs WHERE (CAST($1 AS TEXT) IS NULL OR owner_uuid = $1) \
+         ORDER BY created_at DESC, uuid DESC LIMIT $2 OFFSET $3"
+    )
+    .bind(&owner_s)
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(p)
+    .await)?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE (CAST($1 AS TEXT) IS NULL OR owner_uuid = $1)"
+    )
+    .bind(&owner_s)
+    .fetch_one(p)
+    .await)?;
+    Ok((
+        rows.iter()
+            .map(|u| parse_uuid(u, "job"))
+            .collect::<StoreResult<_>>()?,
+        total,
+    ))
+}

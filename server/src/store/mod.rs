@@ -1,0 +1,210 @@
+//! Storage on SQLite (file, WAL: the embedded default) or Postgres (by URL: for several
+//! replicas). Native pools on both, one migration tree each. Queries are written once with
+//! `$N` placeholders, which both backends accept, and run through the macros below, which
+//! expand the same body against each backend's concrete pool type.
+
+pub mod accounts;
+pub mod devices;
+pub mod events;
+pub mod jobs;
+pub mod packages;
+pub mod servers;
+pub mod tasks;
+pub mod variants;
+pub mod vms;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::SqliteSynchronous;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use std::str::FromStr;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Sqlx(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Quota(String),
+    #[error("{0}")]
+    InvalidState(String),
+    /// A conditional write lost a race: the caller may re-read and try again.
+    #[error("a concurrent change won")]
+    Retry,
+    /// A stored value no longer parses (a bug or a hand-edited database).
+    #[error("corrupt stored value: {0}")]
+    Corrupt(String),
+    #[error("database URL {0:?} is neither sqlite://PATH nor postgres://…")]
+    BadUrl(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Maps a unique-constraint violation to a conflict that names what was duplicated.
+pub fn unique_as_conflict(e: sqlx::Error, what: impl FnOnce() -> String) -> StoreError {
+    if let sqlx::Error::Database(db) = &e {
+        if db.is_unique_violation() {
+            return StoreError::Conflict(what());
+        }
+    }
+    StoreError::Sqlx(e)
+}
+
+#[derive(Clone, Debug)]
+pub enum Db {
+    /// SQLite takes one writer at a time: writes go through a one-connection pool so they
+    /// queue in the pool instead of failing with SQLITE_BUSY; reads use the other pool.
+    Sqlite {
+        write: SqlitePool,
+        read: SqlitePool,
+    },
+    Postgres(PgPool),
+}
+
+/// Runs `$body` with `$c` bound to the write pool of whichever backend is in use.
+#[macro_export]
+macro_rules! on_write {
+    ($db:expr, |$c:ident| $body:expr) => {
+        match $db {
+            $crate::store::Db::Sqlite { write, .. } => {
+                let $c = write;
+                $body
+            }
+            $crate::store::Db::Postgres(p) => {
+                let $c = p;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$c` bound to a pool fit for reads.
+#[macro_export]
+macro_rules! on_read {
+    ($db:expr, |$c:ident| $body:expr) => {
+        match $db {
+            $crate::store::Db::Sqlite { read, .. } => {
+                let $c = read;
+                $body
+            }
+            $crate::store::Db::Postgres(p) => {
+                let $c = p;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `$body` (an expression of type `StoreResult<T>`, which may `.await`) inside a
+/// transaction bound to `$tx`: committed on `Ok`, rolled back on `Err`.
+#[macro_export]
+macro_rules! in_tx {
+    ($db:expr, |$tx:ident| $body:expr) => {
+        match $db {
+            $crate::store::Db::Sqlite { write, .. } => {
+                let mut $tx = write.begin().await?;
+                let r: $crate::store::StoreResult<_> = async { $body }.await;
+                match r {
+                    Ok(v) => {
+                        $tx.commit().await?;
+                        Ok(v)
+                    }
+                    Err(e) => {
+                        $tx.rollback().await?;
+                        Err(e)
+                    }
+                }
+            }
+            $crate::store::Db::Postgres(p) => {
+                let mut $tx = p.begin().await?;
+                let r: $crate::store::StoreResult<_> = async { $body }.await;
+                match r {
+                    Ok(v) => {
+                        $tx.commit().await?;
+                        Ok(v)
+                    }
+                    Err(e) => {
+                        $tx.rollback().await?;
+                        Err(e)
+                    }
+                }
+            }
+        }
+    };
+}
+
+impl Db {
+    /// `sqlite://PATH` (created if missing) or `postgres://…`.
+    pub async fn connect(url: &str) -> StoreResult<Db> {
+        if let Some(path) = url
+            .strip_prefix("sqlite://")
+            .or_else(|| url.strip_prefix("sqlite:"))
+        {
+            let base = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Normal)
+                .foreign_keys(true)
+                .busy_timeout(Duration::from_secs(30));
+            let write = SqlitePoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect_with(base.clone())
+                .await?;
+            sqlx::migrate!("../migrations/sqlite").run(&write).await?;
+            let read = SqlitePoolOptions::new()
+                .max_connections(8)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect_with(base.read_only(true))
+                .await?;
+            Ok(Db::Sqlite { write, read })
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let opts = PgConnectOptions::from_str(url)?;
+            let pool = PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect_with(opts)
+                .await?;
+            sqlx::migrate!("../migrations/postgres").run(&pool).await?;
+            Ok(Db::Postgres(pool))
+        } else {
+            Err(StoreError::BadUrl(url.chars().take(40).collect()))
+        }
+    }
+
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Db::Sqlite { .. } => "sqlite",
+            Db::Postgres(_) => "postgres",
+        }
+    }
+
+    pub async fn close(&self) {
+        match self {
+            Db::Sqlite { write, read } => {
+                read.close().await;
+                write.close().await;
+            }
+            Db::Postgres(p) => p.close().await,
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch: the one time format in both schemas.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+pub fn to_time(ms: i64) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default()
+}
+
+pub fn parse_uuid<T: FromStr>(s: &str, what: &str) -> StoreResult<T> {
+    s.parse()
+        .map_err(|_| StoreError::Corrupt(format!("{what} {s:?} is not a uuid")))
+}

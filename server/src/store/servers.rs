@@ -1,0 +1,157 @@
+//! Compute nodes: join tokens, registration, heartbeats.
+
+use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use crate::{in_tx, on_read, on_write};
+use chrono::{DateTime, Utc};
+use passage_model::ServerId;
+
+pub struct ServerRecord {
+    pub uuid: ServerId,
+    pub hostname: String,
+    pub last_heartbeat: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ServerRow {
+    uuid: String,
+    hostname: String,
+    last_heartbeat: Option<i64>,
+    created_at: i64,
+}
+
+impl ServerRow {
+    fn into_record(self) -> StoreResult<ServerRecord> {
+        Ok(ServerRecord {
+            uuid: parse_uuid(&self.uuid, "server")?,
+            hostname: self.hostname,
+            last_heartbeat: self.last_heartbeat.map(to_time),
+            created_at: to_time(self.created_at),
+        })
+    }
+}
+
+pub async fn insert_join_token(
+    db: &Db,
+    token_hash: &str,
+    created_by: &str,
+    expires_at: i64,
+) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "INSERT INTO join_tokens (token_hash, created_by, expires_at, created_at) \
+         VALUES ($1, $2, $3, $4)"
+    )
+    .bind(token_hash)
+    .bind(created_by)
+    .bind(expires_at)
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+/// Spends a join token and creates the server in one transaction, so a token admits one
+/// node however many agents race with it.
+pub async fn register(
+    db: &Db,
+    join_token_hash: &str,
+    hostname: &str,
+    credential_hash: &str,
+) -> StoreResult<Option<ServerId>> {
+    let uuid = ServerId::new_random();
+    let now = now_ms();
+    in_tx!(db, |tx| {
+        let spent = sqlx::query(
+            "UPDATE join_tokens SET used_at = $2, server_uuid = $3 \
+             WHERE token_hash = $1 AND used_at IS NULL AND expires_at > $2",
+        )
+        .bind(join_token_hash)
+        .bind(now)
+        .bind(uuid.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if spent != 1 {
+            return Ok(None);
+        }
+        sqlx::query(
+            "INSERT INTO servers (uuid, hostname, credential_hash, last_heartbeat, created_at) \
+             VALUES ($1, $2, $3, $4, $4)",
+        )
+        .bind(uuid.to_string())
+        .bind(hostname)
+        .bind(credential_hash)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        Ok(Some(uuid))
+    })
+}
+
+pub async fn by_credential(db: &Db, credential_hash: &str) -> StoreResult<Option<ServerId>> {
+    let s: Option<String> = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT uuid FROM servers WHERE credential_hash = $1"
+    )
+    .bind(credential_hash)
+    .fetch_optional(p)
+    .await)?;
+    s.map(|s| parse_uuid(&s, "server")).transpose()
+}
+
+pub async fn heartbeat(db: &Db, uuid: ServerId) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE servers SET last_heartbeat = $2 WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+pub async fn get(db: &Db, uuid: ServerId) -> StoreResult<ServerRecord> {
+    let row: Option<ServerRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT uuid, hostname, last_heartbeat, created_at FROM servers WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    row.ok_or(StoreError::NotFound("server"))?.into_record()
+}
+
+pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRecord>, i64)> {
+    let rows: Vec<ServerRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT uuid, hostname, last_heartbeat, created_at FROM servers \
+         ORDER BY created_at DESC, uuid DESC LIMIT $1 OFFSET $2"
+    )
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(p)
+    .await)?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar("SELECT COUNT(*) FROM servers")
+        .fetch_one(p)
+        .await)?;
+    Ok((
+        rows.into_iter()
+            .map(ServerRow::into_record)
+            .collect::<StoreResult<_>>()?,
+        total,
+    ))
+}
+
+pub async fn set_hostname(db: &Db, uuid: ServerId, hostname: &str) -> StoreResult<()> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE servers SET hostname = $2 WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .bind(hostname)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    if n == 0 {
+        return Err(StoreError::NotFound("server"));
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! Device variants.
+
+use super::{Db, StoreError, StoreResult, now_ms, unique_as_conflict};
+use crate::{on_read, on_write};
+use passage_model::Variant;
+use passage_model::variant::DeviceType;
+
+#[derive(sqlx::FromRow)]
+struct VariantRow {
+    name: String,
+    kind: String,
+    vendor: String,
+    device: String,
+    subvendor: Option<String>,
+    subsystem: Option<String>,
+    revision: Option<String>,
+    description: Option<String>,
+}
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+impl VariantRow {
+    fn into_view(self) -> StoreResult<Variant> {
+        Ok(Variant {
+            kind: DeviceType::parse(&self.kind).ok_or_else(|| corrupt(&self.kind))?,
+            vendor: self.vendor.parse().map_err(corrupt)?,
+            device: self.device.parse().map_err(corrupt)?,
+            subvendor: self
+                .subvendor
+                .map(|s| s.parse())
+                .transpose()
+                .map_err(corrupt)?,
+            subsystem: self
+                .subsystem
+                .map(|s| s.parse())
+                .transpose()
+                .map_err(corrupt)?,
+            revision: self
+                .revision
+                .map(|s| s.parse())
+                .transpose()
+                .map_err(corrupt)?,
+            description: self.description,
+            name: self.name,
+        })
+    }
+}
+
+const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description";
+
+pub async fn list(db: &Db) -> StoreResult<Vec<Variant>> {
+    let rows: Vec<VariantRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM variants ORDER BY name"
+    ))
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter().map(VariantRow::into_view).collect()
+}
+
+pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
+    let row: Option<VariantRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM variants WHERE name = $1"
+    ))
+    .bind(name)
+    .fetch_optional(p)
+    .await)?;
+    row.ok_or(StoreError::NotFound("variant"))?.into_view()
+}
+
+pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(&format!(
+        "INSERT INTO variants ({COLS}, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    ))
+    .bind(&v.name)
+    .bind(v.kind.as_str())
+    .bind(v.vendor.to_string())
+    .bind(v.device.to_string())
+    .bind(v.subvendor.map(|x| x.to_string()))
+    .bind(v.subsystem.map(|x| x.to_string()))
+    .bind(v.revision.map(|x| x.to_string()))
+    .bind(&v.description)
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))
+    .map_err(|e| unique_as_conflict(e, || format!("variant {:?} exists", v.name)))?;
+    Ok(())
+}
+
+pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
+         subsystem = $6, revision = $7, description = $8 WHERE name = $1"
+    )
+    .bind(&v.name)
+    .bind(v.kind.as_str())
+    .bind(v.vendor.to_string())
+    .bind(v.device.to_string())
+    .bind(v.subvendor.map(|x| x.to_string()))
+    .bind(v.subsystem.map(|x| x.to_string()))
+    .bind(v.revision.map(|x| x.to_string()))
+    .bind(&v.description)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    if n == 0 {
+        return Err(StoreError::NotFound("variant"));
+    }
+    Ok(())
+}
+
+/// Refused while a package asks for the variant or a device of it is anywhere but
+/// `unassigned`/`disabled`: either would lose track of what a VM holds.
+pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
+    let busy: i64 = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT COUNT(*) FROM devices WHERE variant = $1 \
+         AND state NOT IN ('unassigned', 'disabled')"
+    )
+    .bind(name)
+    .fetch_one(p)
+    .await)?;
+    if busy > 0 {
+        return Err(StoreError::Conflict(format!(
+            "{busy} device(s) of variant {name:?} are in use or being cleaned"
+        )));
+    }
+    let packages = super::packages::list_all(db).await?;
+    if let Some(p) = packages.iter().find(|p| p.devices.contains_key(name)) {
+        return Err(StoreError::Conflict(format!(
+            "package {:?} asks for variant {name:?}",
+            p.name
+        )));
+    }
+    let n = on_write!(db, |p| sqlx::query("DELETE FROM variants WHERE name = $1")
+        .bind(name)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()))?;
+    if n == 0 {
+        return Err(StoreError::NotFound("variant"));
+    }
+    Ok(())
+}

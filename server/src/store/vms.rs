@@ -1,0 +1,335 @@
+//! VMs. Creation reserves the devices, charges the owner's quota, and writes the VM and
+//! its provision job in one transaction: the 202 is only sent once all of it holds.
+
+use super::devices::DeviceTx;
+use super::jobs::JobTx;
+use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use crate::{in_tx, on_read, on_write};
+use passage_model::api::{Vm, VmState};
+use passage_model::{AccountId, DeviceEvent, DevicePath, JobId, PackageId, ServerId, VmId};
+
+#[derive(sqlx::FromRow)]
+struct VmRow {
+    uuid: String,
+    alias: String,
+    owner_uuid: String,
+    server_uuid: Option<String>,
+    package_uuid: Option<String>,
+    state: String,
+    vcpus: i64,
+    memory_mib: i64,
+    assigned_devices: String,
+    job_uuid: Option<String>,
+    created_at: i64,
+}
+
+const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
+    memory_mib, assigned_devices, job_uuid, created_at";
+
+fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+impl VmRow {
+    fn into_view(self) -> StoreResult<Vm> {
+        Ok(Vm {
+            uuid: parse_uuid(&self.uuid, "vm")?,
+            alias: self.alias,
+            owner_uuid: parse_uuid(&self.owner_uuid, "account")?,
+            server_uuid: self
+                .server_uuid
+                .as_deref()
+                .map(|s| parse_uuid(s, "server"))
+                .transpose()?,
+            package_uuid: self
+                .package_uuid
+                .as_deref()
+                .map(|s| parse_uuid(s, "package"))
+                .transpose()?,
+            state: VmState::parse(&self.state).ok_or_else(|| corrupt(&self.state))?,
+            vcpus: u32::try_from(self.vcpus).unwrap_or(0),
+            memory_mib: u64::try_from(self.memory_mib).unwrap_or(0),
+            assigned_devices: serde_json::from_str(&self.assigned_devices).map_err(corrupt)?,
+            job_uuid: self
+                .job_uuid
+                .as_deref()
+                .map(|s| parse_uuid(s, "job"))
+                .transpose()?,
+            created_at: to_time(self.created_at),
+        })
+    }
+}
+
+pub struct NewVm<'a> {
+    pub uuid: VmId,
+    pub alias: &'a str,
+    pub owner: AccountId,
+    pub package: Option<PackageId>,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub server: Option<ServerId>,
+    pub devices: &'a [DevicePath],
+    pub job: JobId,
+    pub job_steps: &'a [&'a str],
+}
+
+/// Inserts the VM, reserves its devices (all or none) and charges the owner's GPU quota.
+/// `StoreError::Retry` when another reservation took a device first; `Quota` when the
+/// owner's quota would be exceeded.
+pub async fn create_reserved(db: &Db, vm: NewVm<'_>) -> StoreResult<Vm> {
+    let now = now_ms();
+    let ids: Vec<String> = vm.devices.iter().map(|d| d.to_string()).collect();
+    let assigned = serde_json::to_string(&ids).map_err(corrupt)?;
+    in_tx!(db, |tx| {
+        sqlx::query(&format!(
+            "INSERT INTO vms ({COLS}, updated_at) VALUES \
+             ($1, $2, $3, $4, $5, 'provisioning', $6, $7, $8, $9, $10, $10)"
+        ))
+        .bind(vm.uuid.to_string())
+        .bind(vm.alias)
+        .bind(vm.owner.to_string())
+        .bind(vm.server.map(|s| s.to_string()))
+        .bind(vm.package.map(|p| p.to_string()))
+        .bind(i64::from(vm.vcpus))
+        .bind(i64::try_from(vm.memory_mib).unwrap_or(i64::MAX))
+        .bind(&assigned)
+        .bind(vm.job.to_string())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if !ids.is_empty() {
+            let n = ids.len() as i64;
+            let charged = sqlx::query(
+                "UPDATE accounts SET gpu_held = gpu_held + $2 WHERE uuid = $1 \
+                 AND (gpu_quota IS NULL OR gpu_held + $2 <= gpu_quota)",
+            )
+            .bind(vm.owner.to_string())
+            .bind(n)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if charged != 1 {
+                let quota: Option<i64> =
+                    sqlx::query_scalar("SELECT gpu_quota FROM accounts WHERE uuid = $1")
+                        .bind(vm.owner.to_string())
+                        .fetch_optional(&mut *tx)
+                        .await?
+                        .flatten();
+                return Err(StoreError::Quota(format!(
+                    "GPU quota of {} device(s) would be exceeded by {n} more",
+                    quota.unwrap_or(0)
+                )));
+            }
+            let server = vm
+                .server
+                .ok_or_else(|| StoreError::Corrupt("devices without a server".into()))?;
+            let moved = tx
+                .move_devices(
+                    server,
+                    &ids,
+                    DeviceEvent::Reserve,
+                    Some(vm.uuid),
+                    &format!("reserved for VM {}", vm.uuid),
+                )
+                .await?;
+            if moved.len() != ids.len() {
+                return Err(StoreError::Retry);
+            }
+        }
+        tx.insert_job(
+            vm.job,
+            "provision",
+            Some(vm.uuid),
+            Some(vm.owner),
+            None,
+            vm.job_steps,
+        )
+        .await?;
+        Ok(())
+    })?;
+    get(db, vm.uuid).await
+}
+
+pub async fn get(db: &Db, uuid: VmId) -> StoreResult<Vm> {
+    let row: Option<VmRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM vms WHERE uuid = $1"
+    ))
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    row.ok_or(StoreError::NotFound("vm"))?.into_view()
+}
+
+#[derive(Default)]
+pub struct VmFilter {
+    pub owner: Option<AccountId>,
+    pub state: Option<VmState>,
+    pub server: Option<ServerId>,
+    pub assigned_device: Option<String>,
+}
+
+pub async fn list(db: &Db, f: &VmFilter, limit: i64, offset: i64) -> StoreResult<(Vec<Vm>, i64)> {
+    let owner = f.owner.map(|o| o.to_string());
+    let state = f.state.map(|s| s.as_str());
+    let server = f.server.map(|s| s.to_string());
+    // Device paths never contain quotes or LIKE wildcards except '_', which only widens
+    // the match; the exact check below removes any false hit.
+    let device_like = f.assigned_device.as_ref().map(|d| format!("%\"{d}\"%"));
+    let cond = "(CAST($1 AS TEXT) IS NULL OR owner_uuid = $1) \
+        AND (CAST($2 AS TEXT) IS NULL OR state = $2) \
+        AND (CAST($3 AS TEXT) IS NULL OR server_uuid = $3) \
+        AND (CAST($4 AS TEXT) IS NULL OR assigned_devices LIKE $4)";
+    let rows: Vec<VmRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM vms WHERE {cond} ORDER BY created_at DESC, uuid DESC \
+         LIMIT $5 OFFSET $6"
+    ))
+    .bind(&owner)
+    .bind(state)
+    .bind(&server)
+    .bind(&device_like)
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(p)
+    .await)?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM vms WHERE {cond}"
+    ))
+    .bind(&owner)
+    .bind(state)
+    .bind(&server)
+    .bind(&device_like)
+    .fetch_one(p)
+    .await)?;
+    let mut vms: Vec<Vm> = rows
+        .into_iter()
+        .map(VmRow::into_view)
+        .collect::<StoreResult<_>>()?;
+    if let Some(d) = &f.assigned_device {
+        vms.retain(|v| v.assigned_devices.iter().any(|a| a.to_string() == *d));
+    }
+    Ok((vms, total))
+}
+
+/// Moves a VM from one of `from` to `to`; false if it was in none of them.
+pub async fn set_state(db: &Db, uuid: VmId, from: &[VmState], to: VmState) -> StoreResult<bool> {
+    let list: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
+    let n = on_write!(db, |p| sqlx::query(&format!(
+        "UPDATE vms SET state = $2, updated_at = $3 WHERE uuid = $1 AND state IN ({})",
+        list.join(", ")
+    ))
+    .bind(uuid.to_string())
+    .bind(to.as_str())
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n == 1)
+}
+
+/// Starts a destroy: the VM goes `destroying` and its destroy job is written, together.
+pub async fn begin_destroy(
+    db: &Db,
+    uuid: VmId,
+    owner: AccountId,
+    job: JobId,
+    steps: &[&str],
+) -> StoreResult<Vm> {
+    in_tx!(db, |tx| {
+        let n = sqlx::query(
+            "UPDATE vms SET state = 'destroying', job_uuid = $2, updated_at = $3 \
+             WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed')",
+        )
+        .bind(uuid.to_string())
+        .bind(job.to_string())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Err(StoreError::InvalidState(
+                "the VM is being provisioned or destroyed already; wait for its job".into(),
+            ));
+        }
+        tx.insert_job(job, "destroy", Some(uuid), Some(owner), None, steps)
+            .await?;
+        Ok(())
+    })?;
+    get(db, uuid).await
+}
+
+/// VMs on a server, for the server object's `vms` map.
+pub async fn on_server(db: &Db, server: ServerId) -> StoreResult<Vec<Vm>> {
+    let rows: Vec<VmRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM vms WHERE server_uuid = $1 \
+         AND state NOT IN ('destroyed', 'failed') ORDER BY created_at"
+    ))
+    .bind(server.to_string())
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter().map(VmRow::into_view).collect()
+}
+
+/// The last provision step: devices `used`, VM `running`, together.
+pub async fn mark_running(
+    db: &Db,
+    uuid: VmId,
+    server: ServerId,
+    ids: &[String],
+) -> StoreResult<()> {
+    in_tx!(db, |tx| {
+        tx.move_devices(
+            server,
+            ids,
+            DeviceEvent::Attach,
+            Some(uuid),
+            &format!("attached to running VM {uuid}"),
+        )
+        .await?;
+        let n = sqlx::query(
+            "UPDATE vms SET state = 'running', updated_at = $2 WHERE uuid = $1 \
+             AND state IN ('provisioning', 'running')",
+        )
+        .bind(uuid.to_string())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Err(StoreError::InvalidState(
+                "the VM is no longer being provisioned".into(),
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// The destroy's point of no return: the VM's devices go `dirty` (to be scrubbed) and the
+/// VM is `destroyed`, together.
+pub async fn release_destroyed(
+    db: &Db,
+    uuid: VmId,
+    server: Option<ServerId>,
+    ids: &[String],
+) -> StoreResult<()> {
+    in_tx!(db, |tx| {
+        if let Some(server) = server {
+            tx.move_devices(
+                server,
+                ids,
+                DeviceEvent::Release,
+                Some(uuid),
+                &format!("VM {uuid} destroyed"),
+            )
+            .await?;
+        }
+        sqlx::query(
+            "UPDATE vms SET state = 'destroyed', updated_at = $2 WHERE uuid = $1 \
+             AND state IN ('destroying', 'destroyed')",
+        )
+        .bind(uuid.to_string())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    })
+}

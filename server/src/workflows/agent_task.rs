@@ -1,0 +1,57 @@
+//! A job step that needs a node: queue a task for its agent and wait for the answer.
+
+use crate::services::Ctx;
+use crate::store::tasks;
+use passage_model::protocol::{Task, TaskResult};
+use passage_model::{JobId, ServerId};
+use std::time::Duration;
+
+/// Waits for a successful answer; a failure on the node is an error.
+pub async fn run(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<JobId>,
+    task: Task,
+) -> Result<TaskResult, String> {
+    let name = task.name();
+    let r = run_raw(ctx, server, job, task).await?;
+    if r.ok {
+        Ok(r)
+    } else {
+        Err(format!(
+            "{name} failed on the node: {}",
+            r.error.as_deref().unwrap_or("no reason given")
+        ))
+    }
+}
+
+/// Waits for the node's answer, whatever it says; an error only if none came.
+pub async fn run_raw(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<JobId>,
+    task: Task,
+) -> Result<TaskResult, String> {
+    let name = task.name();
+    let id = tasks::enqueue(&ctx.db, server, job, &task)
+        .await
+        .map_err(|e| format!("could not queue {name}: {e}"))?;
+    ctx.tasks_queued.notify_waiters();
+    let deadline = tokio::time::Instant::now() + ctx.cfg.task_timeout;
+    loop {
+        let done = ctx.task_done.notified();
+        match tasks::result(&ctx.db, id).await {
+            Ok(Some(r)) => return Ok(r),
+            Ok(None) => {}
+            Err(e) => return Err(format!("reading the result of {name}: {e}")),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "the node did not answer {name} within {} s",
+                ctx.cfg.task_timeout.as_secs()
+            ));
+        }
+        // Polling as well covers a result given to another replica.
+        let _ = tokio::time::timeout(Duration::from_millis(500), done).await;
+    }
+}

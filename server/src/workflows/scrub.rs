@@ -1,0 +1,139 @@
+//! Scrubbing: dirty → cleaning → (agent scrubs, reports each step) → unassigned, or
+//! quarantined when any step failed or no report came.
+
+use super::agent_task;
+use crate::services::Ctx;
+use crate::store::jobs::JobRecord;
+use crate::store::{StoreResult, devices, events, jobs};
+use passage_model::protocol::Task;
+use passage_model::{DeviceEvent, DevicePath, JobId, ServerId};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize)]
+struct ScrubPayload {
+    server: ServerId,
+    devices: Vec<String>,
+}
+
+/// Starts a job that scrubs these devices of one server.
+pub async fn start_job(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResult<JobId> {
+    let job = JobId::new_random();
+    let payload = serde_json::to_string(&ScrubPayload {
+        server,
+        devices: ids.to_vec(),
+    })
+    .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
+    jobs::insert(
+        &ctx.db,
+        job,
+        "scrub",
+        None,
+        None,
+        Some(&payload),
+        super::SCRUB_STEPS,
+    )
+    .await?;
+    super::spawn(ctx.clone(), job);
+    Ok(job)
+}
+
+pub(super) async fn job_action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
+    if step != "scrub" {
+        return Err(format!("unknown scrub step {step}"));
+    }
+    let payload: ScrubPayload = serde_json::from_str(job.payload.as_deref().unwrap_or(""))
+        .map_err(|e| format!("scrub job payload: {e}"))?;
+    scrub_devices(ctx, payload.server, Some(job.view.uuid), &payload.devices).await
+}
+
+/// Scrubs those of `ids` that are dirty. Each device's outcome follows its own report.
+pub async fn scrub_devices(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<JobId>,
+    ids: &[String],
+) -> Result<(), String> {
+    let started = devices::move_devices(
+        &ctx.db,
+        server,
+        ids,
+        DeviceEvent::ScrubStart,
+        None,
+        "scrub started",
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    if started.is_empty() {
+        return Ok(());
+    }
+    let paths: Vec<DevicePath> = started.iter().filter_map(|m| m.id.parse().ok()).collect();
+    let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
+    let task = Task::Scrub { devices: paths };
+    let task_result = match agent_task::run_raw(ctx, server, job, task).await {
+        Ok(r) => r,
+        Err(e) => {
+            // No answer: the scrub may not have run. Back to dirty; the reconciler retries.
+            devices::move_devices(
+                &ctx.db,
+                server,
+                &ids,
+                DeviceEvent::ScrubAborted,
+                None,
+                &format!("scrub interrupted: {e}"),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            return Err(e);
+        }
+    };
+    let mut failed = Vec::new();
+    for id in &ids {
+        let report = task_result
+            .scrub_reports
+            .iter()
+            .find(|r| r.device.to_string() == *id);
+        let (event, reason) = match report {
+            Some(r) if r.ok => (DeviceEvent::ScrubSucceeded, "scrub succeeded".to_string()),
+            Some(r) => {
+                let bad: Vec<&str> = r
+                    .steps
+                    .iter()
+                    .filter(|s| !s.ok)
+                    .map(|s| s.name.as_str())
+                    .collect();
+                (
+                    DeviceEvent::ScrubFailed,
+                    format!("scrub step(s) failed: {}", bad.join(", ")),
+                )
+            }
+            None => (
+                DeviceEvent::ScrubFailed,
+                "the node sent no scrub report for this device".to_string(),
+            ),
+        };
+        if let Some(r) = report {
+            let task_id = passage_model::TaskId::new_random();
+            events::insert_scrub_report(&ctx.db, server, task_id, r)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        if event == DeviceEvent::ScrubFailed {
+            failed.push(format!("{id}: {reason}"));
+        }
+        devices::move_devices(
+            &ctx.db,
+            server,
+            std::slice::from_ref(id),
+            event,
+            None,
+            &reason,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("devices quarantined: {}", failed.join("; ")))
+    }
+}
