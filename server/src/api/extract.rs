@@ -50,6 +50,8 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             .map(|f| {
                 if path == "." || path.is_empty() {
                     f
+                } else if path == f || path.ends_with(&format!(".{f}")) {
+                    path.clone()
                 } else {
                     format!("{path}.{f}")
                 }

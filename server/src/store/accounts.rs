@@ -141,15 +141,14 @@ pub async fn update(
 }
 
 pub async fn delete(db: &Db, uuid: AccountId) -> StoreResult<()> {
-    let live: i64 =
-        on_read!(db, |p| {
-            sqlx::query_scalar(
+    let live: i64 = on_read!(db, |p| {
+        sqlx::query_scalar(
         "SELECT COUNT(*) FROM vms WHERE owner_uuid = $1 AND state NOT IN ('destroyed', 'failed')"
     )
     .bind(uuid.to_string())
     .fetch_one(p)
     .await
-        })?;
+    })?;
     if live > 0 {
         return Err(StoreError::Conflict(format!(
             "the account still owns {live} VM(s); destroy them first"

@@ -93,5 +93,24 @@ pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result
     vms::set_state(&ctx.db, vm.uuid, &[VmState::Destroying], VmState::Failed)
         .await
         .map_err(|e| e.to_string())?;
+    // Released but not scrubbed (the failure came after `release`): scrub now rather than
+    // wait for the reconciler.
+    if let Some(server) = vm.server_uuid {
+        let ids: Vec<String> = vm.assigned_devices.iter().map(|d| d.to_string()).collect();
+        let dirty: Vec<String> = devices::for_server(&ctx.db, server)
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter(|d| {
+                d.state == passage_model::DeviceState::Dirty && ids.contains(&d.pci.id.to_string())
+            })
+            .map(|d| d.pci.id.to_string())
+            .collect();
+        if !dirty.is_empty() {
+            scrub::start_job(ctx, server, &dirty)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+    }
     Ok(())
 }
