@@ -420,3 +420,22 @@ mod tests {
         assert!(serde_json::from_str::<CreateVm>(r#"{"package":"x"}"#).is_err());
     }
 }
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiToken {
+    pub uuid: uuid::Uuid,
+    pub name: String,
+    pub expires_at: DateTime<Utc>,
+    /// The secret: present only in the answer to its creation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateApiToken {
+    pub name: String,
+    /// Lifetime; default 90 days, at most a year.
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
+}

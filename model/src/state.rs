@@ -194,10 +194,11 @@ mod tests {
     fn held_states_only_reached_by_reserve_and_attach() {
         for from in ALL_STATES {
             for ev in ALL_EVENTS {
-                if let Ok(to) = transition(from, ev) {
-                    if to.is_held() && !from.is_held() {
-                        assert_eq!(ev, E::Reserve);
-                    }
+                if let Ok(to) = transition(from, ev)
+                    && to.is_held()
+                    && !from.is_held()
+                {
+                    assert_eq!(ev, E::Reserve);
                 }
             }
         }

@@ -29,7 +29,8 @@ pub fn choose(
         by_server.entry(c.server_uuid).or_default().push(c);
     }
     // Smallest key wins: (avoided, not NUMA-local, free devices, uuid for determinism).
-    let mut best: Option<((bool, bool, usize, ServerId), Vec<DevicePath>)> = None;
+    type Key = (bool, bool, usize, ServerId);
+    let mut best: Option<(Key, Vec<DevicePath>)> = None;
     for (server, devs) in by_server {
         let Some((numa_local, picked)) = pick_on_server(&devs, request) else {
             continue;

@@ -171,6 +171,30 @@ async fn auth_and_roles(b: Backend) {
     let (st, _) = s.call("GET", &job_path, Some(&tenant), None).await;
     assert_eq!(st, 200);
 
+    // API tokens: shown once, listed without the secret, work, revocable by their owner only.
+    let (st, t) = s
+        .call(
+            "POST",
+            "/v1/tokens",
+            Some(&tenant),
+            Some(json!({"name": "ci"})),
+        )
+        .await;
+    assert_eq!(st, 201, "{t}");
+    let api_token = t["token"].as_str().unwrap().to_string();
+    let (_, list) = s.call("GET", "/v1/tokens", Some(&tenant), None).await;
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert!(list[0].get("token").is_none());
+    let (st, _) = s.call("GET", &vm_path, Some(&api_token), None).await;
+    assert_eq!(st, 200);
+    let tok_path = format!("/v1/tokens/{}", t["uuid"].as_str().unwrap());
+    let (st, _) = s.call("DELETE", &tok_path, Some(&other), None).await;
+    assert_eq!(st, 404);
+    let (st, _) = s.call("DELETE", &tok_path, Some(&tenant), None).await;
+    assert_eq!(st, 204);
+    let (st, _) = s.call("GET", &vm_path, Some(&api_token), None).await;
+    assert_eq!(st, 401);
+
     // Logout ends the token.
     let (st, _) = s.call("POST", "/v1/auth/logout", Some(&tenant), None).await;
     assert_eq!(st, 204);

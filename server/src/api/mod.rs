@@ -29,6 +29,8 @@ pub fn router(ctx: Ctx) -> Router {
                 .patch(v1::update_account)
                 .delete(v1::delete_account),
         )
+        .route("/tokens", get(v1::list_tokens).post(v1::create_token))
+        .route("/tokens/{uuid}", axum::routing::delete(v1::delete_token))
         .route("/variants", get(v1::list_variants).post(v1::create_variant))
         .route(
             "/variants/{name}",

@@ -337,3 +337,30 @@ pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> A
     let (items, total) = vms::list_jobs(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
+
+// ---- the caller's API tokens ----
+
+pub async fn list_tokens(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
+    let items = auth::list_api_tokens(&ctx, &caller).await?;
+    let n = items.len() as i64;
+    Ok(listed(items, n))
+}
+
+pub async fn create_token(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<passage_model::api::CreateApiToken>,
+) -> ApiResult<Response> {
+    let t = auth::create_api_token(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(t)).into_response())
+}
+
+pub async fn delete_token(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    let uuid: uuid::Uuid = id(&raw, "token")?;
+    auth::delete_api_token(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

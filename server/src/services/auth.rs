@@ -205,3 +205,71 @@ impl Caller {
         Ok(())
     }
 }
+
+const DEFAULT_API_TOKEN_TTL_SECS: u64 = 90 * 24 * 3600;
+const MAX_API_TOKEN_TTL_SECS: u64 = 365 * 24 * 3600;
+
+/// A new API token for the caller; the secret is in this answer only.
+pub async fn create_api_token(
+    ctx: &Ctx,
+    caller: &Caller,
+    req: passage_model::api::CreateApiToken,
+) -> ApiResult<passage_model::api::ApiToken> {
+    let name = req.name.trim();
+    if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+        return Err(ApiError::invalid(
+            "name",
+            "must be 1 to 64 printable characters",
+        ));
+    }
+    let ttl = req.ttl_secs.unwrap_or(DEFAULT_API_TOKEN_TTL_SECS);
+    if !(60..=MAX_API_TOKEN_TTL_SECS).contains(&ttl) {
+        return Err(ApiError::invalid(
+            "ttl_secs",
+            format!("must be 60 to {MAX_API_TOKEN_TTL_SECS}"),
+        ));
+    }
+    let token = new_secret(USER_TOKEN_PREFIX);
+    let expires_at =
+        chrono::Utc::now() + chrono::Duration::seconds(i64::try_from(ttl).unwrap_or(3600));
+    let uuid = accounts::insert_token(
+        &ctx.db,
+        caller.account.uuid,
+        &sha256_hex(&token),
+        "api",
+        name,
+        expires_at.timestamp_millis(),
+    )
+    .await?;
+    Ok(passage_model::api::ApiToken {
+        uuid: uuid.parse().map_err(|_| ApiError::internal("token uuid"))?,
+        name: name.to_string(),
+        expires_at,
+        token: Some(token),
+    })
+}
+
+pub async fn list_api_tokens(
+    ctx: &Ctx,
+    caller: &Caller,
+) -> ApiResult<Vec<passage_model::api::ApiToken>> {
+    accounts::list_tokens(&ctx.db, caller.account.uuid)
+        .await?
+        .into_iter()
+        .map(|t| {
+            Ok(passage_model::api::ApiToken {
+                uuid: t
+                    .uuid
+                    .parse()
+                    .map_err(|_| ApiError::internal("token uuid"))?,
+                name: t.name,
+                expires_at: store::to_time(t.expires_at),
+                token: None,
+            })
+        })
+        .collect()
+}
+
+pub async fn delete_api_token(ctx: &Ctx, caller: &Caller, uuid: uuid::Uuid) -> ApiResult<()> {
+    Ok(accounts::delete_token(&ctx.db, caller.account.uuid, &uuid.to_string()).await?)
+}

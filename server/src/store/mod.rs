@@ -47,10 +47,10 @@ pub type StoreResult<T> = Result<T, StoreError>;
 
 /// Maps a unique-constraint violation to a conflict that names what was duplicated.
 pub fn unique_as_conflict(e: sqlx::Error, what: impl FnOnce() -> String) -> StoreError {
-    if let sqlx::Error::Database(db) = &e {
-        if db.is_unique_violation() {
-            return StoreError::Conflict(what());
-        }
+    if let sqlx::Error::Database(db) = &e
+        && db.is_unique_violation()
+    {
+        return StoreError::Conflict(what());
     }
     StoreError::Sqlx(e)
 }

@@ -74,7 +74,7 @@ pub fn spawn(ctx: Ctx, job: JobId) {
 
 fn fault(ctx: &Ctx, job: &str, step: &str) -> Result<(), String> {
     let key = format!("{job}.{step}");
-    if ctx.cfg.faults.iter().any(|f| *f == key) {
+    if ctx.cfg.faults.contains(&key) {
         return Err(format!("injected fault at {key}"));
     }
     Ok(())

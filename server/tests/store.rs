@@ -1,0 +1,198 @@
+//! The store's own invariants, the same bodies on SQLite and on Postgres.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{Backend, TestDb};
+use passage_model::{DeviceEvent, DeviceState, VmId};
+use passage_server::store::{Db, StoreError, devices, servers, variants};
+
+async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>) {
+    let tdb = TestDb::new(b).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    servers::insert_join_token(&db, "jt-hash", "test", i64::MAX)
+        .await
+        .unwrap();
+    let server = servers::register(&db, "jt-hash", "cn-1", "cred-hash")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        servers::register(&db, "jt-hash", "cn-2", "cred-2")
+            .await
+            .unwrap()
+            .is_none(),
+        "a join token is spent once"
+    );
+    let root = tdb.dir.path().join("sys");
+    node_agent::fake::generate(&root, &node_agent::fake::FakeSpec::default()).unwrap();
+    let report = node_agent::host::discover(&root).devices;
+    let variant: passage_model::Variant =
+        serde_json::from_str(r#"{"name":"H100","type":"gpu","vendor":"10de","device":"2330"}"#)
+            .unwrap();
+    variants::insert(&db, &variant).await.unwrap();
+    devices::apply_inventory(&db, server, &report, &[variant])
+        .await
+        .unwrap();
+    let ids: Vec<String> = devices::for_server(&db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|d| d.variant.is_some())
+        .map(|d| d.pci.id.to_string())
+        .collect();
+    assert!(!ids.is_empty());
+    (tdb, db, server, ids)
+}
+
+async fn migrations_and_inventory(b: Backend) {
+    let (tdb, db, server, ids) = seeded(b).await;
+    // Migrating again is a no-op.
+    let again = Db::connect(&tdb.url).await.unwrap();
+    assert_eq!(
+        devices::for_server(&again, server).await.unwrap().len(),
+        devices::for_server(&db, server).await.unwrap().len()
+    );
+    let cands = devices::candidates(&db, &["H100".into()], 0).await.unwrap();
+    assert_eq!(cands.len(), ids.len());
+    assert!(
+        devices::candidates(&db, &["H100".into()], i64::MAX)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a silent server gets nothing"
+    );
+    // Re-applying the same report changes nothing.
+    let before = devices::for_server(&db, server).await.unwrap().len();
+    let report: Vec<_> = devices::for_server(&db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.pci)
+        .collect();
+    let vs = variants::list(&db).await.unwrap();
+    devices::apply_inventory(&db, server, &report, &vs)
+        .await
+        .unwrap();
+    assert_eq!(
+        devices::for_server(&db, server).await.unwrap().len(),
+        before
+    );
+    // Unknown objects are NotFound, duplicates Conflict.
+    assert!(matches!(
+        variants::get(&db, "nope").await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        variants::insert(&db, &vs[0]).await,
+        Err(StoreError::Conflict(_))
+    ));
+}
+both!(migrations_and_inventory_on, migrations_and_inventory);
+
+async fn transitions_follow_the_machine(b: Backend) {
+    let (_tdb, db, server, ids) = seeded(b).await;
+    let one = vec![ids[0].clone()];
+    let vm = VmId::new_random();
+    // Not allowed by the state machine: nothing moves, nothing is recorded.
+    let m = devices::move_devices(&db, server, &one, DeviceEvent::ScrubSucceeded, None, "t")
+        .await
+        .unwrap();
+    assert!(m.is_empty());
+    let m = devices::move_devices(&db, server, &one, DeviceEvent::Reserve, Some(vm), "t")
+        .await
+        .unwrap();
+    assert_eq!(
+        (m[0].from, m[0].to),
+        (DeviceState::Unassigned, DeviceState::Provisioning)
+    );
+    // Only the holder moves a held device.
+    let m = devices::move_devices(
+        &db,
+        server,
+        &one,
+        DeviceEvent::Release,
+        Some(VmId::new_random()),
+        "t",
+    )
+    .await
+    .unwrap();
+    assert!(m.is_empty());
+    for (ev, to) in [
+        (DeviceEvent::Attach, DeviceState::Used),
+        (DeviceEvent::Release, DeviceState::Dirty),
+    ] {
+        let m = devices::move_devices(&db, server, &one, ev, Some(vm), "t")
+            .await
+            .unwrap();
+        assert_eq!(m[0].to, to);
+        // Idempotent: the same event again does nothing.
+        assert!(
+            devices::move_devices(&db, server, &one, ev, Some(vm), "t")
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let held = devices::held_by(&db, vm).await.unwrap();
+    assert!(held.is_empty(), "a dirty device is held by nobody");
+    // Dirty never goes straight back.
+    assert!(
+        devices::move_devices(&db, server, &one, DeviceEvent::Enable, None, "t")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        devices::move_devices(&db, server, &one, DeviceEvent::CancelUnused, Some(vm), "t")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let d = devices::for_server(&db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.pci.id.to_string() == ids[0])
+        .unwrap();
+    assert_eq!(d.state, DeviceState::Dirty);
+}
+both!(
+    transitions_follow_the_machine_on,
+    transitions_follow_the_machine
+);
+
+async fn concurrent_reservations_of_one_device(b: Backend) {
+    let (_tdb, db, server, ids) = seeded(b).await;
+    let target = vec![ids[0].clone()];
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let db = db.clone();
+        let target = target.clone();
+        tasks.push(tokio::spawn(async move {
+            devices::move_devices(
+                &db,
+                server,
+                &target,
+                DeviceEvent::Reserve,
+                Some(VmId::new_random()),
+                "race",
+            )
+            .await
+        }));
+    }
+    let mut winners = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(m) if m.len() == 1 => winners += 1,
+            Ok(m) => assert!(m.is_empty()),
+            Err(StoreError::Retry) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(winners, 1);
+}
+both!(
+    concurrent_reservations_of_one_device_on,
+    concurrent_reservations_of_one_device
+);
