@@ -30,6 +30,19 @@ struct Args {
     /// How long a dirty device may wait before the reconciler scrubs it.
     #[arg(long, default_value_t = 10)]
     scrub_grace_secs: u64,
+    /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
+    /// hypervisor) in this process.
+    #[arg(long, default_value_t = 0)]
+    sim_servers: u32,
+    /// GPUs per simulated node.
+    #[arg(long, default_value_t = 8)]
+    sim_gpus: u32,
+    /// GPU model of the simulated nodes.
+    #[arg(long, value_enum, default_value = "h100")]
+    sim_model: node_agent::fake::GpuModel,
+    /// Where simulated nodes keep their fake trees and state.
+    #[arg(long, default_value = "passage-sim")]
+    sim_dir: std::path::PathBuf,
 }
 
 #[tokio::main]
@@ -70,6 +83,26 @@ async fn main() -> std::process::ExitCode {
     if let Some(pw) = &running.admin_password {
         println!("Created the operator account 'admin' with password: {pw}");
         println!("(shown once; set PASSAGE_ADMIN_PASSWORD to choose it)");
+    }
+    if args.sim_servers > 0 {
+        let spec = passage_server::sim::SimSpec {
+            servers: args.sim_servers,
+            gpus: args.sim_gpus,
+            model: args.sim_model,
+            dir: args.sim_dir.clone(),
+        };
+        let base = format!("http://{}", running.addr);
+        if let Err(e) = passage_server::sim::start(&running.ctx, &base, &spec).await {
+            eprintln!("server: starting simulated nodes: {e:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+        println!(
+            "Running {} simulated node(s) with {} {:?} GPU(s) each under {}",
+            args.sim_servers,
+            args.sim_gpus,
+            args.sim_model,
+            args.sim_dir.display()
+        );
     }
     println!("Passage listening on http://{}", running.addr);
     match running.server.await {

@@ -31,9 +31,10 @@ fn node_agent_bin() -> PathBuf {
     p
 }
 
-fn start_server(db: &TestDb) -> (Proc, String) {
+fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_server"))
         .args(["--listen", "127.0.0.1:0", "--database", &db.url])
+        .args(extra)
         .env("PASSAGE_ADMIN_PASSWORD", "e2e-admin-password")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
@@ -78,7 +79,7 @@ async fn call(
 async fn walk(b: Backend) {
     let db = TestDb::new(b).await;
     let agent_bin = node_agent_bin();
-    let (_server, base) = start_server(&db);
+    let (_server, base) = start_server(&db, &[]);
     let http = reqwest::Client::new();
     let u = |p: &str| format!("{base}{p}");
 
@@ -282,3 +283,69 @@ async fn walk(b: Backend) {
     );
 }
 both!(real_binaries, walk);
+
+/// `--sim-servers`: simulated nodes register themselves, keep their identity across a
+/// restart of the server, and are placed on like any other.
+async fn simulated_nodes(b: Backend) {
+    let db = TestDb::new(b).await;
+    let sim_dir = db.dir.path().join("sim");
+    let sim = sim_dir.to_str().unwrap().to_string();
+    let args = [
+        "--sim-servers",
+        "2",
+        "--sim-gpus",
+        "4",
+        "--sim-model",
+        "a100",
+        "--sim-dir",
+        &sim,
+    ];
+    let http = reqwest::Client::new();
+    let mut uuids: Vec<String> = Vec::new();
+    for round in 0..2 {
+        let (server, base) = start_server(&db, &args);
+        let (_, login) = call(
+            &http,
+            "POST",
+            &format!("{base}/v1/auth/login"),
+            None,
+            Some(json!({"login":"admin","password":"e2e-admin-password"})),
+        )
+        .await;
+        let op = login["token"].as_str().unwrap().to_string();
+        let list = wait_for(Duration::from_secs(30), || async {
+            let (_, list) =
+                call(&http, "GET", &format!("{base}/v1/servers"), Some(&op), None).await;
+            let ready = list
+                .as_array()?
+                .iter()
+                .filter(|s| s["status"] == "running")
+                .filter(|s| {
+                    s["sysinfo"]["PCI Devices"]
+                        .as_array()
+                        .is_some_and(|d| d.iter().filter(|d| d["device"] == "20b0").count() == 4)
+                })
+                .count();
+            (ready == 2).then_some(list)
+        })
+        .await
+        .unwrap_or_else(|| panic!("round {round}: two simulated nodes with 4 A100s each"));
+        let mut now: Vec<String> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["uuid"].as_str().unwrap().to_string())
+            .collect();
+        now.sort();
+        if round == 0 {
+            uuids = now;
+        } else {
+            assert_eq!(
+                now, uuids,
+                "the same two nodes after a restart, no new ones"
+            );
+        }
+        drop(server);
+    }
+}
+both!(sim_servers, simulated_nodes);

@@ -1,0 +1,71 @@
+//! `--sim-servers N`: compute nodes simulated inside the server process. Each is the real
+//! agent loop over a fake sysfs tree with the `sim` hypervisor, talking the real agent
+//! protocol over loopback: RFD 114's "fake GPUs" for demos, tests and benchmarks.
+
+use crate::services::Ctx;
+use crate::services::auth::{JOIN_TOKEN_PREFIX, new_secret, sha256_hex};
+use crate::store::servers;
+use node_agent::agent::{AgentConfig, credential};
+use node_agent::fake::{FakeSpec, GpuModel};
+use node_agent::hypervisor::HypervisorKind;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct SimSpec {
+    pub servers: u32,
+    pub gpus: u32,
+    pub model: GpuModel,
+    /// Where the nodes keep their trees and state; kept across restarts so a node keeps
+    /// its identity.
+    pub dir: PathBuf,
+}
+
+/// Starts the simulated nodes; they register (or reconnect) on their own.
+pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<()> {
+    for i in 0..spec.servers {
+        let node_dir = spec.dir.join(format!("node-{i}"));
+        let sysfs = node_dir.join("sysfs");
+        let state = node_dir.join("state");
+        if !sysfs.exists() {
+            let fake = FakeSpec {
+                gpus: spec.gpus,
+                model: spec.model,
+                numa_nodes: 2,
+            };
+            let out = sysfs.clone();
+            tokio::task::spawn_blocking(move || node_agent::fake::generate(&out, &fake)).await??;
+        }
+        follow_server(&state, base_url)?;
+        let token = new_secret(JOIN_TOKEN_PREFIX);
+        let expires = crate::store::now_ms() + 3_600_000;
+        servers::insert_join_token(&ctx.db, &sha256_hex(&token), "sim", expires).await?;
+        let cfg = AgentConfig {
+            server_url: base_url.to_string(),
+            join_token: token,
+            sysfs_root: sysfs,
+            state_dir: state.clone(),
+            hypervisor: HypervisorKind::Sim,
+            heartbeat: Duration::from_secs(5),
+            hostname: format!("sim-{i}"),
+        };
+        tokio::spawn(async move {
+            if let Err(e) = node_agent::agent::run(cfg).await {
+                tracing::error!(node = i, error = %e, "simulated node stopped");
+            }
+        });
+    }
+    Ok(())
+}
+
+/// A simulated node belongs to this server wherever it listens now: point its saved
+/// credential at the current address.
+fn follow_server(state: &Path, base_url: &str) -> anyhow::Result<()> {
+    if let Some(mut c) = credential::load(state)?
+        && c.server_url != base_url
+    {
+        c.server_url = base_url.to_string();
+        credential::save(state, &c)?;
+    }
+    Ok(())
+}
