@@ -47,11 +47,39 @@ pub async fn start(
         .map_err(|e| anyhow::anyhow!("listening on {listen}: {e}"))?;
     let addr = listener.local_addr()?;
     let app = api::router(ctx.clone());
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+    });
     Ok(Running {
         ctx,
         addr,
         admin_password,
         server,
     })
+}
+
+/// Ctrl-C or SIGTERM (what systemd sends): stop taking requests, finish those in flight.
+/// Jobs interrupted here resume at the next start.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    tracing::info!("shutting down");
 }

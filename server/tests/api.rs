@@ -645,3 +645,39 @@ async fn race_for_the_last_devices(b: Backend) {
     assert_eq!(reserves, 8);
 }
 both!(race_for_the_last_devices_on, race_for_the_last_devices);
+
+async fn lists_page_newest_first(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    for name in ["t1", "t2", "t3"] {
+        s.tenant(name).await;
+    }
+    let r = s
+        .http
+        .get(s.url("/v1/accounts?limit=2&offset=0"))
+        .bearer_auth(&s.admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-resource-count"], "4");
+    let page: Value = r.json().await.unwrap();
+    let logins: Vec<&str> = page
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["login"].as_str().unwrap())
+        .collect();
+    assert_eq!(logins, ["t3", "t2"]);
+    let (_, rest) = s
+        .admin_call("GET", "/v1/accounts?limit=2&offset=2", None)
+        .await;
+    let logins: Vec<&str> = rest
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["login"].as_str().unwrap())
+        .collect();
+    assert_eq!(logins, ["t1", "admin"]);
+    let (st, e) = s.admin_call("GET", "/v1/accounts?limit=1001", None).await;
+    assert_invalid(st, &e, "limit");
+}
+both!(lists_page_newest_first_on, lists_page_newest_first);

@@ -115,10 +115,14 @@ pub async fn delete_account(
 
 // ---- variants ----
 
-pub async fn list_variants(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
-    let items = catalog::list_variants(&ctx, &caller).await?;
-    let n = items.len() as i64;
-    Ok(listed(items, n))
+pub async fn list_variants(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = catalog::list_variants(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
 }
 
 pub async fn create_variant(

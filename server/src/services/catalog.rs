@@ -48,9 +48,14 @@ pub async fn get_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<Va
     Ok(variants::get(&ctx.db, name).await?)
 }
 
-pub async fn list_variants(ctx: &Ctx, caller: &Caller) -> ApiResult<Vec<Variant>> {
+pub async fn list_variants(
+    ctx: &Ctx,
+    caller: &Caller,
+    limit: i64,
+    offset: i64,
+) -> ApiResult<(Vec<Variant>, i64)> {
     caller.require_staff()?;
-    Ok(variants::list(&ctx.db).await?)
+    Ok(variants::page(&ctx.db, limit, offset).await?)
 }
 
 pub async fn delete_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<()> {

@@ -50,6 +50,27 @@ impl VariantRow {
 
 const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description";
 
+/// A page, newest first, and the total.
+pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
+    let rows: Vec<VariantRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {COLS} FROM variants ORDER BY created_at DESC, name DESC LIMIT $1 OFFSET $2"
+    ))
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(p)
+    .await)?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar("SELECT COUNT(*) FROM variants")
+        .fetch_one(p)
+        .await)?;
+    Ok((
+        rows.into_iter()
+            .map(VariantRow::into_view)
+            .collect::<StoreResult<_>>()?,
+        total,
+    ))
+}
+
+/// Every variant (matching needs them all).
 pub async fn list(db: &Db) -> StoreResult<Vec<Variant>> {
     let rows: Vec<VariantRow> = on_read!(db, |p| sqlx::query_as(&format!(
         "SELECT {COLS} FROM variants ORDER BY name"
