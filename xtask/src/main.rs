@@ -1,1 +1,60 @@
-fn main() {}
+//! `cargo xtask`: Passage's own task runner.
+//!
+//! - `cargo xtask test [-- ARGS]`: everything CI runs (set-up, fmt, clippy, build, tests).
+//! - `cargo xtask demo [--servers N] [--gpus G] [--model M] [--port P] [--reset]`: a local
+//!   control plane with simulated compute nodes.
+
+mod demo;
+mod http;
+mod test;
+mod util;
+
+use anyhow::{Result, bail};
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [options]
+
+commands:
+  test [-- ARGS]   set up lspci and PostgreSQL if needed, then run fmt --check, clippy,
+                   build the binaries and run every test (nextest if installed, else
+                   cargo test) plus the doc tests; ARGS go to the test runner
+                   (e.g. `cargo xtask test -- store_`)
+  demo [options]   run a local server with simulated GPU nodes until Ctrl-C
+      --servers N    compute nodes to start (default 2)
+      --gpus G       GPUs per node (default 8)
+      --model M      v100 | a100 | h100 | l40s (default h100)
+      --port P       HTTP port on 127.0.0.1 (default 8080)
+      --reset        delete .passage-demo/ first (new database, new password)
+  help             this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let Some((cmd, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        bail!("no command given");
+    };
+    match cmd.as_str() {
+        "test" => test::run(rest),
+        "demo" => demo::run(rest),
+        "help" | "-h" | "--help" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => {
+            eprint!("{USAGE}");
+            bail!("unknown command {other:?}")
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! `cargo xtask test`: the one command CI runs.
+
+use crate::util::{self, cargo, on_path, secs, show, tcp_answers};
+use anyhow::{Context, Result, bail};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+const PG_START_WAIT: Duration = Duration::from_secs(30);
+
+pub fn run(args: &[String]) -> Result<()> {
+    // Everything after `--` (or any argument at all) goes to the test runner.
+    let passthrough: Vec<String> = match args.first().map(String::as_str) {
+        Some("--") => args[1..].to_vec(),
+        Some("-h" | "--help") => {
+            println!("usage: cargo xtask test [-- ARGS FOR THE TEST RUNNER]");
+            return Ok(());
+        }
+        _ => args.to_vec(),
+    };
+
+    // Set for every child rather than for ourselves (`set_var` is unsafe in edition 2024).
+    let pg_url = std::env::var("PASSAGE_TEST_PG_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| DEFAULT_PG_URL.to_string());
+    let with_env = |mut cmd: Command| {
+        cmd.env("PASSAGE_TEST_PG_URL", &pg_url);
+        cmd
+    };
+
+    let nextest = cargo()
+        .args(["nextest", "--version"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+
+    let mut stages = Stages::default();
+    stages.run("lspci", ensure_lspci)?;
+    stages.run("postgres", || ensure_postgres(&pg_url))?;
+    drop_test_databases(&pg_url);
+    stages.run("fmt", || {
+        util::run_checked(cargo().args(["fmt", "--all", "--", "--check"]))
+    })?;
+    stages.run("clippy", || {
+        util::run_checked(cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    // The server's integration tests spawn the node-agent binary next to theirs.
+    stages.run("build", || {
+        util::run_checked(cargo().args(["build", "--workspace", "--bins"]))
+    })?;
+    // nextest does not run doc tests. They go first so the test runner's own summary is
+    // the last thing printed (CI reads it).
+    if nextest {
+        if passthrough.is_empty() {
+            stages.run("doctest", || {
+                let mut cmd = with_env(cargo());
+                cmd.args(["test", "--workspace", "--doc"]);
+                util::run_checked(&mut cmd)
+            })?;
+        } else {
+            println!("==> doctest skipped (test runner arguments given)");
+        }
+    }
+    if nextest {
+        stages.run("nextest", || {
+            let mut cmd = with_env(cargo());
+            cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"])
+                .args(&passthrough);
+            util::run_checked(&mut cmd)
+        })?;
+    } else {
+        stages.run("test", || {
+            let mut cmd = with_env(cargo());
+            cmd.args(["test", "--workspace", "--no-fail-fast"])
+                .args(&passthrough);
+            util::run_checked(&mut cmd)
+        })?;
+    }
+    stages.summary();
+    Ok(())
+}
+
+#[derive(Default)]
+struct Stages {
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Stages {
+    fn run(&mut self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        println!("==> {name}");
+        let start = Instant::now();
+        let result = f();
+        let took = start.elapsed();
+        match result {
+            Ok(()) => {
+                println!("<== {name} ok ({})", secs(took));
+                self.done.push((name, took));
+                Ok(())
+            }
+            Err(e) => {
+                println!("<== {name} FAILED ({})", secs(took));
+                self.summary();
+                Err(e.context(format!("stage `{name}` failed")))
+            }
+        }
+    }
+
+    fn summary(&self) {
+        let total: Duration = self.done.iter().map(|(_, d)| *d).sum();
+        let parts: Vec<String> = self
+            .done
+            .iter()
+            .map(|(n, d)| format!("{n} {}", secs(*d)))
+            .collect();
+        println!(
+            "==> passed: {} (total {})",
+            if parts.is_empty() {
+                "none".to_string()
+            } else {
+                parts.join(", ")
+            },
+            secs(total)
+        );
+    }
+}
+
+/// `lspci` is used by the node-agent tests that compare against the real tool.
+fn ensure_lspci() -> Result<()> {
+    if on_path("lspci") {
+        println!("lspci present");
+        return Ok(());
+    }
+    if !on_path("apt-get") {
+        bail!("lspci is missing and there is no apt-get; install pciutils");
+    }
+    let install = || {
+        let mut cmd = Command::new("apt-get");
+        cmd.args(["install", "-y", "--no-install-recommends", "pciutils"])
+            .env("DEBIAN_FRONTEND", "noninteractive");
+        util::run_checked(&mut cmd)
+    };
+    if install().is_err() {
+        println!("apt-get install failed; running apt-get update and retrying");
+        util::run_checked(Command::new("apt-get").arg("update"))?;
+        install()?;
+    }
+    if !on_path("lspci") {
+        bail!("pciutils is installed but lspci is still not on PATH");
+    }
+    Ok(())
+}
+
+/// Each Postgres test makes a database `passage_t_<uuid>` of its own; drop those earlier
+/// runs left so they do not pile up. Best effort: a failure here is only a warning.
+fn drop_test_databases(url: &str) {
+    let listed = Command::new("psql")
+        .args([
+            url,
+            "-Atc",
+            "SELECT datname FROM pg_database WHERE datname LIKE 'passage\\_t\\_%'",
+        ])
+        .output();
+    let out = match listed {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => {
+            println!(
+                "warning: listing old test databases: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            return;
+        }
+        Err(e) => {
+            println!("warning: psql not found ({e}); old test databases are kept");
+            return;
+        }
+    };
+    let names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|n| {
+            n.starts_with("passage_t_") && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        })
+        .map(String::from)
+        .collect();
+    for n in &names {
+        let _ = Command::new("psql")
+            .args([url, "-qc", &format!("DROP DATABASE IF EXISTS {n}")])
+            .output();
+    }
+    if !names.is_empty() {
+        println!(
+            "dropped {} test database(s) left by earlier runs",
+            names.len()
+        );
+    }
+}
+
+/// Makes sure the Postgres the tests use answers; starts the local cluster if it does not.
+fn ensure_postgres(url: &str) -> Result<()> {
+    let Some(addr) = pg_addr(url) else {
+        println!("PASSAGE_TEST_PG_URL names no TCP host; not checking it");
+        return Ok(());
+    };
+    if tcp_answers(&addr, Duration::from_secs(1)) {
+        println!("PostgreSQL answers at {addr}");
+        return Ok(());
+    }
+    let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(&addr);
+    if !matches!(host, "127.0.0.1" | "localhost" | "[::1]") {
+        bail!("PostgreSQL at {addr} (PASSAGE_TEST_PG_URL) does not answer");
+    }
+    let version = local_cluster_version()?;
+    let mut cmd = Command::new("pg_ctlcluster");
+    cmd.args(["--skip-systemctl-redirect", &version, "main", "start"]);
+    println!(
+        "PostgreSQL does not answer at {addr}; running `{}`",
+        show(&cmd)
+    );
+    // A failure here (say, already starting) is judged by whether the port answers.
+    if let Err(e) = util::run_checked(&mut cmd) {
+        println!("warning: {e:#}");
+    }
+    let start = Instant::now();
+    while start.elapsed() < PG_START_WAIT {
+        if tcp_answers(&addr, Duration::from_secs(1)) {
+            println!(
+                "PostgreSQL answers at {addr} after {}",
+                secs(start.elapsed())
+            );
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    bail!(
+        "PostgreSQL did not answer at {addr} within {} s of starting cluster {version}/main \
+         (see /var/log/postgresql/)",
+        PG_START_WAIT.as_secs()
+    )
+}
+
+/// `host:port` of a `postgres://[user[:pw]@]host[:port][/db][?…]` URL, if it names a host.
+fn pg_addr(url: &str) -> Option<String> {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))?;
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if hostport.is_empty() {
+        return None; // a Unix socket, or host given in the query string
+    }
+    let has_port = match hostport.rfind(']') {
+        Some(end) => hostport[end..].contains(':'),
+        None => hostport.contains(':'),
+    };
+    Some(if has_port {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:5432")
+    })
+}
+
+/// The newest PostgreSQL version with a cluster under /etc/postgresql.
+fn local_cluster_version() -> Result<String> {
+    let dir = "/etc/postgresql";
+    let mut versions: Vec<(Vec<u32>, String)> = std::fs::read_dir(dir)
+        .with_context(|| format!("PostgreSQL does not answer and {dir} cannot be read"))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter_map(|name| {
+            let key: Option<Vec<u32>> = name.split('.').map(|p| p.parse().ok()).collect();
+            key.map(|k| (k, name))
+        })
+        .collect();
+    versions.sort();
+    match versions.pop() {
+        Some((_, v)) => Ok(v),
+        None => bail!("PostgreSQL does not answer and {dir} holds no cluster"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pg_addr;
+
+    #[test]
+    fn pg_addr_forms() {
+        assert_eq!(
+            pg_addr("postgres://postgres@127.0.0.1:5432/postgres").as_deref(),
+            Some("127.0.0.1:5432")
+        );
+        assert_eq!(
+            pg_addr("postgresql://u:p@db.example/x?sslmode=disable").as_deref(),
+            Some("db.example:5432")
+        );
+        assert_eq!(
+            pg_addr("postgres://[::1]:6543/x").as_deref(),
+            Some("[::1]:6543")
+        );
+        assert_eq!(pg_addr("postgres://[::1]/x").as_deref(), Some("[::1]:5432"));
+        assert_eq!(pg_addr("postgres:///db?host=/run/postgresql"), None);
+        assert_eq!(pg_addr("sqlite://x.db"), None);
+    }
+}
