@@ -2,7 +2,7 @@
 //! through `DeviceTx::move_devices`: the pure state machine decides, a conditional
 //! `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
 
-use super::{Db, StoreError, StoreResult, now_ms, parse_uuid};
+use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
 use passage_model::state::transition;
 use passage_model::variant::classify;
@@ -42,10 +42,6 @@ struct DeviceRow {
 
 pub(crate) const COLS: &str = "server_uuid, id, vendor, device, subvendor, subsystem, revision, \
     class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint";
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
-}
 
 impl DeviceRow {
     fn into_record(self) -> StoreResult<DeviceRecord> {

@@ -1,14 +1,10 @@
 //! Device history and scrub reports.
 
-use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use super::{Db, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{on_read, on_write};
 use passage_model::api::{DeviceEventRecord, ScrubRecord};
 use passage_model::protocol::ScrubReport;
 use passage_model::{DeviceState, ServerId, TaskId};
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
-}
 
 pub async fn device_events(
     db: &Db,

@@ -1,6 +1,6 @@
 //! Persisted jobs and their steps: the saga log a restarted server resumes from.
 
-use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Job, JobState, JobStep, StepState};
 use passage_model::{AccountId, JobId, VmId};
@@ -95,10 +95,6 @@ struct StepRow {
     started_at: Option<i64>,
     ended_at: Option<i64>,
     error: Option<String>,
-}
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
 }
 
 pub struct JobRecord {

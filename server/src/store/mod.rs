@@ -204,6 +204,11 @@ pub fn to_time(ms: i64) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default()
 }
 
+/// A stored value that no longer parses.
+pub(crate) fn corrupt(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
 pub fn parse_uuid<T: FromStr>(s: &str, what: &str) -> StoreResult<T> {
     s.parse()
         .map_err(|_| StoreError::Corrupt(format!("{what} {s:?} is not a uuid")))

@@ -1,13 +1,9 @@
 //! The per-server task queue the agents long-poll.
 
-use super::{Db, StoreError, StoreResult, now_ms, parse_uuid};
+use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read, on_write};
 use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
 use passage_model::{JobId, ServerId, TaskId};
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
-}
 
 pub async fn enqueue(
     db: &Db,

@@ -1,6 +1,6 @@
 //! Device variants.
 
-use super::{Db, StoreError, StoreResult, now_ms, unique_as_conflict};
+use super::{Db, StoreError, StoreResult, corrupt, now_ms, unique_as_conflict};
 use crate::{on_read, on_write};
 use passage_model::Variant;
 use passage_model::variant::DeviceType;
@@ -15,10 +15,6 @@ struct VariantRow {
     subsystem: Option<String>,
     revision: Option<String>,
     description: Option<String>,
-}
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
 }
 
 impl VariantRow {

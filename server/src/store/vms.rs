@@ -3,7 +3,7 @@
 
 use super::devices::DeviceTx;
 use super::jobs::JobTx;
-use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
+use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
 use passage_model::{AccountId, DeviceEvent, DevicePath, JobId, PackageId, ServerId, VmId};
@@ -25,10 +25,6 @@ struct VmRow {
 
 const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
     memory_mib, assigned_devices, job_uuid, created_at";
-
-fn corrupt(e: impl std::fmt::Display) -> StoreError {
-    StoreError::Corrupt(e.to_string())
-}
 
 impl VmRow {
     fn into_view(self) -> StoreResult<Vm> {
