@@ -197,6 +197,8 @@ pub struct Server {
     pub status: ServerStatus,
     pub last_heartbeat: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
+    /// Drained by an operator: no new placements; running VMs are untouched.
+    pub disabled: bool,
     pub sysinfo: Sysinfo,
     pub assignable_devices: Vec<AssignableDevice>,
     pub vms: BTreeMap<VmId, ServerVm>,
@@ -207,6 +209,9 @@ pub struct Server {
 pub struct UpdateServer {
     #[serde(default)]
     pub hostname: Option<String>,
+    /// `true` drains the server (no new placements), `false` puts it back in service.
+    #[serde(default)]
+    pub disabled: Option<bool>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -438,4 +443,110 @@ pub struct CreateApiToken {
     /// Lifetime; default 90 days, at most a year.
     #[serde(default)]
     pub ttl_secs: Option<u64>,
+}
+
+/// What an operator may do to one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceAction {
+    /// Take an unassigned device out of service.
+    Disable,
+    /// Put a disabled device back in service.
+    Enable,
+    /// Keep a device away from tenants until someone has looked at it.
+    Quarantine,
+    /// Release a quarantined device after a check: it is scrubbed again before reuse.
+    Requeue,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceActionRequest {
+    pub device: DevicePath,
+    pub action: DeviceAction,
+    /// Why: recorded in the device's history.
+    pub reason: String,
+}
+
+/// One variant's devices across the fleet, by state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub variant: String,
+    pub total: u64,
+    /// Placeable now: unassigned, untainted, on a running server in service.
+    pub free: u64,
+    /// Provisioning or used.
+    pub held: u64,
+    pub unassigned: u64,
+    pub provisioning: u64,
+    pub used: u64,
+    pub dirty: u64,
+    pub cleaning: u64,
+    pub quarantined: u64,
+    pub disabled: u64,
+    pub tainted: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Alert {
+    pub kind: String,
+    pub message: String,
+    pub variant: Option<String>,
+    pub count: Option<u32>,
+    pub at: DateTime<Utc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UsageRecord {
+    pub vm_uuid: VmId,
+    pub owner_uuid: AccountId,
+    pub server_uuid: ServerId,
+    pub device: DevicePath,
+    pub variant: Option<String>,
+    pub started_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+    /// Within the asked window.
+    pub gpu_hours: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub gpu_hours: f64,
+    pub by_variant: BTreeMap<String, f64>,
+    pub records: Vec<UsageRecord>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditEntry {
+    pub at: DateTime<Utc>,
+    pub actor: Option<AccountId>,
+    pub actor_login: Option<String>,
+    pub method: String,
+    pub path: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlacementDryRun {
+    /// A package uuid or name.
+    pub package: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerVerdict {
+    pub uuid: ServerId,
+    pub hostname: String,
+    pub accepted: bool,
+    /// Why a server was rejected (empty when accepted).
+    pub reasons: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementExplanation {
+    pub server: Option<ServerId>,
+    pub devices: Vec<DevicePath>,
+    pub servers: Vec<ServerVerdict>,
 }

@@ -83,6 +83,69 @@ fn pick_on_server(
     Some((all_local, picked))
 }
 
+/// What placement knows of a server besides its free devices.
+#[derive(Clone, Debug)]
+pub struct ServerInfo {
+    pub uuid: ServerId,
+    pub hostname: String,
+    pub running: bool,
+    pub disabled: bool,
+}
+
+/// The decision `choose` would make, and for every server why it was or was not fit: the
+/// hard filters in order (status, service state, devices per variant).
+pub fn explain(
+    servers: &[ServerInfo],
+    candidates: &[Candidate],
+    request: &BTreeMap<String, u32>,
+) -> passage_model::api::PlacementExplanation {
+    let mut verdicts = Vec::with_capacity(servers.len());
+    let mut fit: Vec<Candidate> = Vec::new();
+    let mut fit_servers: Vec<ServerId> = Vec::new();
+    for s in servers {
+        let mut reasons = Vec::new();
+        if !s.running {
+            reasons.push("not running (no recent heartbeat)".to_string());
+        }
+        if s.disabled {
+            reasons.push("disabled by an operator (drained)".to_string());
+        }
+        let mine: Vec<&Candidate> = candidates
+            .iter()
+            .filter(|c| c.server_uuid == s.uuid)
+            .collect();
+        for (variant, &want) in request {
+            let have = mine.iter().filter(|c| &c.variant == variant).count();
+            if have < want as usize {
+                reasons.push(format!("has {have} free {variant}, needs {want}"));
+            }
+        }
+        if reasons.is_empty() {
+            fit.extend(mine.into_iter().cloned());
+            fit_servers.push(s.uuid);
+        }
+        verdicts.push(passage_model::api::ServerVerdict {
+            uuid: s.uuid,
+            hostname: s.hostname.clone(),
+            accepted: reasons.is_empty(),
+            reasons,
+        });
+    }
+    let choice = if request.is_empty() {
+        fit_servers.iter().min().map(|s| Placement {
+            server: *s,
+            devices: Vec::new(),
+        })
+    } else {
+        choose(&fit, request, &[])
+    };
+    passage_model::api::PlacementExplanation {
+        server: choice.as_ref().map(|c| c.server),
+        devices: choice.map(|c| c.devices).unwrap_or_default(),
+        servers: verdicts,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +207,37 @@ mod tests {
         // The avoided server comes last.
         let p = choose(&c, &req(&[("A", 1)]), &[server(1)]).unwrap();
         assert_eq!(p.server, server(2));
+    }
+
+    #[test]
+    fn explanations_name_every_rejection() {
+        let info = |n: u128, running: bool, disabled: bool| ServerInfo {
+            uuid: server(n),
+            hostname: format!("cn-{n}"),
+            running,
+            disabled,
+        };
+        let servers = [
+            info(1, false, false),
+            info(2, true, true),
+            info(3, true, false),
+            info(4, true, false),
+        ];
+        let c = vec![
+            cand(1, 1, "A", 0),
+            cand(2, 1, "A", 0),
+            cand(3, 1, "A", 0),
+            cand(4, 1, "A", 0),
+            cand(4, 2, "A", 0),
+        ];
+        let e = explain(&servers, &c, &req(&[("A", 2)]));
+        assert_eq!(e.server, Some(server(4)));
+        assert_eq!(e.devices.len(), 2);
+        let why = |n: usize| e.servers[n].reasons.join("; ");
+        assert!(why(0).contains("not running"));
+        assert!(why(1).contains("disabled"));
+        assert_eq!(why(2), "has 1 free A, needs 2");
+        assert!(e.servers[3].accepted);
     }
 
     #[test]

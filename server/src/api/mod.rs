@@ -1,7 +1,9 @@
 //! The HTTP surface: REST /v1, the agent API, the portal at /.
 
 pub mod agent;
+pub mod audit;
 pub mod extract;
+pub mod metrics;
 pub mod v1;
 
 use crate::error::ApiError;
@@ -51,12 +53,22 @@ pub fn router(ctx: Ctx) -> Router {
         )
         .route("/servers/{uuid}/device-events", get(v1::device_events))
         .route("/servers/{uuid}/scrub-reports", get(v1::scrub_reports))
+        .route("/servers/{uuid}/device-actions", post(v1::device_action))
+        .route("/capacity", get(v1::capacity))
+        .route("/alerts", get(v1::alerts))
+        .route("/audit", get(v1::audit))
+        .route("/usage", get(v1::usage))
+        .route("/placement/dry-run", post(v1::placement_dry_run))
         .route("/vms", get(v1::list_vms).post(v1::create_vm))
         .route("/vms/{uuid}", get(v1::get_vm).delete(v1::delete_vm))
         .route("/jobs", get(v1::list_jobs))
         .route("/jobs/{uuid}", get(v1::get_job))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(API_BODY_LIMIT));
+        .layer(DefaultBodyLimit::max(API_BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            audit::record,
+        ));
     let agent_api = Router::new()
         .route("/register", post(agent::register))
         .route("/heartbeat", post(agent::heartbeat))
@@ -67,6 +79,7 @@ pub fn router(ctx: Ctx) -> Router {
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
     Router::new()
         .route("/", get(portal))
+        .route("/metrics", get(metrics::render))
         .nest("/v1", v1)
         .nest("/agent/v1", agent_api)
         .with_state(ctx)

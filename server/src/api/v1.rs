@@ -3,7 +3,7 @@
 use super::extract::{ApiJson, QueryMap};
 use crate::error::{ApiError, ApiResult};
 use crate::services::auth::{self, Caller};
-use crate::services::{Ctx, accounts, catalog, servers, vms};
+use crate::services::{Ctx, accounts, catalog, ops, servers, vms};
 use crate::store::vms::VmFilter;
 use axum::Json;
 use axum::extract::{Path, State};
@@ -367,4 +367,67 @@ pub async fn delete_token(
     let uuid: uuid::Uuid = id(&raw, "token")?;
     auth::delete_api_token(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- operations ----
+
+pub async fn capacity(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
+    let items = ops::capacity(&ctx, &caller).await?;
+    let n = items.len() as i64;
+    Ok(listed(items, n))
+}
+
+pub async fn alerts(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = ops::alerts(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn audit(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
+    let (limit, offset) = q.page()?;
+    let (items, total) = ops::audit(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
+    let time = |k: &str| -> ApiResult<Option<chrono::DateTime<chrono::Utc>>> {
+        q.get(k)
+            .map(|v| {
+                chrono::DateTime::parse_from_rfc3339(v)
+                    .map(|t| t.with_timezone(&chrono::Utc))
+                    .map_err(|_| {
+                        ApiError::invalid(k, "must be an RFC 3339 time, e.g. 2026-11-01T00:00:00Z")
+                    })
+            })
+            .transpose()
+    };
+    let u = ops::usage(
+        &ctx,
+        &caller,
+        q.parse("owner_uuid")?,
+        time("from")?,
+        time("to")?,
+    )
+    .await?;
+    Ok(Json(u).into_response())
+}
+
+pub async fn device_action(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<passage_model::api::DeviceActionRequest>,
+) -> ApiResult<Response> {
+    caller.require_operator()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    let history = ops::device_action(&ctx, &caller, uuid, req).await?;
+    Ok(Json(history).into_response())
+}
+
+pub async fn placement_dry_run(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<passage_model::api::PlacementDryRun>,
+) -> ApiResult<Response> {
+    Ok(Json(ops::dry_run(&ctx, &caller, &req.package).await?).into_response())
 }

@@ -5,6 +5,8 @@ pub mod accounts;
 pub mod agents;
 pub mod auth;
 pub mod catalog;
+pub mod metrics;
+pub mod ops;
 pub mod servers;
 pub mod vms;
 
@@ -20,6 +22,7 @@ pub struct Services {
     pub tasks_queued: Notify,
     /// Wakes job steps waiting on an agent when a result arrives.
     pub task_done: Notify,
+    pub metrics: metrics::Metrics,
 }
 
 pub type Ctx = Arc<Services>;
@@ -31,6 +34,7 @@ impl Services {
             cfg,
             tasks_queued: Notify::new(),
             task_done: Notify::new(),
+            metrics: metrics::Metrics::default(),
         })
     }
 

@@ -85,6 +85,7 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
         hostname: rec.hostname,
         last_heartbeat: rec.last_heartbeat,
         created_at: rec.created_at,
+        disabled: rec.disabled,
         sysinfo: Sysinfo { pci_devices },
         assignable_devices,
         vms,
@@ -122,6 +123,10 @@ pub async fn update(
     if let Some(h) = &req.hostname {
         validate_hostname("hostname", h)?;
         servers::set_hostname(&ctx.db, uuid, h).await?;
+    }
+    if let Some(d) = req.disabled {
+        servers::set_disabled(&ctx.db, uuid, d).await?;
+        tracing::info!(server = %uuid, disabled = d, by = %caller.account.login, "server service state changed");
     }
     get(ctx, caller, uuid).await
 }

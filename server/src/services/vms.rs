@@ -110,7 +110,16 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             }
             Err(e) => return Err(e),
         };
-        place_and_reserve(ctx, &req.alias, owner, uuid, job, &package).await?
+        let started = std::time::Instant::now();
+        let r = place_and_reserve(ctx, &req.alias, owner, uuid, job, &package).await;
+        let outcome = match &r {
+            Ok(_) => "placed",
+            Err(e) if e.code == ErrorCode::InsufficientCapacity => "insufficient_capacity",
+            Err(e) if e.code == ErrorCode::QuotaExceeded => "quota_exceeded",
+            Err(_) => "error",
+        };
+        ctx.metrics.placement(outcome, started.elapsed());
+        r?
     };
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
@@ -139,7 +148,21 @@ async fn place_and_reserve(
             placement::choose(&cands, &package.devices, &avoid)
         };
         let Some(choice) = choice else {
-            return Err(insufficient(&package.devices));
+            let err = insufficient(&package.devices);
+            for (variant, count) in &package.devices {
+                let r = store::ops::alert(
+                    &ctx.db,
+                    "insufficient_capacity",
+                    &err.message,
+                    Some(variant),
+                    Some(*count),
+                )
+                .await;
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "could not record a capacity alert");
+                }
+            }
+            return Err(err);
         };
         let r = vms::create_reserved(
             &ctx.db,
@@ -173,8 +196,9 @@ async fn any_running_server(ctx: &Ctx) -> ApiResult<Option<passage_model::Server
     Ok(servers
         .into_iter()
         .filter(|s| {
-            s.last_heartbeat
-                .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
+            !s.disabled
+                && s.last_heartbeat
+                    .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
         })
         .map(|s| s.uuid)
         .min())

@@ -136,7 +136,7 @@ pub async fn candidates(
         "SELECT d.server_uuid, d.id, d.variant, d.numa_node FROM devices d \
          JOIN servers s ON s.uuid = d.server_uuid \
          WHERE d.state = 'unassigned' AND d.missing = 0 AND d.taint IS NULL \
-         AND s.last_heartbeat >= $1 AND d.variant IN ({})",
+         AND s.last_heartbeat >= $1 AND s.disabled = 0 AND d.variant IN ({})",
         marks.join(", ")
     );
     let rows: Vec<(String, String, String, Option<i64>)> = on_read!(db, |p| {

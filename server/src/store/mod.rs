@@ -7,6 +7,7 @@ pub mod accounts;
 pub mod devices;
 pub mod events;
 pub mod jobs;
+pub mod ops;
 pub mod packages;
 pub mod servers;
 pub mod tasks;

@@ -10,6 +10,8 @@ pub struct ServerRecord {
     pub hostname: String,
     pub last_heartbeat: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
+    /// Drained: no new placements.
+    pub disabled: bool,
 }
 
 #[derive(sqlx::FromRow)]
@@ -18,6 +20,7 @@ struct ServerRow {
     hostname: String,
     last_heartbeat: Option<i64>,
     created_at: i64,
+    disabled: i64,
 }
 
 impl ServerRow {
@@ -27,6 +30,7 @@ impl ServerRow {
             hostname: self.hostname,
             last_heartbeat: self.last_heartbeat.map(to_time),
             created_at: to_time(self.created_at),
+            disabled: self.disabled != 0,
         })
     }
 }
@@ -112,18 +116,20 @@ pub async fn heartbeat(db: &Db, uuid: ServerId) -> StoreResult<()> {
 }
 
 pub async fn get(db: &Db, uuid: ServerId) -> StoreResult<ServerRecord> {
-    let row: Option<ServerRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT uuid, hostname, last_heartbeat, created_at FROM servers WHERE uuid = $1"
+    let row: Option<ServerRow> = on_read!(db, |p| {
+        sqlx::query_as(
+        "SELECT uuid, hostname, last_heartbeat, created_at, disabled FROM servers WHERE uuid = $1"
     )
     .bind(uuid.to_string())
     .fetch_optional(p)
-    .await)?;
+    .await
+    })?;
     row.ok_or(StoreError::NotFound("server"))?.into_record()
 }
 
 pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRecord>, i64)> {
     let rows: Vec<ServerRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT uuid, hostname, last_heartbeat, created_at FROM servers \
+        "SELECT uuid, hostname, last_heartbeat, created_at, disabled FROM servers \
          ORDER BY created_at DESC, uuid DESC LIMIT $1 OFFSET $2"
     )
     .bind(limit)
@@ -147,6 +153,21 @@ pub async fn set_hostname(db: &Db, uuid: ServerId, hostname: &str) -> StoreResul
     )
     .bind(uuid.to_string())
     .bind(hostname)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    if n == 0 {
+        return Err(StoreError::NotFound("server"));
+    }
+    Ok(())
+}
+
+pub async fn set_disabled(db: &Db, uuid: ServerId, disabled: bool) -> StoreResult<()> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE servers SET disabled = $2 WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .bind(i64::from(disabled))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;

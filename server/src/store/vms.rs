@@ -295,6 +295,29 @@ pub async fn mark_running(
                 "the VM is no longer being provisioned".into(),
             ));
         }
+        // Usage runs from attach to release: one record per device.
+        let open: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM usage_records WHERE vm_uuid = $1 AND ended_at IS NULL",
+        )
+        .bind(uuid.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+        if open == 0 {
+            for id in ids {
+                sqlx::query(
+                    "INSERT INTO usage_records (vm_uuid, owner_uuid, server_uuid, device, \
+                     variant, started_at) SELECT v.uuid, v.owner_uuid, $2, $3, \
+                     (SELECT variant FROM devices WHERE server_uuid = $2 AND id = $3), $4 \
+                     FROM vms v WHERE v.uuid = $1",
+                )
+                .bind(uuid.to_string())
+                .bind(server.to_string())
+                .bind(id)
+                .bind(now_ms())
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
         Ok(())
     })
 }
@@ -318,6 +341,13 @@ pub async fn release_destroyed(
             )
             .await?;
         }
+        sqlx::query(
+            "UPDATE usage_records SET ended_at = $2 WHERE vm_uuid = $1 AND ended_at IS NULL",
+        )
+        .bind(uuid.to_string())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "UPDATE vms SET state = 'destroyed', updated_at = $2 WHERE uuid = $1 \
              AND state IN ('destroying', 'destroyed')",

@@ -72,6 +72,9 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
 /// it is `failed`, and its devices are quarantined (never freed without a scrub).
 pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result<(), String> {
     let vm = vm_of(ctx, job).await?;
+    crate::store::ops::end_usage(&ctx.db, vm.uuid)
+        .await
+        .map_err(|e| e.to_string())?;
     if let Some(server) = vm.server_uuid {
         let held: Vec<String> = devices::held_by(&ctx.db, vm.uuid)
             .await

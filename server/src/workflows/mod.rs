@@ -96,10 +96,13 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
         }
         jobs::step_started(&ctx.db, job, i).await?;
         let fresh = jobs::get(&ctx.db, job).await?;
+        let started = std::time::Instant::now();
         let result = match saga.action(ctx, &fresh, &step.name).await {
             Ok(()) => fault(ctx, &rec.view.name, &step.name),
             Err(e) => Err(e),
         };
+        ctx.metrics
+            .step(&rec.view.name, &step.name, started.elapsed());
         match result {
             Ok(()) => jobs::step_ended(&ctx.db, job, i, StepState::Succeeded, None).await?,
             Err(e) => {

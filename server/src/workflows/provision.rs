@@ -101,6 +101,9 @@ pub(super) async fn undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), S
             )
             .await
             .map_err(|e| e.to_string())?;
+            crate::store::ops::end_usage(&ctx.db, vm.uuid)
+                .await
+                .map_err(|e| e.to_string())?;
             if launched && !moved.is_empty() {
                 let dirty: Vec<String> = moved.into_iter().map(|m| m.id).collect();
                 scrub::start_job(ctx, server, &dirty)

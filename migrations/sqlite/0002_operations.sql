@@ -1,0 +1,39 @@
+-- Operator actions, audit, usage and alerts. Kept in step with migrations/postgres.
+
+-- A drained server takes no new placements; its running VMs are untouched.
+ALTER TABLE servers ADD COLUMN disabled INTEGER NOT NULL DEFAULT 0;
+
+CREATE TABLE audit_log (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at INTEGER NOT NULL,
+    actor TEXT,
+    actor_login TEXT,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    status INTEGER NOT NULL
+);
+CREATE INDEX audit_log_at ON audit_log (at);
+
+-- One row per device a VM held: from attach to release.
+CREATE TABLE usage_records (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    vm_uuid TEXT NOT NULL,
+    owner_uuid TEXT NOT NULL,
+    server_uuid TEXT NOT NULL,
+    device TEXT NOT NULL,
+    variant TEXT,
+    started_at INTEGER NOT NULL,
+    ended_at INTEGER
+);
+CREATE INDEX usage_records_owner ON usage_records (owner_uuid, started_at);
+CREATE INDEX usage_records_vm ON usage_records (vm_uuid);
+
+CREATE TABLE alerts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    variant TEXT,
+    count INTEGER,
+    at INTEGER NOT NULL
+);
+CREATE INDEX alerts_at ON alerts (at);

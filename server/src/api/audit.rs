@@ -1,0 +1,41 @@
+//! The audit log: every state-changing call to /v1, who made it, what, when, the result.
+
+use crate::services::Ctx;
+use crate::services::auth;
+use crate::store::ops;
+use axum::extract::{OriginalUri, Request, State};
+use axum::http::{Method, header};
+use axum::middleware::Next;
+use axum::response::Response;
+
+pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Response {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return next.run(req).await;
+    }
+    let method = req.method().to_string();
+    let path = req
+        .extensions()
+        .get::<OriginalUri>()
+        .map(|u| u.0.path().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    // Resolved before the call: a logout ends the very token that names its caller.
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_string());
+    let actor = match token {
+        Some(t) => auth::caller_from_token(&ctx, &t)
+            .await
+            .ok()
+            .map(|a| (a.uuid, a.login)),
+        None => None,
+    };
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    if let Err(e) = ops::audit(&ctx.db, actor, &method, &path, status).await {
+        tracing::warn!(error = %e, %method, %path, "could not write the audit log");
+    }
+    resp
+}

@@ -1,0 +1,68 @@
+//! In-process counters for `/metrics`. Fleet gauges (devices by state) are read from the
+//! store at scrape time; what only this process sees (placements, job steps) is counted
+//! here.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, seconds.
+pub const BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+];
+
+#[derive(Clone, Debug, Default)]
+pub struct Histogram {
+    pub counts: [u64; BUCKETS.len()],
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if s <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += s;
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Inner {
+    /// By outcome: placed, insufficient_capacity, quota_exceeded, conflict.
+    pub placements: BTreeMap<&'static str, u64>,
+    pub placement_latency: Histogram,
+    /// By (job, step).
+    pub steps: BTreeMap<(String, String), Histogram>,
+}
+
+impl Metrics {
+    pub fn placement(&self, outcome: &'static str, took: Duration) {
+        if let Ok(mut m) = self.inner.lock() {
+            *m.placements.entry(outcome).or_default() += 1;
+            m.placement_latency.observe(took);
+        }
+    }
+
+    pub fn step(&self, job: &str, step: &str, took: Duration) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.steps
+                .entry((job.to_string(), step.to_string()))
+                .or_default()
+                .observe(took);
+        }
+    }
+
+    pub fn snapshot(&self) -> Inner {
+        self.inner.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+}

@@ -1,0 +1,221 @@
+//! Operations records: the audit log, usage (GPU-hours), alerts, fleet capacity.
+
+use super::{Db, StoreResult, corrupt, now_ms, parse_uuid, to_time};
+use crate::{on_read, on_write};
+use passage_model::api::{Alert, AuditEntry, Capacity, UsageRecord};
+use passage_model::{AccountId, VmId};
+use std::collections::BTreeMap;
+
+pub async fn audit(
+    db: &Db,
+    actor: Option<(AccountId, String)>,
+    method: &str,
+    path: &str,
+    status: u16,
+) -> StoreResult<()> {
+    let (uuid, login) = match actor {
+        Some((u, l)) => (Some(u.to_string()), Some(l)),
+        None => (None, None),
+    };
+    on_write!(db, |p| sqlx::query(
+        "INSERT INTO audit_log (at, actor, actor_login, method, path, status) \
+         VALUES ($1, $2, $3, $4, $5, $6)"
+    )
+    .bind(now_ms())
+    .bind(uuid)
+    .bind(login)
+    .bind(method)
+    .bind(path)
+    .bind(i64::from(status))
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+pub async fn audit_log(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<AuditEntry>, i64)> {
+    type Row = (i64, Option<String>, Option<String>, String, String, i64);
+    let rows: Vec<Row> = on_read!(db, |p| sqlx::query_as(
+        "SELECT at, actor, actor_login, method, path, status FROM audit_log \
+             ORDER BY seq DESC LIMIT $1 OFFSET $2"
+    )
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(p)
+    .await)?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar("SELECT COUNT(*) FROM audit_log")
+        .fetch_one(p)
+        .await)?;
+    let items = rows
+        .into_iter()
+        .map(|(at, actor, actor_login, method, path, status)| {
+            Ok(AuditEntry {
+                at: to_time(at),
+                actor: actor
+                    .as_deref()
+                    .map(|a| parse_uuid(a, "account"))
+                    .transpose()?,
+                actor_login,
+                method,
+                path,
+                status: u16::try_from(status).unwrap_or(0),
+            })
+        })
+        .collect::<StoreResult<_>>()?;
+    Ok((items, total))
+}
+
+/// Ends the open usage records of a VM (idempotent).
+pub async fn end_usage(db: &Db, vm: VmId) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE usage_records SET ended_at = $2 WHERE vm_uuid = $1 AND ended_at IS NULL"
+    )
+    .bind(vm.to_string())
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+/// Records overlapping `[from, to)`, with the hours inside the window.
+pub async fn usage(
+    db: &Db,
+    owner: Option<AccountId>,
+    from_ms: i64,
+    to_ms: i64,
+) -> StoreResult<Vec<UsageRecord>> {
+    type Row = (
+        String,
+        String,
+        String,
+        String,
+        Option<String>,
+        i64,
+        Option<i64>,
+    );
+    let owner_s = owner.map(|o| o.to_string());
+    let rows: Vec<Row> = on_read!(db, |p| sqlx::query_as(
+        "SELECT vm_uuid, owner_uuid, server_uuid, device, variant, started_at, ended_at \
+         FROM usage_records WHERE (CAST($1 AS TEXT) IS NULL OR owner_uuid = $1) \
+         AND started_at < $3 AND (ended_at IS NULL OR ended_at > $2) ORDER BY seq LIMIT 100000"
+    )
+    .bind(&owner_s)
+    .bind(from_ms)
+    .bind(to_ms)
+    .fetch_all(p)
+    .await)?;
+    let now = now_ms();
+    rows.into_iter()
+        .map(|(vm, owner, server, device, variant, start, end)| {
+            let lo = start.max(from_ms);
+            let hi = end.unwrap_or(now).min(to_ms);
+            Ok(UsageRecord {
+                vm_uuid: parse_uuid(&vm, "vm")?,
+                owner_uuid: parse_uuid(&owner, "account")?,
+                server_uuid: parse_uuid(&server, "server")?,
+                device: device.parse().map_err(corrupt)?,
+                variant,
+                started_at: to_time(start),
+                ended_at: end.map(to_time),
+                gpu_hours: (hi - lo).max(0) as f64 / 3_600_000.0,
+            })
+        })
+        .collect()
+}
+
+pub async fn alert(
+    db: &Db,
+    kind: &str,
+    message: &str,
+    variant: Option<&str>,
+    count: Option<u32>,
+) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "INSERT INTO alerts (kind, message, variant, count, at) VALUES ($1, $2, $3, $4, $5)"
+    )
+    .bind(kind)
+    .bind(message)
+    .bind(variant)
+    .bind(count.map(i64::from))
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+pub async fn alerts(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Alert>, i64)> {
+    type Row = (String, String, Option<String>, Option<i64>, i64);
+    let rows: Vec<Row> = on_read!(db, |p| {
+        sqlx::query_as(
+            "SELECT kind, message, variant, count, at FROM alerts ORDER BY seq DESC \
+             LIMIT $1 OFFSET $2",
+        )
+        .bind(limit)
+        .bind(offset)
+        .fetch_all(p)
+        .await
+    })?;
+    let total: i64 = on_read!(db, |p| sqlx::query_scalar("SELECT COUNT(*) FROM alerts")
+        .fetch_one(p)
+        .await)?;
+    Ok((
+        rows.into_iter()
+            .map(|(kind, message, variant, count, at)| Alert {
+                kind,
+                message,
+                variant,
+                count: count.and_then(|c| u32::try_from(c).ok()),
+                at: to_time(at),
+            })
+            .collect(),
+        total,
+    ))
+}
+
+/// Devices per variant by state; `free` counts what placement could take now.
+pub async fn capacity(db: &Db, alive_after_ms: i64) -> StoreResult<Vec<Capacity>> {
+    let rows: Vec<(String, String, i64, i64, i64)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT d.variant, d.state, \
+           CAST(CASE WHEN d.taint IS NULL AND d.missing = 0 THEN 0 ELSE 1 END AS BIGINT), \
+           CAST(CASE WHEN s.last_heartbeat >= $1 AND s.disabled = 0 THEN 1 ELSE 0 END AS BIGINT), \
+           COUNT(*) \
+         FROM devices d JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.variant IS NOT NULL GROUP BY 1, 2, 3, 4"
+    )
+    .bind(alive_after_ms)
+    .fetch_all(p)
+    .await)?;
+    let mut by: BTreeMap<String, Capacity> = BTreeMap::new();
+    for (variant, state, tainted, up, n) in rows {
+        let n = u64::try_from(n).unwrap_or(0);
+        let c = by.entry(variant.clone()).or_insert_with(|| Capacity {
+            variant,
+            ..Capacity::default()
+        });
+        c.total += n;
+        if tainted == 1 {
+            c.tainted += n;
+        }
+        match state.as_str() {
+            "unassigned" => {
+                c.unassigned += n;
+                if tainted == 0 && up == 1 {
+                    c.free += n;
+                }
+            }
+            "provisioning" => c.provisioning += n,
+            "used" => c.used += n,
+            "dirty" => c.dirty += n,
+            "cleaning" => c.cleaning += n,
+            "quarantined" => c.quarantined += n,
+            "disabled" => c.disabled += n,
+            other => return Err(corrupt(other)),
+        }
+    }
+    for c in by.values_mut() {
+        c.held = c.provisioning + c.used;
+    }
+    Ok(by.into_values().collect())
+}
