@@ -16,6 +16,12 @@ pub struct Config {
     pub scrub_grace: Duration,
     /// How often background reconcilers run.
     pub reconcile_every: Duration,
+    /// How long a job's lease lasts without renewal: after that another replica (or this
+    /// one, restarted) takes the job over.
+    pub job_lease: Duration,
+    /// Test only: stop every job just before this step (`provision.launch`, …), to prove
+    /// that a server killed there resumes or unwinds the job.
+    pub pause_before: Option<String>,
     /// Test only: job steps (`provision.launch`, `destroy.stop`, …) made to fail after
     /// their action ran, to prove every undo.
     pub faults: Vec<String>,
@@ -30,6 +36,8 @@ impl Default for Config {
             token_ttl: Duration::from_secs(24 * 3600),
             scrub_grace: Duration::from_secs(10),
             reconcile_every: Duration::from_secs(2),
+            job_lease: Duration::from_secs(30),
+            pause_before: None,
             faults: Vec::new(),
         }
     }

@@ -30,6 +30,10 @@ struct Args {
     /// How long a dirty device may wait before the reconciler scrubs it.
     #[arg(long, default_value_t = 10)]
     scrub_grace_secs: u64,
+    /// A job whose runner has not renewed its lease for this long is taken over (by
+    /// another replica, or by this server after a restart).
+    #[arg(long, default_value_t = 30)]
+    job_lease_secs: u64,
     /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
     /// hypervisor) in this process.
     #[arg(long, default_value_t = 0)]
@@ -59,6 +63,7 @@ async fn main() -> std::process::ExitCode {
         heartbeat_timeout: Duration::from_secs(args.heartbeat_timeout_secs.max(1)),
         task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
+        job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
         ..Config::default()
     };
     // Test only: make named job steps fail after their action, to exercise every undo.
@@ -69,6 +74,11 @@ async fn main() -> std::process::ExitCode {
             .filter(|s| !s.is_empty())
             .collect();
         tracing::warn!(faults = ?cfg.faults, "fault injection is on");
+    }
+    // Test only: park every job just before this step, to be killed there.
+    if let Ok(p) = std::env::var("PASSAGE_PAUSE_BEFORE") {
+        tracing::warn!(step = %p, "jobs pause before this step (test hook)");
+        cfg.pause_before = Some(p);
     }
     let admin = std::env::var("PASSAGE_ADMIN_PASSWORD")
         .ok()

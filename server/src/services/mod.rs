@@ -23,6 +23,10 @@ pub struct Services {
     /// Wakes job steps waiting on an agent when a result arrives.
     pub task_done: Notify,
     pub metrics: metrics::Metrics,
+    /// This process among replicas: the owner named in job leases.
+    pub instance: String,
+    /// Jobs this process is running now (never two runners for one job here).
+    pub running_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -35,6 +39,8 @@ impl Services {
             tasks_queued: Notify::new(),
             task_done: Notify::new(),
             metrics: metrics::Metrics::default(),
+            instance: uuid::Uuid::new_v4().to_string(),
+            running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
         })
     }
 

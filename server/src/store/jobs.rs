@@ -213,18 +213,6 @@ pub async fn step_ended(
     Ok(())
 }
 
-/// Jobs not yet ended, oldest first: what a restarted server must resume or unwind.
-pub async fn unfinished(db: &Db) -> StoreResult<Vec<(JobId, String)>> {
-    let rows: Vec<(String, String)> = on_read!(db, |p| sqlx::query_as(
-        "SELECT uuid, name FROM jobs WHERE state IN ('queued', 'running') ORDER BY created_at"
-    )
-    .fetch_all(p)
-    .await)?;
-    rows.into_iter()
-        .map(|(u, n)| Ok((parse_uuid(&u, "job")?, n)))
-        .collect()
-}
-
 pub async fn list(
     db: &Db,
     owner: Option<AccountId>,
@@ -253,4 +241,37 @@ pub async fn list(
             .collect::<StoreResult<_>>()?,
         total,
     ))
+}
+
+/// Takes (or renews) the lease on an unfinished job: free, already ours, or expired.
+pub async fn claim(db: &Db, job: JobId, owner: &str, until_ms: i64) -> StoreResult<bool> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE jobs SET lease_owner = $2, lease_until = $3 WHERE uuid = $1 \
+         AND state IN ('queued', 'running') \
+         AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < $4)"
+    )
+    .bind(job.to_string())
+    .bind(owner)
+    .bind(until_ms)
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n == 1)
+}
+
+/// Unfinished jobs nobody holds a live lease on. A job never leased is left alone for
+/// `grace_ms` after its creation: its creator is about to run it.
+pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {
+    let now = now_ms();
+    let rows: Vec<String> = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT uuid FROM jobs WHERE state IN ('queued', 'running') \
+         AND ((lease_until IS NULL AND created_at < $2) OR lease_until < $1) \
+         ORDER BY created_at"
+    )
+    .bind(now)
+    .bind(now - grace_ms)
+    .fetch_all(p)
+    .await)?;
+    rows.iter().map(|u| parse_uuid(u, "job")).collect()
 }

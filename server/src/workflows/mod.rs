@@ -17,6 +17,8 @@ use crate::services::Ctx;
 use crate::store::jobs::{self, JobRecord};
 use passage_model::JobId;
 use passage_model::api::{JobState, StepState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Saga {
@@ -63,13 +65,47 @@ pub const PROVISION_STEPS: &[&str] = &["reserve", "bind", "launch", "mark_used"]
 pub const DESTROY_STEPS: &[&str] = &["stop", "unbind", "release", "scrub"];
 pub const SCRUB_STEPS: &[&str] = &["scrub"];
 
-/// Runs a job in the background.
+/// Runs a job in the background, unless this process runs it already.
 pub fn spawn(ctx: Ctx, job: JobId) {
+    let fresh = ctx
+        .running_jobs
+        .lock()
+        .map(|mut set| set.insert(job))
+        .unwrap_or(false);
+    if !fresh {
+        return;
+    }
     tokio::spawn(async move {
         if let Err(e) = run(&ctx, job).await {
             tracing::error!(%job, error = %e, "job runner failed");
         }
+        if let Ok(mut set) = ctx.running_jobs.lock() {
+            set.remove(&job);
+        }
     });
+}
+
+fn lease_until(ctx: &Ctx) -> i64 {
+    crate::store::now_ms() + i64::try_from(ctx.cfg.job_lease.as_millis()).unwrap_or(30_000)
+}
+
+/// Keeps the lease alive while the job runs; `lost` turns true if another replica took it.
+fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let every = (ctx.cfg.job_lease / 3).max(std::time::Duration::from_millis(100));
+        loop {
+            tokio::time::sleep(every).await;
+            match jobs::claim(&ctx.db, job, &ctx.instance, lease_until(&ctx)).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    lost.store(true, Ordering::SeqCst);
+                    return;
+                }
+                Err(e) => tracing::warn!(%job, error = %e, "renewing a job lease"),
+            }
+        }
+    })
 }
 
 fn fault(ctx: &Ctx, job: &str, step: &str) -> Result<(), String> {
@@ -83,6 +119,18 @@ fn fault(ctx: &Ctx, job: &str, step: &str) -> Result<(), String> {
 /// Runs (or resumes) a job to its end. Steps already `succeeded` are skipped, so a job
 /// interrupted by a restart picks up where it stopped.
 pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
+    if !jobs::claim(&ctx.db, job, &ctx.instance, lease_until(ctx)).await? {
+        // Finished, or another replica holds it.
+        return Ok(());
+    }
+    let lost = Arc::new(AtomicBool::new(false));
+    let lease = keep_lease(ctx, job, lost.clone());
+    let r = run_claimed(ctx, job, &lost).await;
+    lease.abort();
+    r
+}
+
+async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> {
     let rec = jobs::get(&ctx.db, job).await?;
     if matches!(rec.view.state, JobState::Succeeded | JobState::Failed) {
         return Ok(());
@@ -90,9 +138,35 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
     let saga = Saga::of(&rec.view.name)
         .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
     jobs::set_state(&ctx.db, job, JobState::Running, None).await?;
+    // A job that was already unwinding when its runner died goes on unwinding.
+    if let Some((i, failed)) = rec
+        .view
+        .steps
+        .iter()
+        .enumerate()
+        .find(|(_, s)| matches!(s.state, StepState::Failed | StepState::Undone))
+    {
+        let e = failed
+            .error
+            .clone()
+            .unwrap_or_else(|| "interrupted while unwinding".into());
+        return fail(ctx, saga, job, &rec.view.steps[i].name, &e).await;
+    }
     for (i, step) in rec.view.steps.iter().enumerate() {
         if step.state == StepState::Succeeded {
             continue;
+        }
+        if lost.load(Ordering::SeqCst) {
+            tracing::warn!(%job, "lost the job's lease to another replica; stopping here");
+            return Ok(());
+        }
+        let key = format!("{}.{}", rec.view.name, step.name);
+        if ctx.cfg.pause_before.as_deref() == Some(key.as_str()) {
+            use std::io::Write;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "passage: paused before {key} (test hook)");
+            let _ = out.flush();
+            std::future::pending::<()>().await;
         }
         jobs::step_started(&ctx.db, job, i).await?;
         let fresh = jobs::get(&ctx.db, job).await?;
@@ -108,21 +182,26 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
             Err(e) => {
                 tracing::warn!(%job, step = %step.name, error = %e, "job step failed");
                 jobs::step_ended(&ctx.db, job, i, StepState::Failed, Some(&e)).await?;
-                let undo_errors = unwind(ctx, job).await?;
-                let mut error = format!("{} failed: {e}", step.name);
-                if !undo_errors.is_empty() {
-                    error.push_str(&format!("; undo failed: {}", undo_errors.join("; ")));
-                }
-                let fresh = jobs::get(&ctx.db, job).await?;
-                if let Err(e2) = saga.on_failed(ctx, &fresh, &error).await {
-                    error.push_str(&format!("; cleanup failed: {e2}"));
-                }
-                jobs::set_state(&ctx.db, job, JobState::Failed, Some(&error)).await?;
-                return Ok(());
+                return fail(ctx, saga, job, &step.name, &e).await;
             }
         }
     }
     jobs::set_state(&ctx.db, job, JobState::Succeeded, None).await?;
+    Ok(())
+}
+
+/// Unwinds what the job did and records why it failed.
+async fn fail(ctx: &Ctx, saga: Saga, job: JobId, step: &str, e: &str) -> ApiResult<()> {
+    let undo_errors = unwind(ctx, job).await?;
+    let mut error = format!("{step} failed: {e}");
+    if !undo_errors.is_empty() {
+        error.push_str(&format!("; undo failed: {}", undo_errors.join("; ")));
+    }
+    let fresh = jobs::get(&ctx.db, job).await?;
+    if let Err(e2) = saga.on_failed(ctx, &fresh, &error).await {
+        error.push_str(&format!("; cleanup failed: {e2}"));
+    }
+    jobs::set_state(&ctx.db, job, JobState::Failed, Some(&error)).await?;
     Ok(())
 }
 
@@ -148,13 +227,20 @@ pub async fn unwind(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>> {
     Ok(errors)
 }
 
-/// Jobs left unfinished by a previous run of the server: resume each.
+/// Jobs whose runner is gone (a server that died, a replica that stopped): resume each.
 pub async fn resume_all(ctx: &Ctx) -> ApiResult<usize> {
-    let pending = jobs::unfinished(&ctx.db).await?;
+    let pending = jobs::orphaned(&ctx.db, 5_000).await?;
     let n = pending.len();
-    for (job, name) in pending {
-        tracing::info!(%job, %name, "resuming job");
-        spawn(ctx.clone(), job);
+    for job in pending {
+        let known = ctx
+            .running_jobs
+            .lock()
+            .map(|s| s.contains(&job))
+            .unwrap_or(true);
+        if !known {
+            tracing::info!(%job, "resuming an orphaned job");
+            spawn(ctx.clone(), job);
+        }
     }
     Ok(n)
 }

@@ -33,6 +33,9 @@ pub fn spawn_loops(ctx: Ctx) {
             if let Err(e) = scrub_forgotten(&ctx).await {
                 tracing::warn!(error = %e, "scrub reconciler");
             }
+            if let Err(e) = super::resume_all(&ctx).await {
+                tracing::warn!(error = %e, "job reconciler");
+            }
         }
     });
 }

@@ -1,0 +1,5 @@
+-- Job leases: the replica running a job holds a lease it renews; a job whose lease ran
+-- out (its replica died) is taken over by another. Kept in step with migrations/sqlite.
+ALTER TABLE jobs ADD COLUMN lease_owner TEXT;
+ALTER TABLE jobs ADD COLUMN lease_until BIGINT;
+CREATE INDEX jobs_unfinished ON jobs (state, lease_until);
