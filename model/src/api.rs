@@ -114,6 +114,34 @@ pub struct Ping {
     pub version: String,
 }
 
+/// How placement chooses among servers that fit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlacementPolicy {
+    /// Fill a server before the next (CloudStack's DFS): keeps whole servers free for
+    /// big requests.
+    #[default]
+    Pack,
+    /// Put each VM where the most is free (CloudStack's BFS): spreads load and risk.
+    Spread,
+}
+
+impl PlacementPolicy {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pack" => Some(PlacementPolicy::Pack),
+            "spread" => Some(PlacementPolicy::Spread),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlacementPolicy::Pack => "pack",
+            PlacementPolicy::Spread => "spread",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Package {
     pub uuid: PackageId,
@@ -122,6 +150,8 @@ pub struct Package {
     pub memory_mib: u64,
     pub disk_gib: u64,
     pub devices: BTreeMap<String, u32>,
+    /// `null`: the server's default policy.
+    pub placement: Option<PlacementPolicy>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -135,6 +165,8 @@ pub struct CreatePackage {
     pub disk_gib: u64,
     #[serde(default)]
     pub devices: BTreeMap<String, u32>,
+    #[serde(default)]
+    pub placement: Option<PlacementPolicy>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

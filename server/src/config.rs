@@ -19,6 +19,8 @@ pub struct Config {
     /// How long a job's lease lasts without renewal: after that another replica (or this
     /// one, restarted) takes the job over.
     pub job_lease: Duration,
+    /// Placement policy for packages that do not name one.
+    pub placement: crate::placement::Policy,
     /// Test only: stop every job just before this step (`provision.launch`, …), to prove
     /// that a server killed there resumes or unwinds the job.
     pub pause_before: Option<String>,
@@ -38,6 +40,7 @@ impl Default for Config {
             reconcile_every: Duration::from_secs(2),
             job_lease: Duration::from_secs(30),
             pause_before: None,
+            placement: crate::placement::Policy::Pack,
             faults: Vec::new(),
         }
     }

@@ -34,6 +34,10 @@ struct Args {
     /// another replica, or by this server after a restart).
     #[arg(long, default_value_t = 30)]
     job_lease_secs: u64,
+    /// Placement policy for packages that name none: `pack` fills a server before the
+    /// next, `spread` puts each VM where the most is free.
+    #[arg(long, default_value = "pack", value_parser = ["pack", "spread"])]
+    placement: String,
     /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
     /// hypervisor) in this process.
     #[arg(long, default_value_t = 0)]
@@ -64,6 +68,7 @@ async fn main() -> std::process::ExitCode {
         task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
+        placement: passage_server::placement::Policy::parse(&args.placement).unwrap_or_default(),
         ..Config::default()
     };
     // Test only: make named job steps fail after their action, to exercise every undo.

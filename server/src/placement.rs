@@ -6,6 +6,8 @@ use crate::store::devices::Candidate;
 use passage_model::{DevicePath, ServerId};
 use std::collections::{BTreeMap, HashMap};
 
+pub use passage_model::api::PlacementPolicy as Policy;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
     pub server: ServerId,
@@ -13,13 +15,14 @@ pub struct Placement {
 }
 
 /// Picks a server that has `count` free devices of every requested variant, preferring
-/// one where each variant's devices can all come from one NUMA node, then the server with
-/// the fewest free devices (packing keeps whole servers free for big requests).
-/// Servers in `avoid` (where the caller just lost a race) come last.
+/// one where each variant's devices can all come from one NUMA node, then by `policy`:
+/// the fewest free devices (pack) or the most (spread). Servers in `avoid` (where the
+/// caller just lost a race) come last.
 pub fn choose(
     candidates: &[Candidate],
     request: &BTreeMap<String, u32>,
     avoid: &[ServerId],
+    policy: Policy,
 ) -> Option<Placement> {
     if request.is_empty() || request.values().any(|n| *n == 0) {
         return None;
@@ -35,7 +38,11 @@ pub fn choose(
         let Some((numa_local, picked)) = pick_on_server(&devs, request) else {
             continue;
         };
-        let key = (avoid.contains(&server), !numa_local, devs.len(), server);
+        let free = match policy {
+            Policy::Pack => devs.len(),
+            Policy::Spread => usize::MAX - devs.len(),
+        };
+        let key = (avoid.contains(&server), !numa_local, free, server);
         if best.as_ref().is_none_or(|(k, _)| key < *k) {
             best = Some((key, picked));
         }
@@ -73,10 +80,10 @@ fn pick_on_server(
             .filter(|v| v.len() >= count)
             .min_by_key(|v| v.len());
         match local {
-            Some(v) => picked.extend(v.iter().take(count).map(|c| c.id.clone())),
+            Some(v) => picked.extend(under_one_root(v, count)),
             None => {
                 all_local = false;
-                picked.extend(of_variant.iter().take(count).map(|c| c.id.clone()));
+                picked.extend(under_one_root(&of_variant, count));
             }
         }
     }
@@ -84,6 +91,26 @@ fn pick_on_server(
 }
 
 /// What placement knows of a server besides its free devices.
+/// `count` devices from `devs`, all under one PCIe root port when some root has enough
+/// (peer-to-peer traffic stays below it), else in address order.
+fn under_one_root(devs: &[&Candidate], count: usize) -> Vec<DevicePath> {
+    let mut by_root: BTreeMap<Option<passage_model::PciAddress>, Vec<&Candidate>> = BTreeMap::new();
+    for c in devs {
+        by_root
+            .entry(c.id.parents().first().copied())
+            .or_default()
+            .push(c);
+    }
+    let group = by_root
+        .values()
+        .filter(|v| v.len() >= count)
+        .min_by_key(|v| v.len());
+    match group {
+        Some(v) => v.iter().take(count).map(|c| c.id.clone()).collect(),
+        None => devs.iter().take(count).map(|c| c.id.clone()).collect(),
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct ServerInfo {
     pub uuid: ServerId,
@@ -98,6 +125,7 @@ pub fn explain(
     servers: &[ServerInfo],
     candidates: &[Candidate],
     request: &BTreeMap<String, u32>,
+    policy: Policy,
 ) -> passage_model::api::PlacementExplanation {
     let mut verdicts = Vec::with_capacity(servers.len());
     let mut fit: Vec<Candidate> = Vec::new();
@@ -137,7 +165,7 @@ pub fn explain(
             devices: Vec::new(),
         })
     } else {
-        choose(&fit, request, &[])
+        choose(&fit, request, &[], policy)
     };
     passage_model::api::PlacementExplanation {
         server: choice.as_ref().map(|c| c.server),
@@ -173,13 +201,13 @@ mod tests {
     #[test]
     fn needs_enough_of_every_variant() {
         let c = vec![cand(1, 1, "A", 0), cand(1, 2, "B", 0), cand(2, 1, "A", 0)];
-        let p = choose(&c, &req(&[("A", 1), ("B", 1)]), &[]).unwrap();
+        let p = choose(&c, &req(&[("A", 1), ("B", 1)]), &[], Policy::Pack).unwrap();
         assert_eq!(p.server, server(1));
         assert_eq!(p.devices.len(), 2);
-        assert!(choose(&c, &req(&[("A", 2)]), &[]).is_none());
-        assert!(choose(&c, &req(&[("C", 1)]), &[]).is_none());
-        assert!(choose(&c, &req(&[]), &[]).is_none());
-        assert!(choose(&[], &req(&[("A", 1)]), &[]).is_none());
+        assert!(choose(&c, &req(&[("A", 2)]), &[], Policy::Pack).is_none());
+        assert!(choose(&c, &req(&[("C", 1)]), &[], Policy::Pack).is_none());
+        assert!(choose(&c, &req(&[]), &[], Policy::Pack).is_none());
+        assert!(choose(&[], &req(&[("A", 1)]), &[], Policy::Pack).is_none());
     }
 
     #[test]
@@ -199,13 +227,16 @@ mod tests {
             cand(2, 4, "A", 1),
             cand(2, 5, "A", 1),
         ]);
-        let p = choose(&c, &req(&[("A", 3)]), &[]).unwrap();
+        let p = choose(&c, &req(&[("A", 3)]), &[], Policy::Pack).unwrap();
         assert_eq!(p.server, server(2), "NUMA-local wins over packing");
         // One device: both are local; server 1 has fewer free, so pack onto it.
-        let p = choose(&c, &req(&[("A", 1)]), &[]).unwrap();
+        let p = choose(&c, &req(&[("A", 1)]), &[], Policy::Pack).unwrap();
         assert_eq!(p.server, server(1));
+        // Spread: the server with the most free devices.
+        let p = choose(&c, &req(&[("A", 1)]), &[], Policy::Spread).unwrap();
+        assert_eq!(p.server, server(2));
         // The avoided server comes last.
-        let p = choose(&c, &req(&[("A", 1)]), &[server(1)]).unwrap();
+        let p = choose(&c, &req(&[("A", 1)]), &[server(1)], Policy::Pack).unwrap();
         assert_eq!(p.server, server(2));
     }
 
@@ -230,7 +261,7 @@ mod tests {
             cand(4, 1, "A", 0),
             cand(4, 2, "A", 0),
         ];
-        let e = explain(&servers, &c, &req(&[("A", 2)]));
+        let e = explain(&servers, &c, &req(&[("A", 2)]), Policy::Pack);
         assert_eq!(e.server, Some(server(4)));
         assert_eq!(e.devices.len(), 2);
         let why = |n: usize| e.servers[n].reasons.join("; ");
@@ -241,9 +272,30 @@ mod tests {
     }
 
     #[test]
+    fn devices_under_one_root_port() {
+        let at = |root: u8, bus: u8| Candidate {
+            server_uuid: server(1),
+            id: format!("/devices/pci0000:00/0000:00:{root:02x}.0/0000:{bus:02x}:00.0")
+                .parse()
+                .unwrap(),
+            variant: "A".into(),
+            numa_node: Some(0),
+        };
+        // Root 1 has one device, root 2 has two: a pair goes under root 2.
+        let c = vec![at(1, 0x10), at(2, 0x20), at(2, 0x21)];
+        let p = choose(&c, &req(&[("A", 2)]), &[], Policy::Pack).unwrap();
+        let roots: Vec<_> = p
+            .devices
+            .iter()
+            .map(|d| d.parents()[0].to_string())
+            .collect();
+        assert_eq!(roots, ["0000:00:02.0", "0000:00:02.0"]);
+    }
+
+    #[test]
     fn devices_on_the_chosen_node() {
         let c = vec![cand(1, 1, "A", 1), cand(1, 2, "A", 0), cand(1, 3, "A", 0)];
-        let p = choose(&c, &req(&[("A", 2)]), &[]).unwrap();
+        let p = choose(&c, &req(&[("A", 2)]), &[], Policy::Pack).unwrap();
         let buses: Vec<String> = p.devices.iter().map(|d| d.address().to_string()).collect();
         assert_eq!(buses, vec!["0000:02:00.0", "0000:03:00.0"]);
     }

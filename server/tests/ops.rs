@@ -332,3 +332,59 @@ async fn usage_audit_metrics(b: Backend) {
     let _ = node;
 }
 both!(usage_audit_metrics_on, usage_audit_metrics);
+
+async fn placement_policies(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let a = s.add_node(2).await;
+    let c = s.add_node(2).await;
+    let plain = s.add_node(0).await;
+    s.h100_catalog(1).await;
+    let (st, _) = s
+        .admin_call(
+            "POST",
+            "/v1/packages",
+            Some(json!({"name":"spread-1x","vcpus":1,"memory_mib":1024,
+            "devices":{"NVIDIA_H100":1},"placement":"spread"})),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let (st, e) = s
+        .admin_call(
+            "POST",
+            "/v1/packages",
+            Some(json!({"name":"x","vcpus":1,"memory_mib":1024,"placement":"random"})),
+        )
+        .await;
+    assert_eq!((st, e["field"].as_str()), (400, Some("placement")));
+    let (st, p) = s
+        .admin_call(
+            "POST",
+            "/v1/packages",
+            Some(json!({"name":"cpu-only","vcpus":1,"memory_mib":1024})),
+        )
+        .await;
+    assert_eq!((st, p["placement"].clone()), (201, Value::Null));
+
+    let place = |alias: &'static str, pkg: &'static str| {
+        let s = &s;
+        async move {
+            let (st, vm) = s
+                .admin_call(
+                    "POST",
+                    "/v1/vms",
+                    Some(json!({"alias": alias, "package": pkg})),
+                )
+                .await;
+            assert_eq!(st, 202, "{vm}");
+            vm["server_uuid"].as_str().unwrap().to_string()
+        }
+    };
+    // Spread: two VMs on two servers (pack would have put both on one).
+    let s1 = place("s1", "spread-1x").await;
+    let s2 = place("s2", "spread-1x").await;
+    assert_ne!(s1, s2);
+    assert!([&a.uuid, &c.uuid].contains(&&s1) && [&a.uuid, &c.uuid].contains(&&s2));
+    // No devices asked: the server without GPUs.
+    assert_eq!(place("cpu", "cpu-only").await, plain.uuid);
+}
+both!(placement_policies_on, placement_policies);

@@ -122,6 +122,7 @@ pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> A
             memory_mib: req.memory_mib,
             disk_gib: req.disk_gib,
             devices: &req.devices,
+            placement: req.placement,
         },
     )
     .await?)

@@ -161,5 +161,10 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
             disabled: s.disabled,
         })
         .collect();
-    Ok(placement::explain(&infos, &cands, &package.devices))
+    Ok(placement::explain(
+        &infos,
+        &cands,
+        &package.devices,
+        package.placement.unwrap_or(ctx.cfg.placement),
+    ))
 }

@@ -145,7 +145,12 @@ async fn place_and_reserve(
                 })
         } else {
             let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
-            placement::choose(&cands, &package.devices, &avoid)
+            placement::choose(
+                &cands,
+                &package.devices,
+                &avoid,
+                package.placement.unwrap_or(ctx.cfg.placement),
+            )
         };
         let Some(choice) = choice else {
             let err = insufficient(&package.devices);
@@ -191,17 +196,10 @@ async fn place_and_reserve(
     ))
 }
 
+/// For a VM without devices: a server without GPUs first, else the one with fewest.
 async fn any_running_server(ctx: &Ctx) -> ApiResult<Option<passage_model::ServerId>> {
-    let (servers, _) = store::servers::list(&ctx.db, 1000, 0).await?;
-    Ok(servers
-        .into_iter()
-        .filter(|s| {
-            !s.disabled
-                && s.last_heartbeat
-                    .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
-        })
-        .map(|s| s.uuid)
-        .min())
+    let servers = store::servers::alive_by_device_count(&ctx.db, ctx.alive_after_ms()).await?;
+    Ok(servers.first().map(|(s, _)| *s))
 }
 
 #[allow(clippy::too_many_arguments)]

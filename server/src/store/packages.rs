@@ -14,6 +14,7 @@ struct PackageRow {
     memory_mib: i64,
     disk_gib: i64,
     devices: String,
+    placement: Option<String>,
     created_at: i64,
 }
 
@@ -28,12 +29,20 @@ impl PackageRow {
             memory_mib: u64::try_from(self.memory_mib).unwrap_or(0),
             disk_gib: u64::try_from(self.disk_gib).unwrap_or(0),
             devices,
+            placement: self
+                .placement
+                .as_deref()
+                .map(|p| {
+                    passage_model::api::PlacementPolicy::parse(p)
+                        .ok_or_else(|| StoreError::Corrupt(format!("placement {p:?}")))
+                })
+                .transpose()?,
             created_at: to_time(self.created_at),
         })
     }
 }
 
-const COLS: &str = "uuid, name, vcpus, memory_mib, disk_gib, devices, created_at";
+const COLS: &str = "uuid, name, vcpus, memory_mib, disk_gib, devices, placement, created_at";
 
 pub struct NewPackage<'a> {
     pub name: &'a str,
@@ -41,6 +50,7 @@ pub struct NewPackage<'a> {
     pub memory_mib: u64,
     pub disk_gib: u64,
     pub devices: &'a BTreeMap<String, u32>,
+    pub placement: Option<passage_model::api::PlacementPolicy>,
 }
 
 pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
@@ -48,7 +58,7 @@ pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
     let devices = serde_json::to_string(p.devices)
         .map_err(|e| StoreError::Corrupt(format!("package devices: {e}")))?;
     on_write!(db, |c| sqlx::query(&format!(
-        "INSERT INTO packages ({COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
+        "INSERT INTO packages ({COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
     ))
     .bind(uuid.to_string())
     .bind(p.name)
@@ -56,6 +66,7 @@ pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
     .bind(i64::try_from(p.memory_mib).unwrap_or(i64::MAX))
     .bind(i64::try_from(p.disk_gib).unwrap_or(i64::MAX))
     .bind(devices)
+    .bind(p.placement.map(|x| x.as_str()))
     .bind(now_ms())
     .execute(c)
     .await

@@ -176,3 +176,23 @@ pub async fn set_disabled(db: &Db, uuid: ServerId, disabled: bool) -> StoreResul
     }
     Ok(())
 }
+
+/// Running servers in service with how many assignable devices each has, fewest first:
+/// VMs that ask for no device go where no GPU is wasted on them (CloudStack's rule).
+pub async fn alive_by_device_count(
+    db: &Db,
+    alive_after_ms: i64,
+) -> StoreResult<Vec<(ServerId, i64)>> {
+    let rows: Vec<(String, i64)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT s.uuid, COUNT(d.id) FROM servers s \
+         LEFT JOIN devices d ON d.server_uuid = s.uuid AND d.variant IS NOT NULL \
+         WHERE s.last_heartbeat >= $1 AND s.disabled = 0 \
+         GROUP BY s.uuid ORDER BY COUNT(d.id), s.uuid"
+    )
+    .bind(alive_after_ms)
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(u, n)| Ok((parse_uuid(&u, "server")?, n)))
+        .collect()
+}
