@@ -18,7 +18,7 @@ pub const MAX_PACKAGE_DEVICE_KINDS: usize = 16;
 pub const MAX_DEVICES_PER_VM: u32 = 16;
 pub const MAX_LIST_LIMIT: u32 = 1000;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Operator,
@@ -49,7 +49,7 @@ impl Role {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Account {
     pub uuid: AccountId,
     pub login: String,
@@ -58,7 +58,7 @@ pub struct Account {
     pub created_at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateAccount {
     pub login: String,
@@ -82,7 +82,7 @@ where
     Option::<T>::deserialize(d).map(Some)
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateAccount {
     #[serde(default)]
@@ -94,28 +94,30 @@ pub struct UpdateAccount {
     pub gpu_quota: Option<Option<u32>>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoginRequest {
     pub login: String,
     pub password: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LoginResponse {
     pub token: String,
     pub expires_at: DateTime<Utc>,
     pub account: Account,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Ping {
     pub ok: bool,
     pub version: String,
 }
 
 /// How placement chooses among servers that fit.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum PlacementPolicy {
     /// Fill a server before the next (CloudStack's DFS): keeps whole servers free for
@@ -142,7 +144,7 @@ impl PlacementPolicy {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Package {
     pub uuid: PackageId,
     pub name: String,
@@ -155,7 +157,7 @@ pub struct Package {
     pub created_at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreatePackage {
     pub name: String,
@@ -169,7 +171,7 @@ pub struct CreatePackage {
     pub placement: Option<PlacementPolicy>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ServerStatus {
     Running,
@@ -177,7 +179,7 @@ pub enum ServerStatus {
     Offline,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SysinfoDevice {
     pub vendor: HexId,
     pub device: HexId,
@@ -193,13 +195,13 @@ pub struct SysinfoDevice {
     pub used_by: Option<VmId>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Sysinfo {
     #[serde(rename = "PCI Devices")]
     pub pci_devices: Vec<SysinfoDevice>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AssignableDevice {
     pub id: DevicePath,
     pub state: DeviceState,
@@ -213,7 +215,7 @@ pub struct AssignableDevice {
     pub taint: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ServerVm {
     pub uuid: VmId,
     pub owner_uuid: AccountId,
@@ -222,7 +224,7 @@ pub struct ServerVm {
     pub assigned_devices: Vec<DevicePath>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Server {
     pub uuid: ServerId,
     pub hostname: String,
@@ -236,7 +238,7 @@ pub struct Server {
     pub vms: BTreeMap<VmId, ServerVm>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateServer {
     #[serde(default)]
@@ -246,7 +248,7 @@ pub struct UpdateServer {
     pub disabled: Option<bool>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateJoinToken {
     /// How long the token admits a node; default one hour, at most a week.
@@ -254,13 +256,13 @@ pub struct CreateJoinToken {
     pub ttl_secs: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JoinToken {
     pub token: String,
     pub expires_at: DateTime<Utc>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum VmState {
     Provisioning,
@@ -295,7 +297,7 @@ impl VmState {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Vm {
     pub uuid: VmId,
     pub alias: String,
@@ -310,7 +312,7 @@ pub struct Vm {
     pub created_at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
     pub alias: String,
@@ -333,7 +335,7 @@ pub struct CreateVm {
     pub memory_mib: Option<u64>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     Queued,
@@ -362,7 +364,7 @@ impl JobState {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum StepState {
     Pending,
@@ -395,7 +397,7 @@ impl StepState {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JobStep {
     pub name: String,
     pub state: StepState,
@@ -404,7 +406,7 @@ pub struct JobStep {
     pub error: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Job {
     pub uuid: JobId,
     pub name: String,
@@ -418,7 +420,7 @@ pub struct Job {
 
 /// A device's recorded state change: the history behind "dirty, then unassigned only
 /// after its scrub report".
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DeviceEventRecord {
     pub server_uuid: ServerId,
     pub device: DevicePath,
@@ -428,7 +430,7 @@ pub struct DeviceEventRecord {
     pub at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ScrubRecord {
     pub server_uuid: ServerId,
     pub device: DevicePath,
@@ -458,7 +460,7 @@ mod tests {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ApiToken {
     pub uuid: uuid::Uuid,
     pub name: String,
@@ -468,7 +470,7 @@ pub struct ApiToken {
     pub token: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateApiToken {
     pub name: String,
@@ -478,7 +480,7 @@ pub struct CreateApiToken {
 }
 
 /// What an operator may do to one device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceAction {
     /// Take an unassigned device out of service.
@@ -491,7 +493,7 @@ pub enum DeviceAction {
     Requeue,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceActionRequest {
     pub device: DevicePath,
@@ -501,7 +503,7 @@ pub struct DeviceActionRequest {
 }
 
 /// One variant's devices across the fleet, by state.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Capacity {
     pub variant: String,
     pub total: u64,
@@ -519,7 +521,7 @@ pub struct Capacity {
     pub tainted: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Alert {
     pub kind: String,
     pub message: String,
@@ -528,7 +530,7 @@ pub struct Alert {
     pub at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct UsageRecord {
     pub vm_uuid: VmId,
     pub owner_uuid: AccountId,
@@ -541,7 +543,7 @@ pub struct UsageRecord {
     pub gpu_hours: f64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Usage {
     pub from: DateTime<Utc>,
     pub to: DateTime<Utc>,
@@ -550,7 +552,7 @@ pub struct Usage {
     pub records: Vec<UsageRecord>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AuditEntry {
     pub at: DateTime<Utc>,
     pub actor: Option<AccountId>,
@@ -560,14 +562,14 @@ pub struct AuditEntry {
     pub status: u16,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PlacementDryRun {
     /// A package uuid or name.
     pub package: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ServerVerdict {
     pub uuid: ServerId,
     pub hostname: String,
@@ -576,7 +578,7 @@ pub struct ServerVerdict {
     pub reasons: Vec<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PlacementExplanation {
     pub server: Option<ServerId>,
     pub devices: Vec<DevicePath>,

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum ErrorCode {
     InvalidArgument,
     Unauthorized,
@@ -34,7 +34,7 @@ impl ErrorCode {
 }
 
 /// `{"code": "...", "message": "..."}`, plus the offending field for 400s.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ApiErrorBody {
     pub code: ErrorCode,
     pub message: String,

@@ -8,7 +8,8 @@ use uuid::Uuid;
 macro_rules! typed_id {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
         $(#[$doc])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
+        #[schema(value_type = String, format = Uuid)]
         #[serde(transparent)]
         pub struct $name(pub Uuid);
 

@@ -6,6 +6,7 @@ pub mod error;
 pub mod ids;
 pub mod pci;
 pub mod protocol;
+mod schema;
 pub mod state;
 pub mod variant;
 

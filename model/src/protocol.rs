@@ -102,7 +102,7 @@ pub struct TaskEnvelope {
     pub task: Task,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ScrubStep {
     pub name: String,

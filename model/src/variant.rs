@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_VARIANT_NAME_LEN: usize = 64;
 pub const MAX_DESCRIPTION_LEN: usize = 1024;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceType {
     Gpu,
@@ -41,7 +41,7 @@ impl DeviceType {
 
 /// `{"name","type","vendor","device","subvendor","subsystem","revision","description"}`;
 /// an absent optional id matches any value.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Variant {
     pub name: String,

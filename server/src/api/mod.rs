@@ -13,56 +13,97 @@ use axum::extract::DefaultBodyLimit;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post, put};
 use passage_model::ErrorCode;
+use utoipa::OpenApi;
 
 /// API bodies are small; 64 KiB is far above any valid one.
 pub const API_BODY_LIMIT: usize = 64 * 1024;
 /// An inventory of 4096 functions fits with room to spare.
 pub const AGENT_BODY_LIMIT: usize = 4 * 1024 * 1024;
 
+/// The /v1 routes and their OpenAPI document, from one source: a route exists in the
+/// document exactly when it is served.
+pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
+    use utoipa_axum::router::OpenApiRouter;
+    use utoipa_axum::routes;
+    let (router, mut doc) = OpenApiRouter::<Ctx>::with_openapi(ApiDoc::openapi())
+        .routes(routes!(v1::ping))
+        .routes(routes!(v1::login))
+        .routes(routes!(v1::logout))
+        .routes(routes!(v1::list_accounts, v1::create_account))
+        .routes(routes!(
+            v1::get_account,
+            v1::update_account,
+            v1::delete_account
+        ))
+        .routes(routes!(v1::list_tokens, v1::create_token))
+        .routes(routes!(v1::delete_token))
+        .routes(routes!(v1::list_variants, v1::create_variant))
+        .routes(routes!(
+            v1::get_variant,
+            v1::put_variant,
+            v1::delete_variant
+        ))
+        .routes(routes!(v1::list_packages, v1::create_package))
+        .routes(routes!(v1::get_package, v1::delete_package))
+        .routes(routes!(v1::list_servers))
+        .routes(routes!(v1::create_join_token))
+        .routes(routes!(v1::get_server, v1::update_server))
+        .routes(routes!(v1::device_events))
+        .routes(routes!(v1::scrub_reports))
+        .routes(routes!(v1::device_action))
+        .routes(routes!(v1::capacity))
+        .routes(routes!(v1::alerts))
+        .routes(routes!(v1::audit))
+        .routes(routes!(v1::usage))
+        .routes(routes!(v1::placement_dry_run))
+        .routes(routes!(v1::list_vms, v1::create_vm))
+        .routes(routes!(v1::get_vm, v1::delete_vm))
+        .routes(routes!(v1::list_jobs))
+        .routes(routes!(v1::get_job))
+        .split_for_parts();
+    // Paths were written relative to /v1.
+    let paths = std::mem::take(&mut doc.paths.paths);
+    doc.paths.paths = paths
+        .into_iter()
+        .map(|(p, item)| (format!("/v1{p}"), item))
+        .collect();
+    (router, doc)
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "Passage",
+        description = "GPU instances for your own datacenter: the public API."
+    ),
+    modifiers(&BearerAuth)
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
 pub fn router(ctx: Ctx) -> Router {
-    let v1 = Router::new()
-        .route("/ping", get(v1::ping))
-        .route("/auth/login", post(v1::login))
-        .route("/auth/logout", post(v1::logout))
-        .route("/accounts", get(v1::list_accounts).post(v1::create_account))
+    let (v1_router, doc) = v1_routes();
+    let doc = std::sync::Arc::new(doc);
+    let v1 = v1_router
         .route(
-            "/accounts/{uuid}",
-            get(v1::get_account)
-                .patch(v1::update_account)
-                .delete(v1::delete_account),
+            "/openapi.json",
+            get(move || {
+                let doc = doc.clone();
+                async move { axum::Json((*doc).clone()) }
+            }),
         )
-        .route("/tokens", get(v1::list_tokens).post(v1::create_token))
-        .route("/tokens/{uuid}", axum::routing::delete(v1::delete_token))
-        .route("/variants", get(v1::list_variants).post(v1::create_variant))
-        .route(
-            "/variants/{name}",
-            get(v1::get_variant)
-                .put(v1::put_variant)
-                .delete(v1::delete_variant),
-        )
-        .route("/packages", get(v1::list_packages).post(v1::create_package))
-        .route(
-            "/packages/{uuid}",
-            get(v1::get_package).delete(v1::delete_package),
-        )
-        .route("/servers", get(v1::list_servers))
-        .route("/servers/join-tokens", post(v1::create_join_token))
-        .route(
-            "/servers/{uuid}",
-            get(v1::get_server).patch(v1::update_server),
-        )
-        .route("/servers/{uuid}/device-events", get(v1::device_events))
-        .route("/servers/{uuid}/scrub-reports", get(v1::scrub_reports))
-        .route("/servers/{uuid}/device-actions", post(v1::device_action))
-        .route("/capacity", get(v1::capacity))
-        .route("/alerts", get(v1::alerts))
-        .route("/audit", get(v1::audit))
-        .route("/usage", get(v1::usage))
-        .route("/placement/dry-run", post(v1::placement_dry_run))
-        .route("/vms", get(v1::list_vms).post(v1::create_vm))
-        .route("/vms/{uuid}", get(v1::get_vm).delete(v1::delete_vm))
-        .route("/jobs", get(v1::list_jobs))
-        .route("/jobs/{uuid}", get(v1::get_job))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(API_BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(

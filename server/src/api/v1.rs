@@ -9,11 +9,17 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+#[allow(unused_imports)]
+use passage_model::api::{
+    Account, Alert, ApiToken, AuditEntry, Capacity, CreateApiToken, DeviceActionRequest,
+    DeviceEventRecord, Job, JoinToken, LoginResponse, Package, PlacementDryRun,
+    PlacementExplanation, ScrubRecord, Server, Usage, Vm,
+};
 use passage_model::api::{
     CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
     UpdateServer, VmState,
 };
-use passage_model::{AccountId, JobId, PackageId, ServerId, Variant, VmId};
+use passage_model::{AccountId, ApiErrorBody, JobId, PackageId, ServerId, Variant, VmId};
 use serde::Serialize;
 
 /// A list answer: the items, with the total in `x-resource-count`.
@@ -31,6 +37,7 @@ fn id<T: std::str::FromStr>(raw: &str, what: &'static str) -> ApiResult<T> {
     raw.parse().map_err(|_| ApiError::not_found(what))
 }
 
+#[utoipa::path(get, path = "/ping", tag = "meta", responses((status = 200, description = "Alive", body = Ping)))]
 pub async fn ping() -> Json<Ping> {
     Json(Ping {
         ok: true,
@@ -38,6 +45,7 @@ pub async fn ping() -> Json<Ping> {
     })
 }
 
+#[utoipa::path(post, path = "/auth/login", tag = "auth", request_body = LoginRequest, responses((status = 200, description = "A bearer token", body = LoginResponse), (status = 400, description = "Invalid argument", body = ApiErrorBody), (status = 401, description = "Wrong login or password", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)))]
 pub async fn login(
     State(ctx): State<Ctx>,
     ApiJson(req): ApiJson<LoginRequest>,
@@ -46,6 +54,7 @@ pub async fn login(
     Ok(Json(r).into_response())
 }
 
+#[utoipa::path(post, path = "/auth/logout", tag = "auth", responses((status = 204, description = "The token is revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn logout(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -63,6 +72,7 @@ pub async fn logout(
 
 // ---- accounts ----
 
+#[utoipa::path(get, path = "/accounts", tag = "accounts", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Accounts, newest first", body = [Account]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_accounts(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -73,6 +83,7 @@ pub async fn list_accounts(
     Ok(listed(items, total))
 }
 
+#[utoipa::path(post, path = "/accounts", tag = "accounts", request_body = CreateAccount, responses((status = 201, description = "Created", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -82,6 +93,7 @@ pub async fn create_account(
     Ok((StatusCode::CREATED, Json(a)).into_response())
 }
 
+#[utoipa::path(get, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -91,6 +103,7 @@ pub async fn get_account(
     Ok(Json(accounts::get(&ctx, &caller, uuid).await?).into_response())
 }
 
+#[utoipa::path(patch, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), request_body = UpdateAccount, responses((status = 200, description = "Updated", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn update_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -102,6 +115,7 @@ pub async fn update_account(
     Ok(Json(accounts::update(&ctx, &caller, uuid, req).await?).into_response())
 }
 
+#[utoipa::path(delete, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -115,6 +129,7 @@ pub async fn delete_account(
 
 // ---- variants ----
 
+#[utoipa::path(get, path = "/variants", tag = "variants", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Variants, newest first", body = [Variant]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_variants(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -125,6 +140,7 @@ pub async fn list_variants(
     Ok(listed(items, total))
 }
 
+#[utoipa::path(post, path = "/variants", tag = "variants", request_body = Variant, responses((status = 201, description = "Created", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -134,6 +150,7 @@ pub async fn create_variant(
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }
 
+#[utoipa::path(get, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 200, description = "The variant", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -142,6 +159,7 @@ pub async fn get_variant(
     Ok(Json(catalog::get_variant(&ctx, &caller, &name).await?).into_response())
 }
 
+#[utoipa::path(put, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), request_body = Variant, responses((status = 200, description = "Replaced", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn put_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -152,6 +170,7 @@ pub async fn put_variant(
     Ok(Json(catalog::put_variant(&ctx, &caller, &name, v).await?).into_response())
 }
 
+#[utoipa::path(delete, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -163,6 +182,7 @@ pub async fn delete_variant(
 
 // ---- packages ----
 
+#[utoipa::path(get, path = "/packages", tag = "packages", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Packages, newest first", body = [Package]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_packages(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -173,6 +193,7 @@ pub async fn list_packages(
     Ok(listed(items, total))
 }
 
+#[utoipa::path(post, path = "/packages", tag = "packages", request_body = CreatePackage, responses((status = 201, description = "Created", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_package(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -182,6 +203,7 @@ pub async fn create_package(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
+#[utoipa::path(get, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The package", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_package(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -191,6 +213,7 @@ pub async fn get_package(
     Ok(Json(catalog::get_package(&ctx, uuid).await?).into_response())
 }
 
+#[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_package(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -204,6 +227,7 @@ pub async fn delete_package(
 
 // ---- servers ----
 
+#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Compute nodes, newest first", body = [Server]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_servers(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -214,6 +238,7 @@ pub async fn list_servers(
     Ok(listed(items, total))
 }
 
+#[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_server(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -224,6 +249,7 @@ pub async fn get_server(
     Ok(Json(servers::get(&ctx, &caller, uuid).await?).into_response())
 }
 
+#[utoipa::path(patch, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), request_body = UpdateServer, responses((status = 200, description = "Updated", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn update_server(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -235,6 +261,7 @@ pub async fn update_server(
     Ok(Json(servers::update(&ctx, &caller, uuid, req).await?).into_response())
 }
 
+#[utoipa::path(post, path = "/servers/join-tokens", tag = "servers", request_body(content = CreateJoinToken, description = "Optional", content_type = "application/json"), responses((status = 201, description = "A single-use token admitting one node", body = JoinToken), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_join_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -250,6 +277,7 @@ pub async fn create_join_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
+#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn device_events(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -263,6 +291,7 @@ pub async fn device_events(
     Ok(listed(items, n))
 }
 
+#[utoipa::path(get, path = "/servers/{uuid}/scrub-reports", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "Scrub reports, oldest first", body = [ScrubRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn scrub_reports(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -278,6 +307,7 @@ pub async fn scrub_reports(
 
 // ---- vms and jobs ----
 
+#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip"), ("state" = Option<String>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, description = "Only on this server"), ("assigned_device" = Option<String>, Query, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first", body = [Vm]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let state = match q.get("state") {
@@ -299,6 +329,7 @@ pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> Ap
     Ok(listed(items, total))
 }
 
+#[utoipa::path(post, path = "/vms", tag = "vms", request_body = CreateVm, responses((status = 202, description = "Placed and reserved; provisioning", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -308,6 +339,7 @@ pub async fn create_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
+#[utoipa::path(get, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The VM", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -317,6 +349,7 @@ pub async fn get_vm(
     Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
 }
 
+#[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -327,6 +360,7 @@ pub async fn delete_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
+#[utoipa::path(get, path = "/jobs/{uuid}", tag = "jobs", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The job and its steps", body = Job), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_job(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -336,6 +370,7 @@ pub async fn get_job(
     Ok(Json(vms::job(&ctx, &caller, uuid).await?).into_response())
 }
 
+#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Jobs, newest first", body = [Job]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = vms::list_jobs(&ctx, &caller, limit, offset).await?;
@@ -344,12 +379,14 @@ pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> A
 
 // ---- the caller's API tokens ----
 
+#[utoipa::path(get, path = "/tokens", tag = "auth", responses((status = 200, description = "The caller's API tokens (without secrets)", body = [ApiToken]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_tokens(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
     let items = auth::list_api_tokens(&ctx, &caller).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
+#[utoipa::path(post, path = "/tokens", tag = "auth", request_body = CreateApiToken, responses((status = 201, description = "The token; its secret is shown this once", body = ApiToken), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn create_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -359,6 +396,7 @@ pub async fn create_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
+#[utoipa::path(delete, path = "/tokens/{uuid}", tag = "auth", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -371,24 +409,28 @@ pub async fn delete_token(
 
 // ---- operations ----
 
+#[utoipa::path(get, path = "/capacity", tag = "operations", responses((status = 200, description = "Devices per variant by state", body = [Capacity]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn capacity(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
     let items = ops::capacity(&ctx, &caller).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
+#[utoipa::path(get, path = "/alerts", tag = "operations", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Alerts, newest first", body = [Alert]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn alerts(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = ops::alerts(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
+#[utoipa::path(get, path = "/audit", tag = "operations", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "State-changing calls, newest first", body = [AuditEntry]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn audit(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = ops::audit(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
+#[utoipa::path(get, path = "/usage", tag = "operations", params(("owner_uuid" = Option<String>, Query, description = "Only this account (operators)"), ("from" = Option<String>, Query, description = "RFC 3339 start (default 30 days ago)"), ("to" = Option<String>, Query, description = "RFC 3339 end (default now)")), responses((status = 200, description = "GPU-hours", body = Usage), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let time = |k: &str| -> ApiResult<Option<chrono::DateTime<chrono::Utc>>> {
         q.get(k)
@@ -412,6 +454,7 @@ pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiRe
     Ok(Json(u).into_response())
 }
 
+#[utoipa::path(post, path = "/servers/{uuid}/device-actions", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), request_body = DeviceActionRequest, responses((status = 200, description = "The device's history after the action", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn device_action(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -424,6 +467,7 @@ pub async fn device_action(
     Ok(Json(history).into_response())
 }
 
+#[utoipa::path(post, path = "/placement/dry-run", tag = "operations", request_body = PlacementDryRun, responses((status = 200, description = "Where the package would go, and why not elsewhere", body = PlacementExplanation), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn placement_dry_run(
     State(ctx): State<Ctx>,
     caller: Caller,
