@@ -13,6 +13,8 @@ pub enum ErrorCode {
     QuotaExceeded,
     InvalidState,
     PayloadTooLarge,
+    /// Too many failed logins from this address or for this login: try again later.
+    RateLimited,
     InternalError,
 }
 
@@ -28,6 +30,7 @@ impl ErrorCode {
             | ErrorCode::QuotaExceeded
             | ErrorCode::InvalidState => 409,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::RateLimited => 429,
             ErrorCode::InternalError => 500,
         }
     }

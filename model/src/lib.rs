@@ -12,6 +12,6 @@ pub mod variant;
 
 pub use error::{ApiErrorBody, ErrorCode};
 pub use ids::*;
-pub use pci::{DevicePath, HexId, PciAddress, PciDevice, PciParseError};
+pub use pci::{DevicePath, HexId, PciAddress, PciDetails, PciDevice, PciParseError};
 pub use state::{DeviceEvent, DeviceState, TransitionError, transition};
 pub use variant::{Variant, VariantError};

@@ -26,6 +26,8 @@ pub enum PciParseError {
     },
     #[error("driver name {0:?} is empty, too long or has characters outside [A-Za-z0-9_.-]")]
     Driver(String),
+    #[error("details: {0}")]
+    Details(String),
 }
 
 /// A PCI function address, `0000:3b:00.0` (domain:bus:device.function).
@@ -289,6 +291,139 @@ pub struct PciDevice {
     /// `None` where the kernel reports -1 (no NUMA information).
     pub numa_node: Option<u32>,
     pub iommu_group: Option<u32>,
+    /// What an agent could learn beyond the RFD fields. Absent from older agents, and
+    /// left out of the JSON when absent so older servers accept newer agents' reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<PciDetails>,
+}
+
+/// Longest vendor, device or class name accepted (pci.ids names are far shorter).
+pub const MAX_NAME_LEN: usize = 256;
+/// Longest slot label accepted (firmware labels such as `CPU2 SLOT2`).
+pub const MAX_SLOT_LEN: usize = 64;
+/// Longest link speed accepted (the kernel writes e.g. `16.0 GT/s PCIe`).
+pub const MAX_LINK_SPEED_LEN: usize = 64;
+/// Most IOMMU group members and bridges accepted per function.
+pub const MAX_GROUP_MEMBERS: usize = 256;
+
+/// Optional facts about a function, all read from sysfs attributes (never `config`).
+/// Every field may be missing: kernels, platforms and device kinds differ in what they
+/// show, and an old agent sends none of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PciDetails {
+    /// From the pci.ids database the agent ships.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vendor_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_name: Option<String>,
+    /// The class/subclass name, e.g. `3D controller`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class_name: Option<String>,
+    /// Every function in the same IOMMU group, this one included, sorted. Passthrough
+    /// takes a whole group, so placement must know who shares it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub iommu_group_members: Vec<PciAddress>,
+    /// The bridges above the function, root port first (from the device path).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bridges: Vec<PciAddress>,
+    /// As the kernel writes it, e.g. `16.0 GT/s PCIe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_link_speed: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_link_width: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_link_speed: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_link_width: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sriov_totalvfs: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sriov_numvfs: Option<u32>,
+    /// The physical slot label (RFD 114's "CPU2 SLOT2" location question).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
+    /// AER totals since boot: `TOTAL_ERR_FATAL` and `TOTAL_ERR_NONFATAL`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aer_fatal: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aer_nonfatal: Option<u64>,
+}
+
+impl PciDetails {
+    /// Checks the bounds serde cannot: string lengths and list sizes, so a report cannot
+    /// make the server store unbounded text.
+    pub fn validate(&self) -> Result<(), PciParseError> {
+        let text = |what: &str, v: &Option<String>, max: usize| match v {
+            Some(s) if s.chars().count() > max || s.chars().any(char::is_control) => {
+                Err(PciParseError::Details(format!(
+                    "{what} is longer than {max} characters or has control characters"
+                )))
+            }
+            _ => Ok(()),
+        };
+        text("vendor_name", &self.vendor_name, MAX_NAME_LEN)?;
+        text("device_name", &self.device_name, MAX_NAME_LEN)?;
+        text("class_name", &self.class_name, MAX_NAME_LEN)?;
+        text("slot", &self.slot, MAX_SLOT_LEN)?;
+        text(
+            "current_link_speed",
+            &self.current_link_speed,
+            MAX_LINK_SPEED_LEN,
+        )?;
+        text("max_link_speed", &self.max_link_speed, MAX_LINK_SPEED_LEN)?;
+        if self.iommu_group_members.len() > MAX_GROUP_MEMBERS {
+            return Err(PciParseError::Details(format!(
+                "more than {MAX_GROUP_MEMBERS} IOMMU group members"
+            )));
+        }
+        if self.bridges.len() > MAX_GROUP_MEMBERS {
+            return Err(PciParseError::Details(format!(
+                "more than {MAX_GROUP_MEMBERS} bridges"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `key: value` pairs for display (`node-agent lspci -v`), in a fixed order, only
+    /// for what is known.
+    pub fn lines(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        let mut put = |k: &'static str, v: Option<String>| {
+            if let Some(v) = v {
+                out.push((k, v));
+            }
+        };
+        put("vendor_name", self.vendor_name.clone());
+        put("device_name", self.device_name.clone());
+        put("class_name", self.class_name.clone());
+        put("slot", self.slot.clone());
+        let join = |v: &[PciAddress]| {
+            (!v.is_empty()).then(|| {
+                v.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+        };
+        put("bridges", join(&self.bridges));
+        put("iommu_group_members", join(&self.iommu_group_members));
+        put("current_link_speed", self.current_link_speed.clone());
+        put(
+            "current_link_width",
+            self.current_link_width.map(|w| format!("x{w}")),
+        );
+        put("max_link_speed", self.max_link_speed.clone());
+        put(
+            "max_link_width",
+            self.max_link_width.map(|w| format!("x{w}")),
+        );
+        put("sriov_totalvfs", self.sriov_totalvfs.map(|n| n.to_string()));
+        put("sriov_numvfs", self.sriov_numvfs.map(|n| n.to_string()));
+        put("aer_fatal", self.aer_fatal.map(|n| n.to_string()));
+        put("aer_nonfatal", self.aer_nonfatal.map(|n| n.to_string()));
+        out
+    }
 }
 
 impl PciDevice {
@@ -310,10 +445,13 @@ impl PciDevice {
         )
     }
 
-    /// Checks what serde cannot: the driver name's alphabet.
+    /// Checks what serde cannot: the driver name's alphabet and the details' bounds.
     pub fn validate(&self) -> Result<(), PciParseError> {
         if let Some(d) = &self.driver {
             validate_driver(d)?;
+        }
+        if let Some(d) = &self.details {
+            d.validate()?;
         }
         Ok(())
     }
@@ -385,6 +523,7 @@ mod tests {
             driver: None,
             numa_node: Some(0),
             iommu_group: Some(12),
+            details: None,
         };
         assert_eq!(
             d.lister_line(),
@@ -402,6 +541,60 @@ mod tests {
         assert!(validate_driver("vfio-pci").is_ok());
         assert!(validate_driver("a b").is_err());
         assert!(validate_driver("").is_err());
+    }
+
+    #[test]
+    fn details_are_optional_and_bounded() {
+        let json = serde_json::json!({
+            "id": "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0",
+            "vendor": "10de", "device": "1db4", "subvendor": "10de", "subsystem": "1214",
+            "revision": "a1", "class": "030200", "driver": null, "numa_node": 0,
+            "iommu_group": 12
+        });
+        // An old agent's report (no details) still parses, and serialises back unchanged.
+        let old: PciDevice = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(old.details, None);
+        assert_eq!(serde_json::to_value(&old).unwrap(), json);
+
+        let mut with = json.clone();
+        with["details"] = serde_json::json!({
+            "vendor_name": "NVIDIA Corporation", "slot": "CPU1 SLOT3",
+            "iommu_group_members": ["0000:3b:00.0", "0000:3b:00.1"],
+            "current_link_speed": "16.0 GT/s PCIe", "current_link_width": 16,
+            "aer_fatal": 0
+        });
+        let d: PciDevice = serde_json::from_value(with.clone()).unwrap();
+        let details = d.details.clone().unwrap();
+        assert_eq!(details.slot.as_deref(), Some("CPU1 SLOT3"));
+        assert_eq!(details.iommu_group_members.len(), 2);
+        assert!(d.validate().is_ok());
+        assert_eq!(serde_json::to_value(&d).unwrap(), with);
+        assert!(
+            details
+                .lines()
+                .contains(&("current_link_width", "x16".to_string()))
+        );
+
+        // Unknown keys inside details are refused, as for the device itself.
+        let mut bad = with.clone();
+        bad["details"]["colour"] = "green".into();
+        assert!(serde_json::from_value::<PciDevice>(bad).is_err());
+
+        let mut long = details.clone();
+        long.slot = Some("x".repeat(MAX_SLOT_LEN + 1));
+        assert!(long.validate().is_err());
+        let mut long = details.clone();
+        long.device_name = Some("x".repeat(MAX_NAME_LEN + 1));
+        assert!(long.validate().is_err());
+        let mut ctl = details.clone();
+        ctl.vendor_name = Some("a\nb".into());
+        assert!(ctl.validate().is_err());
+        let mut many = details;
+        many.iommu_group_members = vec!["0000:00:00.0".parse().unwrap(); MAX_GROUP_MEMBERS + 1];
+        assert!(many.validate().is_err());
+        let mut dev = d;
+        dev.details = Some(many);
+        assert!(dev.validate().is_err());
     }
 
     proptest! {

@@ -142,6 +142,7 @@ mod tests {
             driver: None,
             numa_node: None,
             iommu_group: None,
+            details: None,
         }
     }
 

@@ -3,8 +3,10 @@
 //! agent protocol to the control plane.
 
 pub mod agent;
+pub mod config;
 pub mod fake;
 pub mod host;
 pub mod hypervisor;
+pub mod ppt;
 pub mod scrub;
 pub mod state;

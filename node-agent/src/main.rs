@@ -1,7 +1,8 @@
 use clap::{Parser, Subcommand};
 use node_agent::agent::{self, AgentConfig, DEFAULT_STATE_DIR};
-use node_agent::fake::{self, FakeSpec, GpuModel};
-use node_agent::host::discover;
+use node_agent::config::{self, FileConfig};
+use node_agent::fake::{self, FakeOptions, FakeSpec, GpuModel};
+use node_agent::host::{Discoverer, discover};
 use node_agent::hypervisor::HypervisorKind;
 use std::io::Write;
 use std::path::PathBuf;
@@ -22,6 +23,9 @@ enum Command {
     Lspci {
         #[arg(long, default_value = "/sys")]
         sysfs_root: PathBuf,
+        /// Also print each function's details (names, slot, IOMMU group, link, AER).
+        #[arg(short, long)]
+        verbose: bool,
     },
     /// Writes a sysfs tree a kernel would show for a GPU server.
     FakeSysfs {
@@ -33,21 +37,42 @@ enum Command {
         model: GpuModel,
         #[arg(long, default_value_t = 2)]
         numa_nodes: u32,
+        /// Give each GPU an HDMI audio function `.1` in its IOMMU group.
+        #[arg(long)]
+        gpu_audio: bool,
+    },
+    /// Times discovery in-process: min, median and p95 over N warm runs.
+    #[command(hide = true)]
+    BenchDiscovery {
+        #[arg(long, default_value = "/sys")]
+        sysfs_root: PathBuf,
+        #[arg(long, default_value_t = 200)]
+        iterations: u32,
     },
     /// Registers with the control plane, then heartbeats, reports inventory and runs tasks.
     Run {
+        /// A TOML file with any of the settings below; flags override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
         #[arg(long, env = "PASSAGE_SERVER")]
-        server: String,
+        server: Option<String>,
         #[arg(long, env = "PASSAGE_JOIN_TOKEN", hide_env_values = true)]
-        join_token: String,
-        #[arg(long, default_value = "/sys")]
-        sysfs_root: PathBuf,
-        #[arg(long, default_value = DEFAULT_STATE_DIR)]
-        state_dir: PathBuf,
-        #[arg(long, value_enum, default_value = "sim")]
-        hypervisor: HypervisorKind,
-        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
-        heartbeat_secs: u64,
+        join_token: Option<String>,
+        /// A file holding the join token (instead of --join-token).
+        #[arg(long, conflicts_with = "join_token")]
+        join_token_file: Option<PathBuf>,
+        /// Default /sys.
+        #[arg(long)]
+        sysfs_root: Option<PathBuf>,
+        /// Default /var/lib/passage-agent.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// Default sim.
+        #[arg(long, value_enum)]
+        hypervisor: Option<HypervisorKind>,
+        /// Default 10.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        heartbeat_secs: Option<u64>,
         #[arg(long)]
         hostname: Option<String>,
     },
@@ -64,19 +89,27 @@ fn main() -> ExitCode {
         )
         .init();
     match cli.command {
-        Command::Lspci { sysfs_root } => lspci(&sysfs_root),
+        Command::Lspci {
+            sysfs_root,
+            verbose,
+        } => lspci(&sysfs_root, verbose),
+        Command::BenchDiscovery {
+            sysfs_root,
+            iterations,
+        } => bench_discovery(&sysfs_root, iterations),
         Command::FakeSysfs {
             out,
             gpus,
             model,
             numa_nodes,
+            gpu_audio,
         } => {
             let spec = FakeSpec {
                 gpus,
                 model,
                 numa_nodes,
             };
-            match fake::generate(&out, &spec) {
+            match fake::generate_with(&out, &spec, &FakeOptions { gpu_audio }) {
                 Ok(tree) => {
                     eprintln!(
                         "wrote {} PCI functions ({} GPUs) under {}",
@@ -90,27 +123,68 @@ fn main() -> ExitCode {
             }
         }
         Command::Run {
+            config,
             server,
             join_token,
+            join_token_file,
             sysfs_root,
             state_dir,
             hypervisor,
             heartbeat_secs,
             hostname,
         } => {
-            if hypervisor != HypervisorKind::Sim {
-                return fail(&format!(
-                    "hypervisor {hypervisor} is not supported yet; use sim"
-                ));
+            let file = match config.as_deref().map(FileConfig::load).transpose() {
+                Ok(f) => f.unwrap_or_default(),
+                Err(e) => return fail(&e),
+            };
+            let Some(server_url) = server.or(file.server) else {
+                return fail(
+                    &"no server URL: give --server, PASSAGE_SERVER or `server` in --config",
+                );
+            };
+            let sysfs_root = sysfs_root
+                .or(file.sysfs_root)
+                .unwrap_or_else(|| PathBuf::from("/sys"));
+            let state_dir = state_dir
+                .or(file.state_dir)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
+            if let Err(e) = config::preflight(&sysfs_root, &state_dir) {
+                return fail(&e);
             }
+            // The token only matters until the node has registered; a node with a saved
+            // credential starts without one.
+            let token_file = join_token_file.or(file.join_token_file);
+            let join_token = match (join_token, token_file) {
+                (Some(t), _) => t,
+                (None, Some(p)) => match config::read_token_file(&p) {
+                    Ok(t) => t,
+                    Err(e) => return fail(&e),
+                },
+                (None, None) => {
+                    if !agent::credential::credential_path(&state_dir).exists() {
+                        return fail(&format!(
+                            "no join token and no saved credential in {}: give --join-token, \
+                             PASSAGE_JOIN_TOKEN, --join-token-file or `join_token_file` in --config",
+                            state_dir.display()
+                        ));
+                    }
+                    String::new()
+                }
+            };
             let cfg = AgentConfig {
-                server_url: server,
+                server_url,
                 join_token,
                 sysfs_root,
                 state_dir,
-                hypervisor,
-                heartbeat: Duration::from_secs(heartbeat_secs),
-                hostname: hostname.unwrap_or_else(agent::system_hostname),
+                hypervisor: hypervisor
+                    .or(file.hypervisor)
+                    .unwrap_or(HypervisorKind::Sim),
+                heartbeat: Duration::from_secs(
+                    heartbeat_secs.or(file.heartbeat_secs).unwrap_or(10),
+                ),
+                hostname: hostname
+                    .or(file.hostname)
+                    .unwrap_or_else(agent::system_hostname),
             };
             let rt = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
@@ -129,11 +203,19 @@ fn fail(e: &dyn std::fmt::Display) -> ExitCode {
     ExitCode::FAILURE
 }
 
-fn lspci(root: &std::path::Path) -> ExitCode {
+fn lspci(root: &std::path::Path, verbose: bool) -> ExitCode {
     let found = discover(root);
     let mut out = std::io::stdout().lock();
     for d in &found.devices {
-        if writeln!(out, "{}", d.lister_line()).is_err() {
+        let mut text = format!("{}\n", d.lister_line());
+        if verbose {
+            // Indented `key: value` lines under each function, as pciutils' -v does.
+            for (k, v) in d.details.iter().flat_map(|x| x.lines()) {
+                text.push_str(&format!("\t{k}: {v}\n"));
+            }
+            text.push('\n');
+        }
+        if out.write_all(text.as_bytes()).is_err() {
             // A closed pipe (`| head`) is not an error worth reporting.
             return ExitCode::SUCCESS;
         }
@@ -141,9 +223,54 @@ fn lspci(root: &std::path::Path) -> ExitCode {
     for s in &found.skipped {
         eprintln!("skipped {s}");
     }
+    if verbose {
+        for s in &found.notes {
+            eprintln!("note: {s}");
+        }
+    }
     if found.devices.is_empty() && !found.skipped.is_empty() {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `bench-discovery`: passes of discovery in this process, so the figures measure the
+/// walk, not process start-up. `cold` passes start from nothing each time (what
+/// `node-agent lspci` does); `warm` passes reuse one [`Discoverer`], as the agent does.
+/// Prints one `key value` line per figure.
+fn bench_discovery(root: &std::path::Path, iterations: u32) -> ExitCode {
+    let iterations = iterations.max(1);
+    let first = discover(root);
+    if first.devices.is_empty() {
+        return fail(&format!("no PCI functions under {}", root.display()));
+    }
+    println!("functions {}", first.devices.len());
+    println!("iterations {iterations}");
+    let warm = Discoverer::new();
+    std::hint::black_box(warm.discover(root));
+    for (name, disc) in [("cold", None), ("warm", Some(&warm))] {
+        let mut times: Vec<Duration> = (0..iterations)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                let d = match disc {
+                    Some(w) => w.discover(root),
+                    None => discover(root),
+                };
+                let took = t.elapsed();
+                std::hint::black_box(d);
+                took
+            })
+            .collect();
+        times.sort();
+        let pick = |q: f64| {
+            let i = ((times.len() as f64 - 1.0) * q).round() as usize;
+            times.get(i).copied().unwrap_or_default()
+        };
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!("{name}_min_us {:.0}", us(pick(0.0)));
+        println!("{name}_median_us {:.0}", us(pick(0.5)));
+        println!("{name}_p95_us {:.0}", us(pick(0.95)));
+    }
+    ExitCode::SUCCESS
 }

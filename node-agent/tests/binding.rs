@@ -3,7 +3,7 @@
 //! fake kernel, checked through the real `node-agent lspci` binary and discovery.
 
 use node_agent::agent::Executor;
-use node_agent::fake::{FakeSpec, GpuModel, RESET_LOG, generate};
+use node_agent::fake::{FakeOptions, FakeSpec, GpuModel, RESET_LOG, generate, generate_with};
 use node_agent::host::{BindError, Binder, discover, open_sysfs};
 use node_agent::hypervisor::{Hypervisor, SimHypervisor};
 use node_agent::scrub::scrub;
@@ -232,4 +232,110 @@ fn executor_runs_a_vm_lifecycle() {
     assert!(!r.ok);
     assert_eq!(r.scrub_reports.len(), 2);
     assert!(!r.scrub_reports[0].ok && r.scrub_reports[1].ok);
+}
+
+/// A tree whose GPUs each share their IOMMU group with an HDMI audio function `.1`.
+fn world_with_audio(gpus: u32) -> (World, Vec<DevicePath>) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("sys");
+    let state = dir.path().join("state");
+    let tree = generate_with(
+        &root,
+        &FakeSpec {
+            gpus,
+            model: GpuModel::L40s,
+            numa_nodes: 1,
+        },
+        &FakeOptions { gpu_audio: true },
+    )
+    .unwrap();
+    let audio: Vec<DevicePath> = tree
+        .functions
+        .iter()
+        .filter(|f| {
+            let a = f.address();
+            a.function == 1 && tree.gpus.iter().any(|g| g.parents() == f.parents())
+        })
+        .cloned()
+        .collect();
+    assert_eq!(audio.len(), gpus as usize);
+    let w = World {
+        _dir: dir,
+        root,
+        state,
+        gpus: tree.gpus,
+    };
+    (w, audio)
+}
+
+#[test]
+fn a_shared_iommu_group_must_go_through_whole() {
+    let (w, audio) = world_with_audio(2);
+    let b = binder(&w);
+    let (gpu, snd) = (&w.gpus[0], &audio[0]);
+    assert_eq!(driver_via_cli(&w.root, snd), "snd_hda_intel");
+
+    // Alone, the GPU would leave its audio function with the host: refused, unchanged.
+    let e = b.bind_passthrough(gpu).unwrap_err();
+    assert!(matches!(e, BindError::GroupNotViable { .. }), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("{} (driver snd_hda_intel)", snd.address())),
+        "{text}"
+    );
+    assert_eq!(driver_via_cli(&w.root, gpu), "nvidia");
+    assert!(b.state().unwrap().bindings.is_empty());
+
+    // Together they go; the other GPU's group is untouched.
+    b.bind_passthrough_many(&[gpu.clone(), snd.clone()])
+        .unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
+    assert_eq!(driver_via_cli(&w.root, snd), "vfio-pci");
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[1]), "nvidia");
+    // Once the rest of the group is on vfio-pci, the GPU alone is viable again.
+    b.bind_passthrough(gpu).unwrap();
+
+    // The task path checks the set as a whole too.
+    let hv = Arc::new(SimHypervisor::open(&w.state, Some(&w.root)).unwrap());
+    let exec = Executor::new(binder(&w), hv);
+    let vm = VmId::new_random();
+    let r = exec.execute(&Task::BindPassthrough {
+        vm_uuid: vm,
+        devices: vec![w.gpus[1].clone()],
+    });
+    assert!(!r.ok);
+    assert!(r.error.unwrap().contains("IOMMU group"));
+    let r = exec.execute(&Task::BindPassthrough {
+        vm_uuid: vm,
+        devices: vec![w.gpus[1].clone(), audio[1].clone()],
+    });
+    assert!(r.ok, "{r:?}");
+
+    // Discovery reports the group's members on both functions.
+    let found = discover(&w.root);
+    let g = found.devices.iter().find(|d| &d.id == gpu).unwrap();
+    let members = &g.details.as_ref().unwrap().iommu_group_members;
+    assert_eq!(members, &vec![gpu.address(), snd.address()]);
+}
+
+#[test]
+fn bridges_in_the_group_do_not_block() {
+    let w = world(2);
+    let gpu = &w.gpus[0];
+    // Put the GPU's downstream port into the GPU's group, as ACS-less switches do.
+    let port = gpu.parents().last().unwrap().to_string();
+    let group = std::fs::read_link(
+        w.root
+            .join(gpu.to_string().trim_start_matches('/'))
+            .join("iommu_group"),
+    )
+    .unwrap();
+    let group_dir = w
+        .root
+        .join(gpu.to_string().trim_start_matches('/'))
+        .join(&group);
+    let port_dir = std::fs::canonicalize(w.root.join("bus/pci/devices").join(&port)).unwrap();
+    std::os::unix::fs::symlink(&port_dir, group_dir.join("devices").join(&port)).unwrap();
+    binder(&w).bind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
 }

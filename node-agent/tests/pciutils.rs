@@ -3,6 +3,7 @@
 //! with pciutils' `lspci` both on a fake tree and on the machine's own /sys.
 
 use node_agent::fake::{FakeSpec, GpuModel, generate};
+use node_agent::host::{PCI_IDS_VERSION, discover};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
@@ -198,5 +199,105 @@ fn node_agent_agrees_with_lspci_on_this_machine() {
     }
     for bdf in ours.keys() {
         assert!(theirs.contains_key(bdf), "{bdf} listed by node-agent only");
+    }
+
+    // Class (base and subclass) and revision, from the library's own discovery.
+    let found = discover(Path::new("/sys"));
+    for d in &found.devices {
+        let bdf = d.address().to_string();
+        let (_, _, class, rev) = &theirs[&bdf];
+        assert_eq!(&d.class.to_string()[..4], class.as_str(), "class of {bdf}");
+        assert_eq!(&d.revision.to_string(), rev, "revision of {bdf}");
+    }
+}
+
+/// `lspci -D -mm` lines: BDF → (vendor name, device name). pciutils writes `Vendor XXXX`
+/// or `Device XXXX` for ids its database lacks; those come back as `None`.
+fn parse_lspci_names(out: &str) -> BTreeMap<String, (Option<String>, Option<String>)> {
+    let mut m = BTreeMap::new();
+    for line in out.lines() {
+        let Some((bdf, rest)) = line.split_once(' ') else {
+            continue;
+        };
+        let quoted: Vec<&str> = rest.split('"').skip(1).step_by(2).collect();
+        if quoted.len() < 3 {
+            continue;
+        }
+        let known = |s: &str, unknown_prefix: &str| {
+            let hex_only = s.len() == 4 && s.bytes().all(|b| b.is_ascii_hexdigit());
+            (!s.starts_with(unknown_prefix) && !hex_only && !s.is_empty()).then(|| s.to_string())
+        };
+        m.insert(
+            bdf.to_string(),
+            (known(quoted[1], "Vendor "), known(quoted[2], "Device ")),
+        );
+    }
+    m
+}
+
+/// The `Version:` line of the pci.ids pciutils reads, if it can be found.
+fn system_pci_ids_version() -> Option<String> {
+    ["/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .find_map(|text| {
+            text.lines()
+                .take(20)
+                .find_map(|l| {
+                    l.trim_start_matches(['#', ' ', '\t'])
+                        .strip_prefix("Version:")
+                })
+                .map(|v| v.trim().to_string())
+        })
+}
+
+#[test]
+fn names_agree_with_lspci_on_this_machine() {
+    let lspci = lspci_bin();
+    let found = discover(Path::new("/sys"));
+    if found.devices.is_empty() {
+        eprintln!("note: no PCI functions in /sys here; nothing to compare");
+        return;
+    }
+    let out = Command::new(lspci).args(["-D", "-mm"]).output().unwrap();
+    assert!(out.status.success(), "lspci failed: {out:?}");
+    let theirs = parse_lspci_names(&String::from_utf8(out.stdout).unwrap());
+    let same_db = system_pci_ids_version().as_deref() == Some(PCI_IDS_VERSION);
+    let (mut vendors, mut devices, mut renamed) = (0, 0, Vec::new());
+    for d in &found.devices {
+        let bdf = d.address().to_string();
+        let Some((their_vendor, their_device)) = theirs.get(&bdf) else {
+            continue;
+        };
+        let details = d.details.as_ref().unwrap();
+        if let (Some(t), Some(o)) = (their_vendor, &details.vendor_name) {
+            // Vendor names are stable across database versions: always exact.
+            assert_eq!(o, t, "vendor name of {bdf} ({})", d.vendor);
+            vendors += 1;
+        }
+        if let (Some(t), Some(o)) = (their_device, &details.device_name) {
+            if o == t {
+                devices += 1;
+            } else {
+                renamed.push(format!(
+                    "{bdf} {}:{}: ours {o:?}, lspci {t:?}",
+                    d.vendor, d.device
+                ));
+            }
+        }
+    }
+    eprintln!(
+        "compared {vendors} vendor and {} device names (ours: pci.ids {PCI_IDS_VERSION}, \
+         system: {:?})",
+        devices + renamed.len(),
+        system_pci_ids_version()
+    );
+    if same_db {
+        assert!(renamed.is_empty(), "device names differ: {renamed:#?}");
+    } else if !renamed.is_empty() {
+        eprintln!(
+            "note: device names renamed between the two pci.ids versions (not a failure):\n{}",
+            renamed.join("\n")
+        );
     }
 }

@@ -19,6 +19,8 @@ pub struct Config {
     /// How long a job's lease lasts without renewal: after that another replica (or this
     /// one, restarted) takes the job over.
     pub job_lease: Duration,
+    /// Failed-login throttling.
+    pub login_limits: crate::services::login_guard::Limits,
     /// Placement policy for packages that do not name one.
     pub placement: crate::placement::Policy,
     /// Test only: stop every job just before this step (`provision.launch`, …), to prove
@@ -41,6 +43,7 @@ impl Default for Config {
             job_lease: Duration::from_secs(30),
             pause_before: None,
             placement: crate::placement::Policy::Pack,
+            login_limits: crate::services::login_guard::Limits::default(),
             faults: Vec::new(),
         }
     }

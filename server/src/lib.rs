@@ -48,9 +48,12 @@ pub async fn start(
     let addr = listener.local_addr()?;
     let app = api::router(ctx.clone());
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(shutdown_signal())
+        .await
     });
     Ok(Running {
         ctx,

@@ -3,7 +3,9 @@
 //! - `cargo xtask test [-- ARGS]`: everything CI runs (set-up, fmt, clippy, build, tests).
 //! - `cargo xtask demo [--servers N] [--gpus G] [--model M] [--port P] [--reset]`: a local
 //!   control plane with simulated compute nodes.
+//! - `cargo xtask bench discovery`: PCI discovery timings next to pciutils' `lspci`.
 
+mod bench;
 mod demo;
 mod http;
 mod test;
@@ -16,7 +18,7 @@ const USAGE: &str = "\
 usage: cargo xtask <command> [options]
 
 commands:
-  test [-- ARGS]   set up lspci and PostgreSQL if needed, then run fmt --check, clippy,
+  test [-- ARGS]   set up lspci, QEMU and PostgreSQL if needed, then run fmt --check, clippy,
                    build the binaries and run every test (nextest if installed, else
                    cargo test) plus the doc tests; ARGS go to the test runner
                    (e.g. `cargo xtask test -- store_`)
@@ -26,6 +28,8 @@ commands:
       --model M      v100 | a100 | h100 | l40s (default h100)
       --port P       HTTP port on 127.0.0.1 (default 8080)
       --reset        delete .passage-demo/ first (new database, new password)
+  bench discovery  time node-agent's PCI discovery on a ~300-function fake tree,
+                   next to `lspci` on the same tree (builds node-agent --release)
   help             this text
 ";
 
@@ -48,6 +52,7 @@ fn run(args: &[String]) -> Result<()> {
     match cmd.as_str() {
         "test" => test::run(rest),
         "demo" => demo::run(rest),
+        "bench" => bench::run(rest),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())

@@ -39,6 +39,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
     let mut stages = Stages::default();
     stages.run("lspci", ensure_lspci)?;
+    stages.run("qemu", ensure_qemu)?;
     stages.run("postgres", || ensure_postgres(&pg_url))?;
     drop_test_databases(&pg_url);
     stages.run("fmt", || {
@@ -136,16 +137,34 @@ impl Stages {
 
 /// `lspci` is used by the node-agent tests that compare against the real tool.
 fn ensure_lspci() -> Result<()> {
-    if on_path("lspci") {
-        println!("lspci present");
+    ensure_tool("lspci", "pciutils")
+}
+
+/// `qemu-system-x86_64` runs the node-agent's QEMU backend test (TCG, no KVM needed).
+/// Where it cannot be installed the stage fails, unless `PASSAGE_ALLOW_NO_QEMU=1`, in
+/// which case the test itself skips with a note.
+fn ensure_qemu() -> Result<()> {
+    match ensure_tool("qemu-system-x86_64", "qemu-system-x86") {
+        Err(e) if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
+            println!("warning: {e:#}; PASSAGE_ALLOW_NO_QEMU=1, so the QEMU test will skip");
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Installs the Debian `package` with apt-get unless `tool` is already on PATH.
+fn ensure_tool(tool: &str, package: &str) -> Result<()> {
+    if on_path(tool) {
+        println!("{tool} present");
         return Ok(());
     }
     if !on_path("apt-get") {
-        bail!("lspci is missing and there is no apt-get; install pciutils");
+        bail!("{tool} is missing and there is no apt-get; install {package}");
     }
     let install = || {
         let mut cmd = Command::new("apt-get");
-        cmd.args(["install", "-y", "--no-install-recommends", "pciutils"])
+        cmd.args(["install", "-y", "--no-install-recommends", package])
             .env("DEBIAN_FRONTEND", "noninteractive");
         util::run_checked(&mut cmd)
     };
@@ -154,8 +173,8 @@ fn ensure_lspci() -> Result<()> {
         util::run_checked(Command::new("apt-get").arg("update"))?;
         install()?;
     }
-    if !on_path("lspci") {
-        bail!("pciutils is installed but lspci is still not on PATH");
+    if !on_path(tool) {
+        bail!("{package} is installed but {tool} is still not on PATH");
     }
     Ok(())
 }

@@ -10,7 +10,7 @@ pub use client::{AgentClient, ClientError};
 pub use credential::Credential;
 pub use tasks::Executor;
 
-use crate::host::{Binder, open_sysfs, try_discover};
+use crate::host::{Binder, Discoverer, open_sysfs};
 use crate::hypervisor::{self, HypervisorKind};
 use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
@@ -153,6 +153,8 @@ struct Agent {
     client: AgentClient,
     executor: Arc<tasks::Executor>,
     sysfs_root: PathBuf,
+    /// Kept for the agent's life, so each pass re-reads only what can change.
+    discoverer: Arc<Discoverer>,
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
     last_inventory: Mutex<Option<InventoryReport>>,
@@ -169,7 +171,8 @@ impl Agent {
     async fn report_inventory(&self) -> Result<(), AgentError> {
         let mut last = self.last_inventory.lock().await;
         let root = self.sysfs_root.clone();
-        let found = match tokio::task::spawn_blocking(move || try_discover(&root)).await {
+        let disc = self.discoverer.clone();
+        let found = match tokio::task::spawn_blocking(move || disc.try_discover(&root)).await {
             Ok(Ok(d)) => d,
             Ok(Err(e)) => {
                 warn!(error = %e, "PCI discovery failed; inventory not reported");
@@ -194,6 +197,9 @@ impl Agent {
         }
         for s in &found.skipped {
             debug!(skipped = %s, "PCI function left out of the inventory");
+        }
+        for n in &found.notes {
+            debug!(note = %n, "PCI attribute ignored (its function is still reported)");
         }
         match self.client.put_inventory(&report).await {
             Ok(()) => {
@@ -331,6 +337,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         client,
         executor: Arc::new(executor),
         sysfs_root: cfg.sysfs_root.clone(),
+        discoverer: Arc::new(Discoverer::new()),
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
     });

@@ -22,9 +22,19 @@ impl Executor {
     /// failed [`TaskResult`]; the agent reports it and carries on.
     pub fn execute(&self, task: &Task) -> TaskResult {
         match task {
-            Task::BindPassthrough { devices, .. } => self.each(devices, |d| {
-                self.binder.bind_passthrough(d).map_err(|e| e.to_string())
-            }),
+            Task::BindPassthrough { devices, .. } => {
+                if devices.len() > MAX_TASK_DEVICES {
+                    return too_many(devices.len());
+                }
+                // The whole set at once: functions sharing an IOMMU group (a GPU and its
+                // audio function) are only viable together.
+                if let Err(e) = self.binder.check_viability(devices) {
+                    return TaskResult::failure(e.to_string());
+                }
+                self.each(devices, |d| {
+                    self.binder.bind_checked(d).map_err(|e| e.to_string())
+                })
+            }
             Task::UnbindPassthrough { devices, .. } => self.each(devices, |d| {
                 self.binder.unbind_passthrough(d).map_err(|e| e.to_string())
             }),

@@ -15,6 +15,7 @@ pub const RESET_LOG: &str = ".passage-fake-resets.log";
 pub fn native_driver(vendor: u16, device: u16, class: u32) -> Option<&'static str> {
     match (vendor, device, class >> 8) {
         (0x10de, _, 0x0300 | 0x0302) => Some("nvidia"),
+        (_, _, 0x0403) => Some("snd_hda_intel"),
         (_, _, 0x0604) => Some("pcieport"),
         (0x8086, 0x1521, _) => Some("igb"),
         (_, _, 0x0108) => Some("nvme"),

@@ -5,4 +5,4 @@ mod kernel;
 mod tree;
 
 pub use kernel::{FakeKernel, RESET_LOG, native_driver};
-pub use tree::{FakeError, FakeSpec, FakeTree, GpuModel, generate};
+pub use tree::{FakeError, FakeOptions, FakeSpec, FakeTree, GpuModel, generate, generate_with};

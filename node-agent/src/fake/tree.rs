@@ -36,6 +36,15 @@ pub struct FakeSpec {
     pub numa_nodes: u32,
 }
 
+/// Variations of the generated tree beyond [`FakeSpec`] (kept apart so code that builds
+/// a `FakeSpec` by struct literal keeps compiling).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FakeOptions {
+    /// Give each GPU an HDMI audio function `.1` in the GPU's IOMMU group, as consumer
+    /// and workstation cards have: passthrough must then take both.
+    pub gpu_audio: bool,
+}
+
 impl Default for FakeSpec {
     fn default() -> Self {
         FakeSpec {
@@ -76,12 +85,44 @@ struct Ids {
     class: u32,
 }
 
+/// A PCIe link as the kernel shows it in `current_link_speed` / `current_link_width`.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    speed: &'static str,
+    width: u16,
+}
+
+const GEN3_X4: Link = Link {
+    speed: "8.0 GT/s PCIe",
+    width: 4,
+};
+const GEN2_X4: Link = Link {
+    speed: "5.0 GT/s PCIe",
+    width: 4,
+};
+const GEN4_X16: Link = Link {
+    speed: "16.0 GT/s PCIe",
+    width: 16,
+};
+const GEN5_X16: Link = Link {
+    speed: "32.0 GT/s PCIe",
+    width: 16,
+};
+
 #[derive(Clone, Debug)]
 struct Func {
     addr: PciAddress,
     ids: Ids,
     numa: u32,
     multifunction: bool,
+    /// PCIe functions have a link (and AER); root-complex integrated ones have neither.
+    link: Option<Link>,
+    /// `sriov_totalvfs` for functions that can make virtual functions.
+    sriov_total: Option<u32>,
+    /// The physical slot label of the card this function is on.
+    slot: Option<String>,
+    /// In the IOMMU group of function 0 of the same device (not a group of its own).
+    joins_group_of_fn0: bool,
     /// Primary, secondary and subordinate bus numbers for type-1 (bridge) headers.
     bridge: Option<(u8, u8, u8)>,
     children: Vec<Func>,
@@ -117,6 +158,10 @@ fn endpoint(a: PciAddress, ids: Ids, numa: u32) -> Func {
         ids,
         numa,
         multifunction: false,
+        link: None,
+        sriov_total: None,
+        slot: None,
+        joins_group_of_fn0: false,
         bridge: None,
         children: Vec::new(),
     }
@@ -157,6 +202,10 @@ fn bridge(
         ids,
         numa,
         multifunction: false,
+        link: Some(GEN4_X16),
+        sriov_total: None,
+        slot: None,
+        joins_group_of_fn0: false,
         bridge: Some((a.bus, secondary, buses.last())),
         children,
     })
@@ -169,29 +218,61 @@ fn root_port(dev: u8, root_bus: u8) -> (PciAddress, Ids) {
     )
 }
 
+/// Where the GPUs go and what they look like.
+struct GpuPlan {
+    model: GpuModel,
+    audio: bool,
+    /// Slot number of the next GPU on this NUMA node (labels `CPU<node+1> SLOT<n>`).
+    next_slot: u32,
+}
+
 /// Root port → switch upstream port → downstream ports → one GPU each.
 fn gpu_switch(
     port_dev: u8,
     root_bus: u8,
     numa: u32,
     gpus: u32,
-    model: GpuModel,
+    plan: &mut GpuPlan,
     buses: &mut Buses,
 ) -> Option<Func> {
     let (rp, rp_ids) = root_port(port_dev, root_bus);
     let plx = ids(PLX, 0x8747, PLX, 0x8747, 0xca, 0x060400);
-    let (gdev, gsub, grev) = model.ids();
+    let (gdev, gsub, grev) = plan.model.ids();
     let gpu_ids = ids(NVIDIA, gdev, NVIDIA, gsub, grev, 0x030200);
+    // An AD102-class HDMI audio function: what sits at `.1` on NVIDIA display cards.
+    let audio_ids = ids(NVIDIA, 0x22ba, NVIDIA, gsub, grev, 0x040300);
+    let link = if plan.model == GpuModel::H100 {
+        GEN5_X16
+    } else {
+        GEN4_X16
+    };
     bridge(rp, rp_ids, numa, buses, |up_bus, buses| {
         let up = bridge(addr(up_bus, 0, 0), plx, numa, buses, |down_bus, buses| {
             let mut downs = Vec::new();
             for i in 0..gpus {
+                let slot = format!("CPU{} SLOT{}", numa + 1, plan.next_slot);
+                plan.next_slot += 1;
+                let audio = plan.audio;
                 let d = bridge(
                     addr(down_bus, (i * 8) as u8, 0),
                     plx,
                     numa,
                     buses,
-                    |gpu_bus, _| Some(vec![endpoint(addr(gpu_bus, 0, 0), gpu_ids, numa)]),
+                    |gpu_bus, _| {
+                        let mut gpu = endpoint(addr(gpu_bus, 0, 0), gpu_ids, numa);
+                        gpu.link = Some(link);
+                        gpu.slot = Some(slot.clone());
+                        if !audio {
+                            return Some(vec![gpu]);
+                        }
+                        gpu.multifunction = true;
+                        let mut snd = endpoint(addr(gpu_bus, 0, 1), audio_ids, numa);
+                        snd.link = Some(link);
+                        snd.slot = Some(slot);
+                        snd.multifunction = true;
+                        snd.joins_group_of_fn0 = true;
+                        Some(vec![gpu, snd])
+                    },
                 )?;
                 downs.push(d);
             }
@@ -201,7 +282,7 @@ fn gpu_switch(
     })
 }
 
-fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
+fn build(spec: &FakeSpec, opts: &FakeOptions) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
     let k = spec.numa_nodes;
     if !(1..=8).contains(&k) {
         return Err(FakeError::NumaNodes(k));
@@ -224,6 +305,11 @@ fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
             node,
         )];
         let mut port_dev = 1u8;
+        let mut plan = GpuPlan {
+            model: spec.model,
+            audio: opts.gpu_audio,
+            next_slot: 1,
+        };
         if node == 0 {
             let (rp, rp_ids) = root_port(port_dev, root_bus);
             port_dev += 1;
@@ -234,6 +320,11 @@ fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
                     f0.multifunction = true;
                     let mut f1 = endpoint(addr(b, 0, 1), nic, node);
                     f1.multifunction = true;
+                    // The i350 makes up to 7 virtual functions per port.
+                    for f in [&mut f0, &mut f1] {
+                        f.link = Some(GEN2_X4);
+                        f.sriov_total = Some(7);
+                    }
                     Some(vec![f0, f1])
                 })
                 .ok_or_else(too_many)?,
@@ -243,7 +334,9 @@ fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
             let nvme = ids(0x144d, 0xa80a, 0x144d, 0xa801, 0x00, 0x010802);
             funcs.push(
                 bridge(rp, rp_ids, node, &mut buses, |b, _| {
-                    Some(vec![endpoint(addr(b, 0, 0), nvme, node)])
+                    let mut ssd = endpoint(addr(b, 0, 0), nvme, node);
+                    ssd.link = Some(GEN3_X4);
+                    Some(vec![ssd])
                 })
                 .ok_or_else(too_many)?,
             );
@@ -271,7 +364,7 @@ fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
                 return Err(too_many());
             }
             funcs.push(
-                gpu_switch(port_dev, root_bus, node, here, spec.model, &mut buses)
+                gpu_switch(port_dev, root_bus, node, here, &mut plan, &mut buses)
                     .ok_or_else(too_many)?,
             );
             port_dev += 1;
@@ -285,7 +378,16 @@ fn build(spec: &FakeSpec) -> Result<Vec<(u8, Vec<Func>)>, FakeError> {
 
 /// Writes the tree for `spec` under `out`, which must be absent or empty.
 pub fn generate(out: &Path, spec: &FakeSpec) -> Result<FakeTree, FakeError> {
-    let roots = build(spec)?;
+    generate_with(out, spec, &FakeOptions::default())
+}
+
+/// [`generate`] with variations.
+pub fn generate_with(
+    out: &Path,
+    spec: &FakeSpec,
+    opts: &FakeOptions,
+) -> Result<FakeTree, FakeError> {
+    let roots = build(spec, opts)?;
     let io_err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| FakeError::Io { path, source }
@@ -315,9 +417,26 @@ pub fn generate(out: &Path, spec: &FakeSpec) -> Result<FakeTree, FakeError> {
         functions: Vec::new(),
         gpus: Vec::new(),
     };
-    for (group, (rel, f)) in flat.iter().enumerate() {
-        w.function(rel, f, group as u32)
-            .map_err(io_err(&out.join(rel)))?;
+    let mut next_group = 0u32;
+    let mut fn0_groups = std::collections::HashMap::new();
+    for (rel, f) in &flat {
+        let key = (f.addr.domain, f.addr.bus, f.addr.device);
+        let group = match fn0_groups.get(&key) {
+            Some(g) if f.joins_group_of_fn0 => *g,
+            _ => {
+                next_group += 1;
+                next_group - 1
+            }
+        };
+        if f.addr.function == 0 {
+            fn0_groups.insert(key, group);
+        }
+        w.function(rel, f, group).map_err(io_err(&out.join(rel)))?;
+        if let Some(label) = &f.slot
+            && f.addr.function == 0
+        {
+            w.slot(label, f.addr).map_err(io_err(out))?;
+        }
         let id: Result<DevicePath, _> = format!("/{}", rel.display()).parse();
         if let Ok(id) = id {
             if f.ids.class >> 8 == 0x0302 {
@@ -341,6 +460,7 @@ struct Writer {
 
 const DRIVERS: &[&str] = &[
     "nvidia",
+    "snd_hda_intel",
     "pcieport",
     "igb",
     "nvme",
@@ -377,6 +497,17 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// `bus/pci/slots/<label>/address`: the slot's `domain:bus:device`.
+    fn slot(&self, label: &str, a: PciAddress) -> io::Result<()> {
+        let dir = self.root.join("bus/pci/slots").join(label);
+        fs::create_dir_all(&dir)?;
+        fs::write(
+            dir.join("address"),
+            format!("{:04x}:{:02x}:{:02x}\n", a.domain, a.bus, a.device),
+        )?;
+        fs::write(dir.join("power"), "1\n")
     }
 
     fn collect(&mut self, parent: &Path, f: &Func) {
@@ -434,6 +565,29 @@ impl Writer {
             fs::write(dir.join(name), text)?;
         }
         fs::write(dir.join("config"), config_space(f))?;
+        if let Some(link) = f.link {
+            for (name, text) in [
+                ("current_link_speed", link.speed.to_string()),
+                ("max_link_speed", link.speed.to_string()),
+                ("current_link_width", link.width.to_string()),
+                ("max_link_width", link.width.to_string()),
+            ] {
+                fs::write(dir.join(name), format!("{text}\n"))?;
+            }
+            fs::write(dir.join("aer_dev_fatal"), aer_text(AER_FATAL, "FATAL"))?;
+            fs::write(
+                dir.join("aer_dev_nonfatal"),
+                aer_text(AER_NONFATAL, "NONFATAL"),
+            )?;
+            fs::write(
+                dir.join("aer_dev_correctable"),
+                aer_text(AER_CORRECTABLE, "COR"),
+            )?;
+        }
+        if let Some(total) = f.sriov_total {
+            fs::write(dir.join("sriov_totalvfs"), format!("{total}\n"))?;
+            fs::write(dir.join("sriov_numvfs"), "0\n")?;
+        }
         let up = "../".repeat(rel.components().count());
         symlink(&format!("{up}bus/pci"), &dir.join("subsystem"))?;
         let group_dir = self.root.join(format!("kernel/iommu_groups/{group}"));
@@ -460,6 +614,46 @@ impl Writer {
         }
         Ok(())
     }
+}
+
+/// The error names Linux's `aer_dev_*` attributes list, each with its count.
+const AER_FATAL: &[&str] = &[
+    "Undefined",
+    "DLP",
+    "SDES",
+    "TLP",
+    "FCP",
+    "CmpltTO",
+    "CmpltAbrt",
+    "UnxCmplt",
+    "RxOF",
+    "MalfTLP",
+    "ECRC",
+    "UnsupReq",
+    "ACSViol",
+    "UncorrIntErr",
+    "BlockedTLP",
+    "AtomicOpBlocked",
+    "TLPBlockedErr",
+    "PoisonTLPBlocked",
+];
+const AER_NONFATAL: &[&str] = AER_FATAL;
+const AER_CORRECTABLE: &[&str] = &[
+    "RxErr",
+    "BadTLP",
+    "BadDLLP",
+    "Rollover",
+    "Timeout",
+    "NonFatalErr",
+    "CorrIntErr",
+    "HeaderOF",
+];
+
+/// An AER counter file of a healthy function: every count 0, then the total line.
+fn aer_text(names: &[&str], total: &str) -> String {
+    let mut s: String = names.iter().map(|n| format!("{n} 0\n")).collect();
+    s.push_str(&format!("TOTAL_ERR_{total} 0\n"));
+    s
 }
 
 /// The first 256 bytes of configuration space: the standard header, no capabilities.
@@ -504,7 +698,7 @@ mod tests {
 
     #[test]
     fn bus_numbers_nest() {
-        let roots = build(&FakeSpec::default()).unwrap();
+        let roots = build(&FakeSpec::default(), &FakeOptions::default()).unwrap();
         fn check(f: &Func) {
             if let Some((_, sec, sub)) = f.bridge {
                 assert!(sec <= sub);
@@ -531,12 +725,16 @@ mod tests {
             numa_nodes: 0,
             ..FakeSpec::default()
         };
-        assert!(matches!(build(&spec), Err(FakeError::NumaNodes(0))));
+        let opts = FakeOptions::default();
+        assert!(matches!(build(&spec, &opts), Err(FakeError::NumaNodes(0))));
         let spec = FakeSpec {
             gpus: 10_000,
             numa_nodes: 8,
             ..FakeSpec::default()
         };
-        assert!(matches!(build(&spec), Err(FakeError::TooManyGpus { .. })));
+        assert!(matches!(
+            build(&spec, &opts),
+            Err(FakeError::TooManyGpus { .. })
+        ));
     }
 }

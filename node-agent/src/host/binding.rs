@@ -41,6 +41,19 @@ pub enum BindError {
     },
     #[error("binding state {path}: {source}")]
     State { path: PathBuf, source: io::Error },
+    #[error(
+        "device {device} shares IOMMU group {group} with {}, which would stay with the host; \
+         pass them through in the same request or bind them to {VFIO_DRIVER} first",
+        others.join(", ")
+    )]
+    GroupNotViable {
+        device: DevicePath,
+        group: String,
+        /// `BDF (driver X)` or `BDF (no driver)` for each blocking function.
+        others: Vec<String>,
+    },
+    #[error("device {device}: reading its IOMMU group: {reason}")]
+    Group { device: DevicePath, reason: String },
 }
 
 /// One device the agent holds for passthrough.
@@ -134,9 +147,88 @@ impl Binder {
         self.ops.root().join("bus/pci/drivers")
     }
 
+    /// Checks that passing `devs` through together leaves no IOMMU group half with the
+    /// host: every other endpoint in their groups must be on vfio-pci already. Bridges
+    /// are fine (the kernel lets vfio share a group with a PCIe bridge). Devices without
+    /// an IOMMU group (no IOMMU, or a fake tree without groups) have nothing to check.
+    pub fn check_viability(&self, devs: &[DevicePath]) -> Result<(), BindError> {
+        let wanted: std::collections::BTreeSet<_> = devs.iter().map(DevicePath::address).collect();
+        for dev in devs {
+            let dir = self.existing_dir(dev)?;
+            let group_err = |reason: String| BindError::Group {
+                device: dev.clone(),
+                reason,
+            };
+            let group_dir = match std::fs::canonicalize(dir.join("iommu_group")) {
+                Ok(g) => g,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(group_err(e.to_string())),
+            };
+            let group = group_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let entries = std::fs::read_dir(group_dir.join("devices"))
+                .map_err(|e| group_err(format!("{}: {e}", group_dir.display())))?;
+            let mut others = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(|e| group_err(e.to_string()))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let addr: passage_model::PciAddress = name
+                    .parse()
+                    .map_err(|e| group_err(format!("member {name:?}: {e}")))?;
+                if wanted.contains(&addr) {
+                    continue;
+                }
+                let member = entry.path();
+                let class = super::read_attr(&member.join("class"))
+                    .ok()
+                    .and_then(|c| c.parse::<passage_model::pci::PciClass>().ok());
+                // An unreadable class is treated as an endpoint: refusing is the safe side.
+                if class.is_some_and(|c| c.is_bridge()) {
+                    continue;
+                }
+                match bound_driver(&member).map_err(|e| group_err(e.to_string()))? {
+                    Some(d) if d == VFIO_DRIVER => {}
+                    Some(d) => others.push(format!("{name} (driver {d})")),
+                    None => others.push(format!("{name} (no driver)")),
+                }
+            }
+            if !others.is_empty() {
+                others.sort();
+                return Err(BindError::GroupNotViable {
+                    device: dev.clone(),
+                    group,
+                    others,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves every device in `devs` for passthrough, together: their IOMMU groups are
+    /// checked as one set first (see [`Binder::check_viability`]), so a GPU and its audio
+    /// function in one group go through in one call. Nothing is changed when the check
+    /// fails; a failure part-way leaves the devices already bound bound (each is
+    /// recorded, and unbinding gives it back).
+    pub fn bind_passthrough_many(&self, devs: &[DevicePath]) -> Result<(), BindError> {
+        self.check_viability(devs)?;
+        for d in devs {
+            self.bind_checked(d)?;
+        }
+        Ok(())
+    }
+
     /// Reserves `dev` for passthrough. Binding a device already on vfio-pci is a no-op
-    /// apart from making sure the binding is remembered.
+    /// apart from making sure the binding is remembered. A device that shares its IOMMU
+    /// group with other endpoints is refused: use [`Binder::bind_passthrough_many`].
     pub fn bind_passthrough(&self, dev: &DevicePath) -> Result<(), BindError> {
+        self.bind_passthrough_many(std::slice::from_ref(dev))
+    }
+
+    /// Binds one device whose group viability the caller has checked (or, re-applying a
+    /// saved binding, checked when it was first made).
+    pub(crate) fn bind_checked(&self, dev: &DevicePath) -> Result<(), BindError> {
         let _guard = self.locked();
         let dir = self.existing_dir(dev)?;
         let vfio_dir = self.drivers().join(VFIO_DRIVER);
@@ -223,8 +315,10 @@ impl Binder {
     pub fn reapply_bindings(&self) -> Result<Vec<(DevicePath, BindError)>, BindError> {
         let state = self.state()?;
         let mut failures = Vec::new();
+        // Group viability was checked when the binding was made; re-applying it device by
+        // device must not fail because the rest of the group is not back yet.
         for b in state.bindings {
-            if let Err(e) = self.bind_passthrough(&b.device) {
+            if let Err(e) = self.bind_checked(&b.device) {
                 failures.push((b.device, e));
             }
         }

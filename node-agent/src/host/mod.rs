@@ -3,10 +3,12 @@
 //! fake tree (see [`crate::fake`]) exactly as production runs over `/sys`.
 
 mod binding;
+mod details;
 mod discover;
 
 pub use binding::{BindError, Binder, BindingRecord, BindingState, VFIO_DRIVER};
-pub use discover::{Discovery, DiscoveryError, discover, try_discover};
+pub use details::{PCI_IDS_VERSION, class_name, device_name, vendor_name};
+pub use discover::{Discoverer, Discovery, DiscoveryError, discover, try_discover};
 
 use std::fs;
 use std::io::{self, Read};
@@ -18,7 +20,7 @@ use std::sync::Arc;
 pub const FAKE_MARKER: &str = ".passage-fake-sysfs";
 
 /// Sysfs attributes are at most one page; anything longer is not a kernel attribute.
-const MAX_ATTR_LEN: u64 = 4096;
+const MAX_ATTR_LEN: usize = 4096;
 
 /// Writes to kernel attribute files. Reads go straight to the file system for both
 /// implementations: the tree itself is the state.
@@ -74,13 +76,74 @@ pub(crate) fn write_existing(path: &Path, value: &str) -> io::Result<()> {
     f.write_all(value.as_bytes())
 }
 
-/// Reads a small attribute, trimmed of the kernel's trailing newline.
+/// Reads a small attribute, trimmed of the kernel's trailing newline. One `read(2)`:
+/// sysfs hands over a whole attribute (at most a page) in the first read, and a second
+/// read just to see end-of-file would double the system calls of a discovery pass.
+/// Content past the first page is never read; invalid UTF-8 is an error.
 pub(crate) fn read_attr(path: &Path) -> io::Result<String> {
-    let mut s = String::new();
-    fs::File::open(path)?
-        .take(MAX_ATTR_LEN)
-        .read_to_string(&mut s)?;
-    Ok(s.trim_end().to_string())
+    let mut buf = [0u8; MAX_ATTR_LEN];
+    let n = fs::File::open(path)?.read(&mut buf)?;
+    let text = std::str::from_utf8(&buf[..n])
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok(text.trim_end().to_string())
+}
+
+/// A function's directory, opened once so its attributes are read relative to it.
+pub(crate) struct AttrDir {
+    fd: std::os::fd::OwnedFd,
+    path: PathBuf,
+}
+
+impl AttrDir {
+    pub(crate) fn open(path: &Path) -> io::Result<Self> {
+        use rustix::fs::{Mode, OFlags};
+        // O_PATH: a handle for lookups only; no read permission or open of the inode.
+        let fd = rustix::fs::open(
+            path,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(AttrDir {
+            fd,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// [`read_attr`] for the attribute `name` in this directory.
+    pub(crate) fn read(&self, name: &str) -> io::Result<String> {
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::openat(
+            &self.fd,
+            name,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )?;
+        let mut buf = [0u8; MAX_ATTR_LEN];
+        let n = rustix::io::read(&fd, &mut buf)?;
+        let text = std::str::from_utf8(&buf[..n])
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        Ok(text.trim_end().to_string())
+    }
+
+    /// [`link_basename`] for the link `name` in this directory.
+    pub(crate) fn link_basename(&self, name: &str) -> io::Result<Option<String>> {
+        match rustix::fs::readlinkat(&self.fd, name, Vec::new()) {
+            Ok(target) => {
+                let target = PathBuf::from(
+                    <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(
+                        target.into_bytes(),
+                    ),
+                );
+                Ok(target.file_name().map(|n| n.to_string_lossy().into_owned()))
+            }
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
 }
 
 /// The basename of a symlink (`driver`, `iommu_group`); `Ok(None)` when there is none.

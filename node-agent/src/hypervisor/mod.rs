@@ -1,10 +1,19 @@
-//! VM launch backends behind one trait. Only the simulator exists today; qemu,
-//! cloud-hypervisor and bhyve are named so the command line and config can already say
-//! which one a node will use.
+//! VM launch backends behind one trait: the simulator and QEMU run VMs;
+//! cloud-hypervisor and bhyve have command-line builders only.
 
+mod bhyve;
+mod cloud_hypervisor;
+mod qemu;
+pub mod qmp;
 mod sim;
 
+pub use bhyve::{BHYVE_BINARY, PassthruRef, TooManyDevices, bhyve_argv};
+pub use cloud_hypervisor::{CLOUD_HYPERVISOR_BINARY, cloud_hypervisor_argv};
+pub use qemu::{QEMU_BINARY, QemuConfig, QemuHypervisor, VmFiles, qemu_argv};
 pub use sim::SimHypervisor;
+
+use crate::host::{VFIO_DRIVER, bound_driver, device_dir};
+use std::path::PathBuf;
 
 use passage_model::VmId;
 use passage_model::protocol::VmSpec;
@@ -13,7 +22,7 @@ use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HypervisorError {
-    #[error("hypervisor {0} is not supported yet; use sim")]
+    #[error("hypervisor {0} can only build command lines here, not run VMs; use sim or qemu")]
     Unsupported(HypervisorKind),
     #[error("VM {vm}: device {device} is not bound to vfio-pci (driver: {driver})")]
     DeviceNotReady {
@@ -28,6 +37,12 @@ pub enum HypervisorError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("{binary} is not installed here (not found on PATH)")]
+    NotInstalled { binary: &'static str },
+    #[error("VM {vm}: launch failed: {reason}")]
+    Launch { vm: VmId, reason: String },
+    #[error("VM {vm}: QMP: {reason}")]
+    Qmp { vm: VmId, reason: String },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -67,6 +82,56 @@ pub fn open(
 ) -> Result<Arc<dyn Hypervisor>, HypervisorError> {
     match kind {
         HypervisorKind::Sim => Ok(Arc::new(SimHypervisor::open(state_dir, sysfs_root)?)),
+        HypervisorKind::Qemu => Ok(Arc::new(QemuHypervisor::open(
+            QemuConfig::from_path(sysfs_root)?,
+            state_dir,
+        )?)),
+        // Builders only: say first whether the binary is even here, as that is the
+        // operator's next question.
+        HypervisorKind::CloudHypervisor if find_on_path(CLOUD_HYPERVISOR_BINARY).is_none() => {
+            Err(HypervisorError::NotInstalled {
+                binary: CLOUD_HYPERVISOR_BINARY,
+            })
+        }
+        HypervisorKind::Bhyve if find_on_path(BHYVE_BINARY).is_none() => {
+            Err(HypervisorError::NotInstalled {
+                binary: BHYVE_BINARY,
+            })
+        }
         other => Err(HypervisorError::Unsupported(other)),
     }
+}
+
+/// The first executable file named `name` in `PATH`.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                p.metadata()
+                    .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            }
+            #[cfg(not(unix))]
+            {
+                p.is_file()
+            }
+        })
+}
+
+/// Refuses a VM whose devices are not on vfio-pci: QEMU would fail later and less clearly.
+pub(crate) fn check_devices_ready(sysfs_root: &Path, spec: &VmSpec) -> Result<(), HypervisorError> {
+    for dev in &spec.devices {
+        let driver = bound_driver(&device_dir(sysfs_root, dev)).ok().flatten();
+        if driver.as_deref() != Some(VFIO_DRIVER) {
+            return Err(HypervisorError::DeviceNotReady {
+                vm: spec.uuid,
+                device: dev.to_string(),
+                driver: driver.unwrap_or_else(|| "none".to_string()),
+            });
+        }
+    }
+    Ok(())
 }

@@ -1,8 +1,7 @@
 //! A hypervisor that runs nothing: it keeps the set of "running" VMs in memory and in
 //! `STATE/sim-vms.json`, so a restarted agent still reports them.
 
-use super::{Hypervisor, HypervisorError};
-use crate::host::{VFIO_DRIVER, bound_driver, device_dir};
+use super::{Hypervisor, HypervisorError, check_devices_ready};
 use crate::state::{read_json, write_json};
 use passage_model::VmId;
 use passage_model::protocol::VmSpec;
@@ -58,16 +57,7 @@ impl Hypervisor for SimHypervisor {
             };
         }
         if let Some(root) = &self.sysfs_root {
-            for dev in &spec.devices {
-                let driver = bound_driver(&device_dir(root, dev)).ok().flatten();
-                if driver.as_deref() != Some(VFIO_DRIVER) {
-                    return Err(HypervisorError::DeviceNotReady {
-                        vm: spec.uuid,
-                        device: dev.to_string(),
-                        driver: driver.unwrap_or_else(|| "none".to_string()),
-                    });
-                }
-            }
+            check_devices_ready(root, spec)?;
         }
         vms.insert(spec.uuid, spec.clone());
         self.save(&vms)
@@ -127,14 +117,18 @@ mod tests {
     }
 
     #[test]
-    fn other_backends_are_refused() {
+    fn builder_only_backends_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let e = super::super::open(super::super::HypervisorKind::Qemu, dir.path(), None)
-            .err()
-            .unwrap();
-        assert_eq!(
-            e.to_string(),
-            "hypervisor qemu is not supported yet; use sim"
-        );
+        for kind in [
+            super::super::HypervisorKind::CloudHypervisor,
+            super::super::HypervisorKind::Bhyve,
+        ] {
+            let e = super::super::open(kind, dir.path(), None).err().unwrap();
+            let text = e.to_string();
+            assert!(
+                text.contains("not installed here") || text.contains("not supported yet"),
+                "{text}"
+            );
+        }
     }
 }

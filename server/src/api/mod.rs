@@ -3,6 +3,7 @@
 pub mod agent;
 pub mod audit;
 pub mod extract;
+pub mod hardening;
 pub mod metrics;
 pub mod v1;
 
@@ -109,7 +110,8 @@ pub fn router(ctx: Ctx) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             ctx.clone(),
             audit::record,
-        ));
+        ))
+        .layer(axum::middleware::from_fn(hardening::time_limit));
     let agent_api = Router::new()
         .route("/register", post(agent::register))
         .route("/heartbeat", post(agent::heartbeat))
@@ -118,13 +120,13 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/tasks/{uuid}/result", post(agent::task_result))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
-    Router::new()
+    let app = Router::new()
         .route("/", get(portal))
         .route("/metrics", get(metrics::render))
         .nest("/v1", v1)
         .nest("/agent/v1", agent_api)
-        .with_state(ctx)
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(ctx);
+    hardening::security_headers(app).layer(tower_http::trace::TraceLayer::new_for_http())
 }
 
 async fn portal() -> Html<String> {

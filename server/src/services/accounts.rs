@@ -48,10 +48,17 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateAccount) -> ApiResult
     .await?)
 }
 
-pub async fn get(ctx: &Ctx, caller: &Caller, uuid: AccountId) -> ApiResult<Account> {
-    if caller.account.uuid != uuid {
-        caller.require_staff()?;
+/// A tenant may read itself; another account does not exist for it.
+fn visible(caller: &Caller, uuid: AccountId) -> ApiResult<()> {
+    if caller.account.uuid == uuid || caller.account.role.sees_all() {
+        Ok(())
+    } else {
+        Err(ApiError::not_found("account"))
     }
+}
+
+pub async fn get(ctx: &Ctx, caller: &Caller, uuid: AccountId) -> ApiResult<Account> {
+    visible(caller, uuid)?;
     Ok(accounts::get(&ctx.db, uuid).await?)
 }
 
@@ -71,6 +78,7 @@ pub async fn update(
     uuid: AccountId,
     req: UpdateAccount,
 ) -> ApiResult<Account> {
+    visible(caller, uuid)?;
     caller.require_operator()?;
     if let Some(pw) = &req.password {
         validate_password("password", pw)?;
@@ -88,10 +96,17 @@ pub async fn update(
         Some(pw) => Some(hash_password(pw).await?),
         None => None,
     };
-    Ok(accounts::update(&ctx.db, uuid, hash.as_deref(), req.role, req.gpu_quota).await?)
+    let changed_password = hash.is_some();
+    let account = accounts::update(&ctx.db, uuid, hash.as_deref(), req.role, req.gpu_quota).await?;
+    if changed_password {
+        // A new password ends every session opened with the old one.
+        accounts::delete_login_tokens(&ctx.db, uuid).await?;
+    }
+    Ok(account)
 }
 
 pub async fn delete(ctx: &Ctx, caller: &Caller, uuid: AccountId) -> ApiResult<()> {
+    visible(caller, uuid)?;
     caller.require_operator()?;
     if uuid == caller.account.uuid {
         return Err(ApiError::invalid(

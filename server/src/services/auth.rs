@@ -80,9 +80,23 @@ pub fn validate_password(field: &str, pw: &str) -> ApiResult<()> {
     Ok(())
 }
 
-pub async fn login(ctx: &Ctx, login: &str, password: &str) -> ApiResult<LoginResponse> {
+pub async fn login(
+    ctx: &Ctx,
+    login: &str,
+    password: &str,
+    addr: Option<std::net::IpAddr>,
+) -> ApiResult<LoginResponse> {
     if login.is_empty() || login.len() > MAX_LOGIN_LEN || password.len() > MAX_PASSWORD_LEN {
         return Err(bad_credentials());
+    }
+    if let Some(wait) = ctx.login_guard.check(login, addr) {
+        return Err(ApiError::new(
+            passage_model::ErrorCode::RateLimited,
+            format!(
+                "too many failed logins; try again in {} s",
+                wait.as_secs().max(1)
+            ),
+        ));
     }
     let found = accounts::credentials(&ctx.db, login).await?;
     let (account, hash) = match found {
@@ -92,8 +106,12 @@ pub async fn login(ctx: &Ctx, login: &str, password: &str) -> ApiResult<LoginRes
     let ok = verify_password(hash, password.to_string()).await;
     let account = match (ok, account) {
         (true, Some(a)) => a,
-        _ => return Err(bad_credentials()),
+        _ => {
+            ctx.login_guard.failed(login, addr);
+            return Err(bad_credentials());
+        }
     };
+    ctx.login_guard.succeeded(login);
     let token = new_secret(USER_TOKEN_PREFIX);
     let ttl = chrono::Duration::from_std(ctx.cfg.token_ttl)
         .map_err(|e| ApiError::internal(format!("token ttl: {e}")))?;

@@ -5,6 +5,7 @@ pub mod accounts;
 pub mod agents;
 pub mod auth;
 pub mod catalog;
+pub mod login_guard;
 pub mod metrics;
 pub mod ops;
 pub mod servers;
@@ -27,12 +28,14 @@ pub struct Services {
     pub instance: String,
     /// Jobs this process is running now (never two runners for one job here).
     pub running_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
+    pub login_guard: login_guard::LoginGuard,
 }
 
 pub type Ctx = Arc<Services>;
 
 impl Services {
     pub fn new(db: Db, cfg: Config) -> Ctx {
+        let cfg_limits = cfg.login_limits.clone();
         Arc::new(Services {
             db,
             cfg,
@@ -41,6 +44,7 @@ impl Services {
             metrics: metrics::Metrics::default(),
             instance: uuid::Uuid::new_v4().to_string(),
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
+            login_guard: login_guard::LoginGuard::new(cfg_limits),
         })
     }
 

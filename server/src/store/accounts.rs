@@ -265,3 +265,14 @@ pub async fn delete_token_by_hash(db: &Db, token_hash: &str) -> StoreResult<()> 
     .map(|r| r.rows_affected()))?;
     Ok(())
 }
+
+pub async fn delete_login_tokens(db: &Db, account: AccountId) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "DELETE FROM tokens WHERE account_uuid = $1 AND kind = 'login'"
+    )
+    .bind(account.to_string())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}

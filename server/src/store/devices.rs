@@ -58,6 +58,7 @@ impl DeviceRow {
                 driver: self.driver,
                 numa_node: self.numa_node.and_then(|n| u32::try_from(n).ok()),
                 iommu_group: self.iommu_group.and_then(|n| u32::try_from(n).ok()),
+                details: None,
             },
             variant: self.variant,
             state: DeviceState::parse(&self.state).ok_or_else(|| corrupt(&self.state))?,

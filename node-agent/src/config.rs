@@ -1,0 +1,244 @@
+//! `node-agent run --config FILE`: a TOML file with the same settings as the command
+//! line, and the checks that turn a broken host into one clear start-up error.
+//!
+//! ```toml
+//! server = "https://passage.example:8080"
+//! join_token_file = "/etc/passage/join-token"
+//! sysfs_root = "/sys"
+//! state_dir = "/var/lib/passage-agent"
+//! hypervisor = "qemu"
+//! heartbeat_secs = 10
+//! hostname = "cn-7"
+//! ```
+
+use crate::hypervisor::HypervisorKind;
+use serde::Deserialize;
+use std::fs;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+/// A config file bigger than this is not a config file.
+const MAX_CONFIG_LEN: u64 = 64 * 1024;
+/// A join token is 64 hex digits; anything much longer is the wrong file.
+const MAX_TOKEN_LEN: u64 = 1024;
+
+/// The file's settings; every one optional, the command line wins over each.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub server: Option<String>,
+    /// A file holding the join token, so the token stays out of the config and of
+    /// `ps` output; only needed until the node has registered.
+    pub join_token_file: Option<PathBuf>,
+    pub sysfs_root: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
+    #[serde(default, deserialize_with = "hypervisor_kind")]
+    pub hypervisor: Option<HypervisorKind>,
+    pub heartbeat_secs: Option<u64>,
+    pub hostname: Option<String>,
+}
+
+fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<HypervisorKind>, D::Error> {
+    let s = String::deserialize(d)?;
+    <HypervisorKind as clap::ValueEnum>::from_str(&s, false)
+        .map(Some)
+        .map_err(|_| {
+            serde::de::Error::custom(format!(
+                "hypervisor {s:?} is not one of sim, qemu, cloud-hypervisor, bhyve"
+            ))
+        })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("config file {path} is larger than {MAX_CONFIG_LEN} bytes")]
+    TooLarge { path: PathBuf },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config file {path}: heartbeat_secs must be between 1 and 3600, not {value}")]
+    Heartbeat { path: PathBuf, value: u64 },
+    #[error("join token file {path}: {reason}")]
+    Token { path: PathBuf, reason: String },
+}
+
+fn read_bounded(path: &Path, max: u64) -> io::Result<Option<String>> {
+    let mut s = String::new();
+    let n = fs::File::open(path)?.take(max + 1).read_to_string(&mut s)?;
+    Ok((n as u64 <= max).then_some(s))
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = read_bounded(path, MAX_CONFIG_LEN)
+            .map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .ok_or_else(|| ConfigError::TooLarge {
+                path: path.to_path_buf(),
+            })?;
+        Self::parse(path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let cfg: FileConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.message().to_string(),
+        })?;
+        if let Some(v) = cfg.heartbeat_secs
+            && !(1..=3600).contains(&v)
+        {
+            return Err(ConfigError::Heartbeat {
+                path: path.to_path_buf(),
+                value: v,
+            });
+        }
+        Ok(cfg)
+    }
+}
+
+/// Reads a join token file: one line, surrounding whitespace ignored.
+pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
+    let err = |reason: String| ConfigError::Token {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = read_bounded(path, MAX_TOKEN_LEN)
+        .map_err(|e| err(e.to_string()))?
+        .ok_or_else(|| err(format!("larger than {MAX_TOKEN_LEN} bytes")))?;
+    let token = text.trim();
+    if token.is_empty() || token.contains(char::is_whitespace) {
+        return Err(err("must hold one token on one line".to_string()));
+    }
+    Ok(token.to_string())
+}
+
+/// What is wrong with a host before the agent starts, in words an operator can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum PreflightError {
+    #[error("sysfs root {0} does not exist (is sysfs mounted? use --sysfs-root for a test tree)")]
+    NoSysfs(PathBuf),
+    #[error(
+        "{0} is missing: this kernel shows no PCI bus (not Linux, or a container without /sys/bus/pci)"
+    )]
+    NoPciBus(PathBuf),
+    #[error(
+        "state dir {path} is not writable ({source}); run the agent as root or choose another --state-dir"
+    )]
+    StateDir { path: PathBuf, source: io::Error },
+}
+
+/// Checks the sysfs root and the state dir: the two things a misconfigured host gets
+/// wrong, found before registering rather than as a confusing failure later.
+pub fn preflight(sysfs_root: &Path, state_dir: &Path) -> Result<(), PreflightError> {
+    if !sysfs_root.is_dir() {
+        return Err(PreflightError::NoSysfs(sysfs_root.to_path_buf()));
+    }
+    let devices = sysfs_root.join("bus/pci/devices");
+    if !devices.is_dir() {
+        return Err(PreflightError::NoPciBus(devices));
+    }
+    let state_err = |source| PreflightError::StateDir {
+        path: state_dir.to_path_buf(),
+        source,
+    };
+    fs::create_dir_all(state_dir).map_err(state_err)?;
+    // Creating a file is the only sure test: mode bits lie under root, ACLs and
+    // read-only mounts.
+    let probe = state_dir.join(format!(".write-test-{}", std::process::id()));
+    fs::write(&probe, b"").map_err(state_err)?;
+    let _ = fs::remove_file(&probe);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_full_file() {
+        let text = r#"
+            server = "http://127.0.0.1:8080"
+            join_token_file = "/etc/passage/join-token"
+            sysfs_root = "/sys"
+            state_dir = "/var/lib/passage-agent"
+            hypervisor = "cloud-hypervisor"
+            heartbeat_secs = 5
+            hostname = "cn-1"
+        "#;
+        let c = FileConfig::parse(Path::new("a.toml"), text).unwrap();
+        assert_eq!(c.server.as_deref(), Some("http://127.0.0.1:8080"));
+        assert_eq!(c.hypervisor, Some(HypervisorKind::CloudHypervisor));
+        assert_eq!(c.heartbeat_secs, Some(5));
+        assert_eq!(
+            FileConfig::parse(Path::new("a.toml"), "").unwrap(),
+            FileConfig::default()
+        );
+    }
+
+    #[test]
+    fn refuses_bad_files() {
+        for bad in [
+            "server = 1",
+            "colour = \"green\"",
+            "hypervisor = \"vmware\"",
+            "heartbeat_secs = 0",
+            "heartbeat_secs = -1",
+            "heartbeat_secs = 99999",
+            "[[[",
+            "server = \"a\"\nserver = \"b\"",
+        ] {
+            let e = FileConfig::parse(Path::new("x.toml"), bad);
+            assert!(e.is_err(), "{bad:?} accepted");
+            assert!(e.unwrap_err().to_string().contains("x.toml"));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.toml");
+        fs::write(&big, "#".repeat(MAX_CONFIG_LEN as usize + 1)).unwrap();
+        assert!(matches!(
+            FileConfig::load(&big),
+            Err(ConfigError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            FileConfig::load(&dir.path().join("missing.toml")),
+            Err(ConfigError::Read { .. })
+        ));
+    }
+
+    #[test]
+    fn token_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t");
+        fs::write(&p, "abc123\n").unwrap();
+        assert_eq!(read_token_file(&p).unwrap(), "abc123");
+        for bad in ["", "\n", "a b", &"a".repeat(2000)] {
+            fs::write(&p, bad).unwrap();
+            assert!(read_token_file(&p).is_err(), "{bad:?}");
+        }
+        assert!(read_token_file(&dir.path().join("none")).is_err());
+    }
+
+    #[test]
+    fn preflight_names_the_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let e = preflight(&dir.path().join("nosys"), &state).unwrap_err();
+        assert!(matches!(e, PreflightError::NoSysfs(_)), "{e}");
+        let e = preflight(dir.path(), &state).unwrap_err();
+        assert!(matches!(e, PreflightError::NoPciBus(_)), "{e}");
+        let sys = dir.path().join("sys");
+        fs::create_dir_all(sys.join("bus/pci/devices")).unwrap();
+        preflight(&sys, &state).unwrap();
+        // A state dir under a regular file cannot be created, whoever runs the test
+        // (root ignores mode bits, so a read-only dir would not do).
+        let file = dir.path().join("file");
+        fs::write(&file, "").unwrap();
+        let e = preflight(&sys, &file.join("state")).unwrap_err();
+        assert!(matches!(e, PreflightError::StateDir { .. }), "{e}");
+        assert!(e.to_string().contains("not writable"));
+    }
+}

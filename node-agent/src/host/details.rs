@@ -1,0 +1,445 @@
+//! The optional facts about a function ([`PciDetails`]), from sysfs attributes only.
+//!
+//! None of these is needed to list or pass through a device, so a missing or garbled
+//! attribute leaves its field empty and adds a note; it never drops the function.
+
+use super::{AttrDir, read_attr};
+use passage_model::pci::{MAX_GROUP_MEMBERS, MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_SLOT_LEN};
+use passage_model::{HexId, PciAddress, PciDetails, pci::PciClass};
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::path::Path;
+
+/// What one discovery pass reads once and shares between functions (and threads).
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// (domain, bus, device) → slot label, from `bus/pci/slots/*/address`.
+    slots: HashMap<(u32, u8, u8), String>,
+}
+
+/// IOMMU group → its members, listed once per group by each worker.
+pub(crate) type GroupCache = HashMap<u32, Result<Vec<PciAddress>, String>>;
+
+impl Shared {
+    /// Reads the slot table. A tree without `slots/` (most VMs) has no labels.
+    pub(crate) fn load(root: &Path, notes: &mut Vec<String>) -> Self {
+        let mut shared = Shared::default();
+        let dir = root.join("bus/pci/slots");
+        let Ok(entries) = fs::read_dir(&dir) else {
+            return shared;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(label) = name.to_str().and_then(slot_label) else {
+                notes.push(format!(
+                    "{}: slot name is not a usable label",
+                    entry.path().display()
+                ));
+                continue;
+            };
+            match read_attr(&entry.path().join("address")) {
+                // Empty slots show `DDDD:BB` or nothing: no device to label, not an error.
+                Ok(text) => {
+                    if let Some(key) = parse_slot_address(&text) {
+                        shared.slots.insert(key, label);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => notes.push(format!("{}: {e}", entry.path().display())),
+            }
+        }
+        shared
+    }
+}
+
+/// A slot directory name as a label: printable, bounded.
+pub(crate) fn slot_label(name: &str) -> Option<String> {
+    let ok = !name.is_empty()
+        && name.chars().count() <= MAX_SLOT_LEN
+        && !name.chars().any(char::is_control);
+    ok.then(|| name.to_string())
+}
+
+/// `DDDD:BB:DD` (the kernel's slot `address`) → (domain, bus, device).
+pub(crate) fn parse_slot_address(text: &str) -> Option<(u32, u8, u8)> {
+    let mut it = text.trim().split(':');
+    let (d, b, dev) = (it.next()?, it.next()?, it.next()?);
+    if it.next().is_some() {
+        return None;
+    }
+    let hex = |s: &str, min: usize, max: usize| {
+        (s.len() >= min && s.len() <= max && s.bytes().all(|c| c.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(s, 16).ok())
+            .flatten()
+    };
+    let domain = hex(d, 4, 8)?;
+    let bus = u8::try_from(hex(b, 2, 2)?).ok()?;
+    let device = u8::try_from(hex(dev, 2, 2)?).ok()?;
+    (device <= 0x1f).then_some((domain, bus, device))
+}
+
+/// `current_link_speed` and friends: kept as the kernel writes them (`16.0 GT/s PCIe`),
+/// refused when long or odd, and `Unknown` (link down, or no PCIe) means no value.
+pub(crate) fn parse_link_speed(text: &str) -> Option<String> {
+    let t = text.trim();
+    let ok = !t.is_empty()
+        && t.len() <= MAX_LINK_SPEED_LEN
+        && t.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+        && !t.eq_ignore_ascii_case("unknown")
+        && t.bytes().next().is_some_and(|b| b.is_ascii_digit());
+    ok.then(|| t.to_string())
+}
+
+/// `current_link_width`: a lane count. The kernel writes 0 or 255 for "unknown".
+pub(crate) fn parse_link_width(text: &str) -> Option<u16> {
+    match text.trim().parse::<u16>() {
+        Ok(w @ 1..=64) => Some(w),
+        _ => None,
+    }
+}
+
+/// `sriov_totalvfs` / `sriov_numvfs`: a plain count.
+pub(crate) fn parse_count(text: &str) -> Option<u32> {
+    text.trim().parse().ok()
+}
+
+/// `aer_dev_fatal` / `aer_dev_nonfatal`: lines `NAME COUNT`; the total is on the line
+/// named `total_key`.
+pub(crate) fn parse_aer_total(text: &str, total_key: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let mut it = line.split_whitespace();
+        if it.next()? != total_key {
+            return None;
+        }
+        let n = it.next()?.parse().ok()?;
+        it.next().is_none().then_some(n)
+    })
+}
+
+fn bounded_name(s: &str) -> Option<String> {
+    let s: String = s
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(MAX_NAME_LEN)
+        .collect();
+    (!s.trim().is_empty()).then_some(s)
+}
+
+/// The `Version:` of the pci.ids database the pinned `pci-ids` crate ships (see
+/// node-agent/Cargo.toml). Names change between versions (e.g. "Virtio block device"
+/// became "Virtio 1.0 block device"), so comparisons with a host's pciutils are exact
+/// only when its database has this version.
+pub const PCI_IDS_VERSION: &str = "2022.11.25";
+
+/// Names from the pci.ids database compiled into the agent.
+pub fn vendor_name(vendor: HexId) -> Option<String> {
+    use pci_ids::FromId;
+    pci_ids::Vendor::from_id(vendor.0).and_then(|v| bounded_name(v.name()))
+}
+
+pub fn device_name(vendor: HexId, device: HexId) -> Option<String> {
+    pci_ids::Device::from_vid_pid(vendor.0, device.0).and_then(|d| bounded_name(d.name()))
+}
+
+pub fn class_name(class: PciClass) -> Option<String> {
+    let base = class.base();
+    let sub = ((class.0 >> 8) & 0xff) as u8;
+    pci_ids::Subclass::from_cid_sid(base, sub).and_then(|s| bounded_name(s.name()))
+}
+
+/// Lists `kernel/iommu_groups/N/devices/`: the addresses there, sorted.
+fn group_members(root: &Path, group: u32) -> Result<Vec<PciAddress>, String> {
+    let dir = root.join(format!("kernel/iommu_groups/{group}/devices"));
+    let entries = fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut members = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+        let name = entry.file_name();
+        let addr = name
+            .to_str()
+            .and_then(|n| n.parse::<PciAddress>().ok())
+            .ok_or_else(|| format!("{}: {name:?} is not a PCI address", dir.display()))?;
+        members.push(addr);
+        if members.len() > MAX_GROUP_MEMBERS {
+            return Err(format!(
+                "{}: more than {MAX_GROUP_MEMBERS} members",
+                dir.display()
+            ));
+        }
+    }
+    members.sort();
+    Ok(members)
+}
+
+/// What [`collect`] needs to know about the function besides its directory.
+pub(crate) struct Known<'a> {
+    pub addr: PciAddress,
+    pub parents: &'a [PciAddress],
+    pub vendor: HexId,
+    pub device: HexId,
+    pub class: PciClass,
+    pub iommu_group: Option<u32>,
+}
+
+/// The details that cannot change while the function's directory exists (they come
+/// from the ids and from capability registers): a [`super::Discoverer`] reads them once
+/// per directory and reuses them on later passes.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Fixed {
+    vendor_name: Option<String>,
+    device_name: Option<String>,
+    class_name: Option<String>,
+    max_link_speed: Option<String>,
+    max_link_width: Option<u16>,
+    sriov_totalvfs: Option<u32>,
+    /// What was wrong with these attributes, repeated on every pass that reuses them.
+    notes: Vec<String>,
+}
+
+/// Reads one optional attribute: a missing one is normal (not PCIe, no SR-IOV, no AER)
+/// and leaves its field empty; any other failure is a note.
+fn optional(dir: &AttrDir, file: &str, notes: &mut Vec<String>) -> Option<String> {
+    match dir.read(file) {
+        Ok(t) => Some(t),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => {
+            notes.push(format!("{}/{file}: {e}", dir.path().display()));
+            None
+        }
+    }
+}
+
+/// Reads `file` and parses it with `parse`; content that does not parse is a note.
+/// `unknown` lists the values the kernel writes for "no value", which are not garbage.
+fn field<T>(
+    dir: &AttrDir,
+    file: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    unknown: &[&str],
+    notes: &mut Vec<String>,
+) -> Option<T> {
+    let text = optional(dir, file, notes)?;
+    let value = parse(&text);
+    let t = text.trim();
+    if value.is_none() && !unknown.iter().any(|u| t.eq_ignore_ascii_case(u)) {
+        notes.push(format!(
+            "{}/{file}: unexpected content {:?}",
+            dir.path().display(),
+            t.chars().take(40).collect::<String>()
+        ));
+    }
+    value
+}
+
+/// Link speeds are `Unknown` when the link is down; widths 0 or 255.
+const UNKNOWN_SPEED: &[&str] = &["unknown"];
+const UNKNOWN_WIDTH: &[&str] = &["0", "255"];
+
+pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
+    let mut notes = Vec::new();
+    Fixed {
+        vendor_name: vendor_name(known.vendor),
+        device_name: device_name(known.vendor, known.device),
+        class_name: class_name(known.class),
+        max_link_speed: field(
+            dir,
+            "max_link_speed",
+            parse_link_speed,
+            UNKNOWN_SPEED,
+            &mut notes,
+        ),
+        max_link_width: field(
+            dir,
+            "max_link_width",
+            parse_link_width,
+            UNKNOWN_WIDTH,
+            &mut notes,
+        ),
+        sriov_totalvfs: field(dir, "sriov_totalvfs", parse_count, &[], &mut notes),
+        notes,
+    }
+}
+
+/// Reads the details of the function in `dir` that can change (driver-independent
+/// link state, VF count, error counters, group members) and adds the `fixed` ones.
+/// Problems become `notes`, never errors.
+pub(crate) fn collect(
+    root: &Path,
+    dir: &AttrDir,
+    known: &Known<'_>,
+    fixed: &Fixed,
+    shared: &Shared,
+    groups: &mut GroupCache,
+    notes: &mut Vec<String>,
+) -> PciDetails {
+    notes.extend(fixed.notes.iter().cloned());
+    let a = known.addr;
+    let mut d = PciDetails {
+        vendor_name: fixed.vendor_name.clone(),
+        device_name: fixed.device_name.clone(),
+        class_name: fixed.class_name.clone(),
+        max_link_speed: fixed.max_link_speed.clone(),
+        max_link_width: fixed.max_link_width,
+        sriov_totalvfs: fixed.sriov_totalvfs,
+        bridges: known.parents.to_vec(),
+        slot: shared.slots.get(&(a.domain, a.bus, a.device)).cloned(),
+        // Power management retrains links (a GPU at idle drops to 2.5 GT/s), so the
+        // current speed and width are read on every pass.
+        current_link_speed: field(
+            dir,
+            "current_link_speed",
+            parse_link_speed,
+            UNKNOWN_SPEED,
+            notes,
+        ),
+        current_link_width: field(
+            dir,
+            "current_link_width",
+            parse_link_width,
+            UNKNOWN_WIDTH,
+            notes,
+        ),
+        aer_fatal: field(
+            dir,
+            "aer_dev_fatal",
+            |t| parse_aer_total(t, "TOTAL_ERR_FATAL"),
+            &[],
+            notes,
+        ),
+        aer_nonfatal: field(
+            dir,
+            "aer_dev_nonfatal",
+            |t| parse_aer_total(t, "TOTAL_ERR_NONFATAL"),
+            &[],
+            notes,
+        ),
+        ..PciDetails::default()
+    };
+    // Only functions that can have VFs have `sriov_numvfs`: no open for the others.
+    if fixed.sriov_totalvfs.is_some() {
+        d.sriov_numvfs = field(dir, "sriov_numvfs", parse_count, &[], notes);
+    }
+    if let Some(g) = known.iommu_group {
+        let members = groups.entry(g).or_insert_with(|| group_members(root, g));
+        match members {
+            Ok(m) => d.iommu_group_members = m.clone(),
+            Err(e) => notes.push(e.clone()),
+        }
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn link_attributes() {
+        assert_eq!(
+            parse_link_speed("16.0 GT/s PCIe\n").as_deref(),
+            Some("16.0 GT/s PCIe")
+        );
+        assert_eq!(parse_link_speed("8 GT/s").as_deref(), Some("8 GT/s"));
+        for bad in [
+            "",
+            "Unknown",
+            "unknown\n",
+            "GT/s",
+            "1\u{0}",
+            &"9".repeat(100),
+        ] {
+            assert_eq!(parse_link_speed(bad), None, "{bad:?}");
+        }
+        assert_eq!(parse_link_width("16\n"), Some(16));
+        for bad in ["0", "255", "-1", "x16", "", "99999999999"] {
+            assert_eq!(parse_link_width(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn counts() {
+        assert_eq!(parse_count("64\n"), Some(64));
+        assert_eq!(parse_count("0"), Some(0));
+        for bad in ["", "-1", "sixty", "1 2", "4294967296"] {
+            assert_eq!(parse_count(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn aer_totals() {
+        let text = "Undefined 0\nDLP 0\nSDES 0\nTLP 1\nFCP 0\nCmpltTO 0\nCmpltAbrt 0\n\
+                    UnxCmplt 0\nRxOF 0\nMalfTLP 2\nECRC 0\nUnsupReq 0\nACSViol 0\n\
+                    UncorrIntErr 0\nBlockedTLP 0\nAtomicOpBlocked 0\nTLPBlockedErr 0\n\
+                    PoisonTLPBlocked 0\nTOTAL_ERR_FATAL 3\n";
+        assert_eq!(parse_aer_total(text, "TOTAL_ERR_FATAL"), Some(3));
+        assert_eq!(parse_aer_total(text, "TOTAL_ERR_NONFATAL"), None);
+        assert_eq!(
+            parse_aer_total("TOTAL_ERR_NONFATAL 0\n", "TOTAL_ERR_NONFATAL"),
+            Some(0)
+        );
+        for bad in [
+            "",
+            "TOTAL_ERR_FATAL",
+            "TOTAL_ERR_FATAL x",
+            "TOTAL_ERR_FATAL -1",
+            "TOTAL_ERR_FATAL 1 2",
+            "TOTAL_ERR_FATALX 1",
+            "\u{0}\u{1}garbage",
+        ] {
+            assert_eq!(parse_aer_total(bad, "TOTAL_ERR_FATAL"), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn slots() {
+        assert_eq!(parse_slot_address("0000:3b:00\n"), Some((0, 0x3b, 0)));
+        assert_eq!(
+            parse_slot_address("10000:e1:1f"),
+            Some((0x10000, 0xe1, 0x1f))
+        );
+        for bad in [
+            "",
+            "0000:3b",
+            "0000:3b:00.0",
+            "0000:3b:20",
+            "zz:3b:00",
+            "0000:3b:00:1",
+        ] {
+            assert_eq!(parse_slot_address(bad), None, "{bad:?}");
+        }
+        assert_eq!(slot_label("CPU2 SLOT2").as_deref(), Some("CPU2 SLOT2"));
+        assert_eq!(slot_label(""), None);
+        assert_eq!(slot_label("a\nb"), None);
+        assert_eq!(slot_label(&"s".repeat(MAX_SLOT_LEN + 1)), None);
+    }
+
+    #[test]
+    fn names_come_from_the_shipped_database() {
+        assert_eq!(
+            vendor_name(HexId(0x10de)).as_deref(),
+            Some("NVIDIA Corporation")
+        );
+        assert!(device_name(HexId(0x10de), HexId(0x1db4)).is_some_and(|n| n.contains("V100")),);
+        assert_eq!(vendor_name(HexId(0xfff0)), None);
+        assert_eq!(device_name(HexId(0x10de), HexId(0xfffe)), None);
+        assert_eq!(
+            class_name(PciClass(0x030200)).as_deref(),
+            Some("3D controller")
+        );
+        assert_eq!(class_name(PciClass(0xfe0000)), None);
+    }
+
+    proptest! {
+        #[test]
+        fn parsers_never_panic(s in "\\PC{0,200}") {
+            let _ = parse_link_speed(&s);
+            let _ = parse_link_width(&s);
+            let _ = parse_count(&s);
+            let _ = parse_aer_total(&s, "TOTAL_ERR_FATAL");
+            let _ = parse_slot_address(&s);
+            let _ = slot_label(&s);
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! bhyve: the command line only (bhyve runs on FreeBSD and illumos, not here).
+//!
+//! Passthrough devices go in PCI slots from 6 up, after the host bridge (0), the boot
+//! disk (4) and the network (5) that a Triton-style bhyve VM has, and before the LPC
+//! bridge in slot 31. How the host device is named differs: FreeBSD's bhyve takes the
+//! host's `bus/slot/function`; illumos' bhyve takes the ppt device node (`/dev/pptN`,
+//! see [`crate::ppt`]).
+
+use passage_model::PciAddress;
+use passage_model::protocol::VmSpec;
+
+pub const BHYVE_BINARY: &str = "bhyve";
+/// First guest slot for passthrough devices; 31 is the LPC bridge.
+const FIRST_PASSTHRU_SLOT: u32 = 6;
+const LPC_SLOT: u32 = 31;
+
+/// How the host function is named on the `-s N:0,passthru,…` line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PassthruRef {
+    /// FreeBSD: `B/S/F` in decimal.
+    Bsf(PciAddress),
+    /// illumos: the ppt device node, e.g. `/dev/ppt0`.
+    Ppt(String),
+}
+
+impl PassthruRef {
+    fn arg(&self) -> String {
+        match self {
+            PassthruRef::Bsf(a) => a.bsf(),
+            PassthruRef::Ppt(p) => p.clone(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0} passthrough devices do not fit in bhyve's guest PCI slots 6 to 30")]
+pub struct TooManyDevices(pub usize);
+
+/// `bhyve` arguments for `spec` with the given passthrough devices (in the order of
+/// `spec.devices`), named after the VM's uuid. `-S` wires guest memory, which
+/// passthrough requires; `-H` yields the CPU on HLT.
+pub fn bhyve_argv(spec: &VmSpec, devices: &[PassthruRef]) -> Result<Vec<String>, TooManyDevices> {
+    if devices.len() > (LPC_SLOT - FIRST_PASSTHRU_SLOT) as usize {
+        return Err(TooManyDevices(devices.len()));
+    }
+    let mut argv = vec![
+        BHYVE_BINARY.to_string(),
+        "-c".into(),
+        spec.vcpus.to_string(),
+        "-m".into(),
+        format!("{}M", spec.memory_mib),
+        "-H".into(),
+        "-S".into(),
+        "-s".into(),
+        "0:0,hostbridge".into(),
+    ];
+    for (slot, d) in (FIRST_PASSTHRU_SLOT..).zip(devices) {
+        argv.push("-s".into());
+        argv.push(format!("{slot}:0,passthru,{}", d.arg()));
+    }
+    argv.extend([
+        "-s".into(),
+        format!("{LPC_SLOT}:0,lpc"),
+        spec.uuid.to_string(),
+    ]);
+    Ok(argv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 2,
+            memory_mib: 2048,
+            devices: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn freebsd_and_illumos_lines() {
+        let a: PciAddress = "0000:3b:00.0".parse().unwrap();
+        let argv = bhyve_argv(&spec(), &[PassthruRef::Bsf(a)]).unwrap();
+        assert_eq!(
+            argv.join(" "),
+            "bhyve -c 2 -m 2048M -H -S -s 0:0,hostbridge -s 6:0,passthru,59/0/0 \
+             -s 31:0,lpc 6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10"
+        );
+        let argv = bhyve_argv(
+            &spec(),
+            &[
+                PassthruRef::Ppt("/dev/ppt0".into()),
+                PassthruRef::Ppt("/dev/ppt1".into()),
+            ],
+        )
+        .unwrap();
+        assert!(
+            argv.join(" ")
+                .contains("-s 6:0,passthru,/dev/ppt0 -s 7:0,passthru,/dev/ppt1")
+        );
+        let many = vec![PassthruRef::Bsf(a); 26];
+        assert_eq!(bhyve_argv(&spec(), &many), Err(TooManyDevices(26)));
+        assert!(bhyve_argv(&spec(), &many[..25]).is_ok());
+    }
+}

@@ -1,0 +1,74 @@
+//! cloud-hypervisor: the command line only. Launching needs a guest firmware or kernel
+//! the agent does not manage yet, so the backend refuses to start VMs.
+
+use passage_model::protocol::VmSpec;
+use std::path::Path;
+
+pub const CLOUD_HYPERVISOR_BINARY: &str = "cloud-hypervisor";
+
+/// `cloud-hypervisor` arguments for `spec`: the API socket, CPUs, memory, the firmware
+/// (e.g. `hypervisor-fw` or `CLOUDHV.fd`) and one `--device path=` per function, named by
+/// its directory under `sysfs_root/bus/pci/devices/`, as cloud-hypervisor's VFIO support
+/// expects.
+pub fn cloud_hypervisor_argv(
+    binary: &Path,
+    spec: &VmSpec,
+    api_socket: &Path,
+    firmware: &Path,
+    sysfs_root: &Path,
+) -> Vec<String> {
+    let mut argv = vec![
+        binary.display().to_string(),
+        "--api-socket".into(),
+        format!("path={}", api_socket.display()),
+        "--cpus".into(),
+        format!("boot={}", spec.vcpus),
+        "--memory".into(),
+        format!("size={}M", spec.memory_mib),
+        "--firmware".into(),
+        firmware.display().to_string(),
+    ];
+    for d in &spec.devices {
+        argv.push("--device".into());
+        argv.push(format!(
+            "path={}/",
+            sysfs_root
+                .join("bus/pci/devices")
+                .join(d.address().to_string())
+                .display()
+        ));
+    }
+    argv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line() {
+        let spec = VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 4,
+            memory_mib: 8192,
+            devices: vec![
+                "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+                    .parse()
+                    .unwrap(),
+            ],
+        };
+        let argv = cloud_hypervisor_argv(
+            Path::new("cloud-hypervisor"),
+            &spec,
+            Path::new("/run/ch.sock"),
+            Path::new("/usr/share/cloud-hypervisor/CLOUDHV.fd"),
+            Path::new("/sys"),
+        );
+        assert_eq!(
+            argv.join(" "),
+            "cloud-hypervisor --api-socket path=/run/ch.sock --cpus boot=4 --memory size=8192M \
+             --firmware /usr/share/cloud-hypervisor/CLOUDHV.fd \
+             --device path=/sys/bus/pci/devices/0000:3b:00.0/"
+        );
+    }
+}

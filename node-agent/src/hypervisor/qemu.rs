@@ -1,0 +1,401 @@
+//! QEMU/KVM: builds the command line, starts `qemu-system-x86_64` as a child, talks to
+//! it over QMP and keeps what a restarted agent needs in `STATE/qemu/<vm>/`:
+//! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`, and
+//! `qemu.log` (QEMU's stdout and stderr).
+
+use super::qmp::Qmp;
+use super::{Hypervisor, HypervisorError, check_devices_ready, find_on_path};
+use crate::state::{read_json, write_json};
+use passage_model::VmId;
+use passage_model::protocol::VmSpec;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub const QEMU_BINARY: &str = "qemu-system-x86_64";
+/// `sun_path` is 108 bytes on Linux, the terminating NUL included.
+const MAX_SOCKET_PATH: usize = 107;
+const QMP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long QEMU may take to open its QMP socket after being spawned.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a VM may take to exit after `quit` before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How to run QEMU on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QemuConfig {
+    pub binary: PathBuf,
+    /// `kvm:tcg` in production (KVM, or emulation where there is none); tests use `tcg`.
+    pub accel: String,
+    /// The sysfs root the devices are under, for the vfio-pci check before launch.
+    pub sysfs_root: Option<PathBuf>,
+}
+
+impl QemuConfig {
+    /// `qemu-system-x86_64` from PATH with `kvm:tcg`.
+    pub fn from_path(sysfs_root: Option<&Path>) -> Result<Self, HypervisorError> {
+        let binary = find_on_path(QEMU_BINARY).ok_or(HypervisorError::NotInstalled {
+            binary: QEMU_BINARY,
+        })?;
+        Ok(QemuConfig {
+            binary,
+            accel: "kvm:tcg".to_string(),
+            sysfs_root: sysfs_root.map(Path::to_path_buf),
+        })
+    }
+}
+
+/// The files of one VM.
+#[derive(Clone, Debug)]
+pub struct VmFiles {
+    pub dir: PathBuf,
+    pub qmp: PathBuf,
+    pub pid: PathBuf,
+    pub spec: PathBuf,
+    pub log: PathBuf,
+}
+
+impl VmFiles {
+    pub fn new(state_dir: &Path, vm: VmId) -> Self {
+        let dir = state_dir.join("qemu").join(vm.to_string());
+        VmFiles {
+            qmp: dir.join("qmp.sock"),
+            pid: dir.join("qemu.pid"),
+            spec: dir.join("spec.json"),
+            log: dir.join("qemu.log"),
+            dir,
+        }
+    }
+}
+
+/// The QEMU command line for `spec`: q35, no default devices, no display, one
+/// `vfio-pci` device per passed-through function, QMP on a unix socket.
+pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String> {
+    let mut argv = vec![
+        cfg.binary.display().to_string(),
+        "-name".into(),
+        format!("guest={},debug-threads=on", spec.uuid),
+        "-uuid".into(),
+        spec.uuid.to_string(),
+        "-machine".into(),
+        format!("q35,accel={}", cfg.accel),
+        "-m".into(),
+        format!("{}M", spec.memory_mib),
+        "-smp".into(),
+        spec.vcpus.to_string(),
+        "-nographic".into(),
+        "-nodefaults".into(),
+    ];
+    for d in &spec.devices {
+        argv.push("-device".into());
+        argv.push(format!("vfio-pci,host={}", d.address()));
+    }
+    argv.extend([
+        "-qmp".into(),
+        format!("unix:{},server,nowait", files.qmp.display()),
+        "-pidfile".into(),
+        files.pid.display().to_string(),
+    ]);
+    argv
+}
+
+/// A VM QEMU runs: the child when this agent started it, else only its pid (a VM
+/// adopted after an agent restart, which keeps running across it).
+struct Running {
+    spec: VmSpec,
+    child: Option<Child>,
+    pid: u32,
+}
+
+pub struct QemuHypervisor {
+    cfg: QemuConfig,
+    state_dir: PathBuf,
+    vms: Mutex<BTreeMap<VmId, Running>>,
+}
+
+/// Whether `pid` is a live QEMU for `vm`: `/proc/PID/cmdline` names the VM's uuid, so a
+/// pid reused by another process after a reboot is not mistaken for the VM.
+fn alive(pid: u32, vm: VmId) -> bool {
+    let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let uuid = vm.to_string();
+    cmdline.split(|b| *b == 0).any(|arg| arg == uuid.as_bytes())
+}
+
+fn read_pid(path: &Path) -> Option<u32> {
+    crate::host::read_attr(path).ok()?.trim().parse().ok()
+}
+
+impl QemuHypervisor {
+    /// Opens the backend and adopts the VMs a previous agent left running.
+    pub fn open(cfg: QemuConfig, state_dir: &Path) -> Result<Self, HypervisorError> {
+        let h = QemuHypervisor {
+            cfg,
+            state_dir: state_dir.to_path_buf(),
+            vms: Mutex::new(BTreeMap::new()),
+        };
+        let root = state_dir.join("qemu");
+        let entries = match fs::read_dir(&root) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(h),
+            Err(source) => return Err(HypervisorError::State { path: root, source }),
+        };
+        let mut vms = h.lock();
+        for entry in entries.flatten() {
+            let Some(vm) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<VmId>().ok())
+            else {
+                continue;
+            };
+            let files = VmFiles::new(state_dir, vm);
+            let spec: Option<VmSpec> = read_json(&files.spec).ok().flatten();
+            match (spec, read_pid(&files.pid)) {
+                (Some(spec), Some(pid)) if alive(pid, vm) => {
+                    tracing::info!(vm = %vm, pid, "adopted a running QEMU");
+                    vms.insert(
+                        vm,
+                        Running {
+                            spec,
+                            child: None,
+                            pid,
+                        },
+                    );
+                }
+                // Gone while the agent was away: nothing to keep but the log.
+                _ => {
+                    let _ = fs::remove_file(&files.qmp);
+                    let _ = fs::remove_file(&files.pid);
+                    let _ = fs::remove_file(&files.spec);
+                }
+            }
+        }
+        drop(vms);
+        Ok(h)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<VmId, Running>> {
+        self.vms.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The QMP socket of a running VM, for callers that want to ask QEMU themselves.
+    pub fn qmp_socket(&self, vm: VmId) -> PathBuf {
+        VmFiles::new(&self.state_dir, vm).qmp
+    }
+
+    /// `query-status` of a running VM.
+    pub fn status(&self, vm: VmId) -> Result<String, HypervisorError> {
+        let sock = self.qmp_socket(vm);
+        Qmp::connect(&sock, QMP_TIMEOUT)
+            .and_then(|mut q| q.status())
+            .map_err(|e| HypervisorError::Qmp {
+                vm,
+                reason: e.to_string(),
+            })
+    }
+
+    fn is_live(r: &mut Running, vm: VmId) -> bool {
+        match &mut r.child {
+            // Reaps an exited child, so it does not linger as a zombie.
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => alive(r.pid, vm),
+        }
+    }
+
+    fn launch(&self, spec: &VmSpec) -> Result<Running, HypervisorError> {
+        let vm = spec.uuid;
+        let files = VmFiles::new(&self.state_dir, vm);
+        let state_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| HypervisorError::State { path, source }
+        };
+        if files.qmp.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(HypervisorError::Launch {
+                vm,
+                reason: format!(
+                    "QMP socket path {} is longer than a unix socket allows; use a shorter --state-dir",
+                    files.qmp.display()
+                ),
+            });
+        }
+        fs::create_dir_all(&files.dir).map_err(state_err(&files.dir))?;
+        let _ = fs::remove_file(&files.qmp);
+        let _ = fs::remove_file(&files.pid);
+        write_json(&files.spec, spec, 0o600).map_err(state_err(&files.spec))?;
+        let log = fs::File::create(&files.log).map_err(state_err(&files.log))?;
+        let log2 = log.try_clone().map_err(state_err(&files.log))?;
+        let argv = qemu_argv(&self.cfg, spec, &files);
+        tracing::info!(vm = %vm, command = %argv.join(" "), "starting QEMU");
+        let mut child = Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .spawn()
+            .map_err(|e| HypervisorError::Launch {
+                vm,
+                reason: format!("spawning {}: {e}", argv[0]),
+            })?;
+        let pid = child.id();
+        let started = Instant::now();
+        // QEMU opens the QMP socket before the guest runs; once it answers, the VM is up.
+        let status = loop {
+            if let Ok(Some(exit)) = child.try_wait() {
+                return Err(HypervisorError::Launch {
+                    vm,
+                    reason: format!("QEMU exited ({exit}): {}", log_tail(&files.log)),
+                });
+            }
+            if files.qmp.exists()
+                && let Ok(s) = Qmp::connect(&files.qmp, QMP_TIMEOUT).and_then(|mut q| q.status())
+            {
+                break s;
+            }
+            if started.elapsed() > START_TIMEOUT {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(HypervisorError::Launch {
+                    vm,
+                    reason: format!(
+                        "no QMP answer within {}s: {}",
+                        START_TIMEOUT.as_secs(),
+                        log_tail(&files.log)
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        tracing::info!(vm = %vm, pid, status = %status, "QEMU started");
+        Ok(Running {
+            spec: spec.clone(),
+            child: Some(child),
+            pid,
+        })
+    }
+
+    fn shut_down(&self, vm: VmId, mut r: Running) -> Result<(), HypervisorError> {
+        let files = VmFiles::new(&self.state_dir, vm);
+        if Self::is_live(&mut r, vm)
+            && let Err(e) = Qmp::connect(&files.qmp, QMP_TIMEOUT).and_then(|mut q| q.quit())
+        {
+            tracing::warn!(vm = %vm, error = %e, "QMP quit failed; killing QEMU");
+        }
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Self::is_live(&mut r, vm) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if Self::is_live(&mut r, vm) {
+            match &mut r.child {
+                Some(c) => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                // Not our child (adopted): std can only signal children, so ask kill(1).
+                None => {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &r.pid.to_string()])
+                        .status();
+                }
+            }
+        }
+        if Self::is_live(&mut r, vm) {
+            return Err(HypervisorError::Launch {
+                vm,
+                reason: format!("QEMU (pid {}) does not exit", r.pid),
+            });
+        }
+        for f in [&files.qmp, &files.pid, &files.spec] {
+            let _ = fs::remove_file(f);
+        }
+        Ok(())
+    }
+}
+
+/// The last lines QEMU wrote, for error messages.
+fn log_tail(path: &Path) -> String {
+    let text = fs::read(path).unwrap_or_default();
+    let start = text.len().saturating_sub(600);
+    String::from_utf8_lossy(&text[start..]).trim().to_string()
+}
+
+impl Hypervisor for QemuHypervisor {
+    fn start(&self, spec: &VmSpec) -> Result<(), HypervisorError> {
+        let mut vms = self.lock();
+        if let Some(r) = vms.get_mut(&spec.uuid) {
+            if Self::is_live(r, spec.uuid) {
+                return if &r.spec == spec {
+                    Ok(())
+                } else {
+                    Err(HypervisorError::Conflict { vm: spec.uuid })
+                };
+            }
+            vms.remove(&spec.uuid);
+        }
+        if let Some(root) = &self.cfg.sysfs_root {
+            check_devices_ready(root, spec)?;
+        }
+        let r = self.launch(spec)?;
+        vms.insert(spec.uuid, r);
+        Ok(())
+    }
+
+    fn stop(&self, vm: VmId) -> Result<(), HypervisorError> {
+        let r = self.lock().remove(&vm);
+        match r {
+            Some(r) => self.shut_down(vm, r),
+            None => Ok(()),
+        }
+    }
+
+    fn running(&self) -> Vec<VmId> {
+        let mut vms = self.lock();
+        vms.retain(|vm, r| Self::is_live(r, *vm));
+        vms.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line() {
+        let cfg = QemuConfig {
+            binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
+            accel: "kvm:tcg".into(),
+            sysfs_root: None,
+        };
+        let spec = VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 8,
+            memory_mib: 65536,
+            devices: vec![
+                "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+                    .parse()
+                    .unwrap(),
+                "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.1"
+                    .parse()
+                    .unwrap(),
+            ],
+        };
+        let files = VmFiles::new(Path::new("/var/lib/passage-agent"), spec.uuid);
+        let argv = qemu_argv(&cfg, &spec, &files);
+        let dir = "/var/lib/passage-agent/qemu/6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10";
+        assert_eq!(
+            argv.join(" "),
+            format!(
+                "/usr/bin/qemu-system-x86_64 \
+                 -name guest=6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10,debug-threads=on \
+                 -uuid 6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10 -machine q35,accel=kvm:tcg \
+                 -m 65536M -smp 8 -nographic -nodefaults \
+                 -device vfio-pci,host=0000:3b:00.0 -device vfio-pci,host=0000:3b:00.1 \
+                 -qmp unix:{dir}/qmp.sock,server,nowait -pidfile {dir}/qemu.pid"
+            )
+        );
+    }
+}
