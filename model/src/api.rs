@@ -193,6 +193,9 @@ pub struct SysinfoDevice {
     pub numa_node: Option<u32>,
     pub iommu_group: Option<u32>,
     pub used_by: Option<VmId>,
+    /// Names, PCIe link, slot, AER counters, IOMMU group members, as the agent saw them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<crate::pci::PciDetails>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -491,6 +494,9 @@ pub enum DeviceAction {
     Quarantine,
     /// Release a quarantined device after a check: it is scrubbed again before reuse.
     Requeue,
+    /// Clear a health taint (AER errors, wrong driver) after a check.
+    #[serde(rename = "clear_taint")]
+    ClearTaint,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

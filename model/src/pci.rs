@@ -309,7 +309,7 @@ pub const MAX_GROUP_MEMBERS: usize = 256;
 /// Optional facts about a function, all read from sysfs attributes (never `config`).
 /// Every field may be missing: kernels, platforms and device kinds differ in what they
 /// show, and an old agent sends none of them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PciDetails {
     /// From the pci.ids database the agent ships.

@@ -3,6 +3,7 @@
 pub mod api;
 pub mod config;
 pub mod error;
+pub mod health;
 pub mod placement;
 pub mod services;
 pub mod sim;

@@ -388,3 +388,72 @@ async fn placement_policies(b: Backend) {
     assert_eq!(place("cpu", "cpu-only").await, plain.uuid);
 }
 both!(placement_policies_on, placement_policies);
+
+/// AER errors rising on a device taint it: out of placement, shown with the reason, until
+/// an operator clears it after a check.
+async fn health_taints(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(1).await;
+    s.h100_catalog(1).await;
+    let gpu = s.device_states(&node.uuid).await[0].0.clone();
+    let aer = node
+        .sysfs
+        .join(gpu.trim_start_matches('/'))
+        .join("aer_dev_fatal");
+    let text = std::fs::read_to_string(&aer).unwrap();
+    std::fs::write(&aer, text.replace("TOTAL_ERR_FATAL 0", "TOTAL_ERR_FATAL 3")).unwrap();
+    let taint = wait_for(Duration::from_secs(30), || async {
+        let srv = s.server(&node.uuid).await;
+        srv["assignable_devices"][0]["taint"]
+            .as_str()
+            .map(String::from)
+    })
+    .await
+    .expect("the rising AER counter tainted the device");
+    assert!(
+        taint.contains("AER fatal errors rose from 0 to 3"),
+        "{taint}"
+    );
+    let srv = s.server(&node.uuid).await;
+    let reported = srv["sysinfo"]["PCI Devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == gpu.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        reported["details"]["aer_fatal"], 3,
+        "details reach the server object"
+    );
+    assert_eq!(capacity_of(&s).await["tainted"], 1);
+    let (st, e) = s
+        .admin_call(
+            "POST",
+            "/v1/vms",
+            Some(json!({"alias":"x","package":"gpu-1x"})),
+        )
+        .await;
+    assert_eq!(
+        (st, e["code"].as_str()),
+        (409, Some("InsufficientCapacity"))
+    );
+    // Cleared after a check: placeable again; the counter no longer rises, so it stays clear.
+    assert_eq!(act(&s, &node.uuid, &gpu, "clear_taint").await.0, 200);
+    assert_eq!(
+        act(&s, &node.uuid, &gpu, "clear_taint").await.0,
+        409,
+        "nothing left to clear"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(s.server(&node.uuid).await["assignable_devices"][0]["taint"].is_null());
+    let (st, _) = s
+        .admin_call(
+            "POST",
+            "/v1/vms",
+            Some(json!({"alias":"y","package":"gpu-1x"})),
+        )
+        .await;
+    assert_eq!(st, 202);
+}
+both!(health_taints_on, health_taints);

@@ -104,7 +104,9 @@ pub async fn device_action(
         .into_iter()
         .find(|d| d.pci.id == req.device && d.variant.is_some())
         .ok_or_else(|| ApiError::not_found("device"))?;
+    let why = format!("{:?} by {}: {reason}", req.action, caller.account.login).to_lowercase();
     let event = match req.action {
+        DeviceAction::ClearTaint => return clear_taint(ctx, server, &id, rec.missing, &why).await,
         DeviceAction::Disable => DeviceEvent::Disable,
         DeviceAction::Enable => DeviceEvent::Enable,
         DeviceAction::Quarantine => DeviceEvent::Quarantine,
@@ -117,7 +119,6 @@ pub async fn device_action(
             rec.state
         )));
     }
-    let why = format!("{:?} by {}: {reason}", req.action, caller.account.login).to_lowercase();
     let moved = devices::move_devices(
         &ctx.db,
         server,
@@ -137,6 +138,25 @@ pub async fn device_action(
         workflows::scrub::start_job(ctx, server, std::slice::from_ref(&id)).await?;
     }
     Ok(store::events::device_events(&ctx.db, server, Some(&id)).await?)
+}
+
+async fn clear_taint(
+    ctx: &Ctx,
+    server: ServerId,
+    id: &str,
+    missing: bool,
+    why: &str,
+) -> ApiResult<Vec<DeviceEventRecord>> {
+    if missing {
+        return Err(ApiError::invalid_state(
+            "the device is missing from its node's reports; it clears when it is seen again",
+        ));
+    }
+    if !devices::clear_taint(&ctx.db, server, id).await? {
+        return Err(ApiError::invalid_state("the device has no taint"));
+    }
+    tracing::info!(%server, device = %id, %why, "taint cleared");
+    Ok(store::events::device_events(&ctx.db, server, Some(id)).await?)
 }
 
 /// Where a package would go now, and why every other server would not.

@@ -46,6 +46,7 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
             numa_node: d.pci.numa_node,
             iommu_group: d.pci.iommu_group,
             used_by: d.used_by,
+            details: d.pci.details.clone(),
         })
         .collect();
     let assignable_devices = devs

@@ -38,10 +38,11 @@ struct DeviceRow {
     used_by: Option<String>,
     missing: i64,
     taint: Option<String>,
+    details: Option<String>,
 }
 
 pub(crate) const COLS: &str = "server_uuid, id, vendor, device, subvendor, subsystem, revision, \
-    class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint";
+    class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint, details";
 
 impl DeviceRow {
     fn into_record(self) -> StoreResult<DeviceRecord> {
@@ -58,7 +59,11 @@ impl DeviceRow {
                 driver: self.driver,
                 numa_node: self.numa_node.and_then(|n| u32::try_from(n).ok()),
                 iommu_group: self.iommu_group.and_then(|n| u32::try_from(n).ok()),
-                details: None,
+                // Written by us from a validated report; unreadable means an older shape.
+                details: self
+                    .details
+                    .as_deref()
+                    .and_then(|j| serde_json::from_str(j).ok()),
             },
             variant: self.variant,
             state: DeviceState::parse(&self.state).ok_or_else(|| corrupt(&self.state))?,
@@ -312,26 +317,34 @@ pub async fn apply_inventory(
     let server_s = server.to_string();
     let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
     in_tx!(db, |tx| {
-        let known: Vec<(String, String, Option<String>)> =
-            sqlx::query_as("SELECT id, state, variant FROM devices WHERE server_uuid = $1")
-                .bind(&server_s)
-                .fetch_all(&mut *tx)
-                .await?;
-        let known: HashMap<String, (String, Option<String>)> = known
+        type Known = (String, String, Option<String>, Option<String>);
+        let known: Vec<Known> = sqlx::query_as(
+            "SELECT id, state, variant, details FROM devices WHERE server_uuid = $1",
+        )
+        .bind(&server_s)
+        .fetch_all(&mut *tx)
+        .await?;
+        let known: HashMap<String, (String, Option<String>, Option<String>)> = known
             .into_iter()
-            .map(|(id, state, variant)| (id, (state, variant)))
+            .map(|(id, state, variant, details)| (id, (state, variant, details)))
             .collect();
         for d in report {
             let id = d.id.to_string();
+            let details = d
+                .details
+                .as_ref()
+                .map(serde_json::to_string)
+                .transpose()
+                .map_err(corrupt)?;
             let matched = classify(variants, d).map(|v| v.name.clone());
             match known.get(&id) {
                 None => {
                     sqlx::query(
                         "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
                          subsystem, revision, class, driver, numa_node, iommu_group, variant, \
-                         state, used_by, generation, missing, taint, updated_at) VALUES \
-                         ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 'unassigned', \
-                         NULL, 0, 0, NULL, $14)",
+                         state, used_by, generation, missing, taint, updated_at, details) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+                         'unassigned', NULL, 0, 0, NULL, $14, $15)",
                     )
                     .bind(&server_s)
                     .bind(&id)
@@ -347,10 +360,15 @@ pub async fn apply_inventory(
                     .bind(d.iommu_group.map(i64::from))
                     .bind(&matched)
                     .bind(now)
+                    .bind(&details)
                     .execute(&mut *tx)
                     .await?;
                 }
-                Some((state, old_variant)) => {
+                Some((state, old_variant, old_details)) => {
+                    let previous: Option<passage_model::PciDetails> = old_details
+                        .as_deref()
+                        .and_then(|j| serde_json::from_str(j).ok());
+                    let health = crate::health::taint(state, previous.as_ref(), d);
                     // A held or dirty device keeps its variant until it is free again.
                     let variant = if matches!(state.as_str(), "unassigned" | "disabled") {
                         matched
@@ -361,8 +379,9 @@ pub async fn apply_inventory(
                         "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
                          subsystem = $6, revision = $7, class = $8, driver = $9, \
                          numa_node = $10, iommu_group = $11, variant = $12, missing = 0, \
-                         taint = CASE WHEN missing = 1 THEN NULL ELSE taint END, \
-                         updated_at = $13 WHERE server_uuid = $1 AND id = $2",
+                         taint = CASE WHEN CAST($15 AS TEXT) IS NOT NULL THEN $15 \
+                           WHEN missing = 1 THEN NULL ELSE taint END, \
+                         updated_at = $13, details = $14 WHERE server_uuid = $1 AND id = $2",
                     )
                     .bind(&server_s)
                     .bind(&id)
@@ -377,12 +396,14 @@ pub async fn apply_inventory(
                     .bind(d.iommu_group.map(i64::from))
                     .bind(&variant)
                     .bind(now)
+                    .bind(&details)
+                    .bind(&health)
                     .execute(&mut *tx)
                     .await?;
                 }
             }
         }
-        for (id, (state, _)) in &known {
+        for (id, (state, _, _)) in &known {
             if reported.contains(id) {
                 continue;
             }
@@ -464,4 +485,18 @@ pub async fn dirty_before(
     rows.into_iter()
         .map(|(s, id)| Ok((parse_uuid(&s, "server")?, id)))
         .collect()
+}
+
+/// Clears a device's taint; false if it had none.
+pub async fn clear_taint(db: &Db, server: ServerId, id: &str) -> StoreResult<bool> {
+    let n = crate::on_write!(db, |p| sqlx::query(
+        "UPDATE devices SET taint = NULL, generation = generation + 1 \
+         WHERE server_uuid = $1 AND id = $2 AND taint IS NOT NULL AND missing = 0"
+    )
+    .bind(server.to_string())
+    .bind(id)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n == 1)
 }
