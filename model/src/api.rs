@@ -257,6 +257,10 @@ pub struct CreateJoinToken {
     /// How long the token admits a node; default one hour, at most a week.
     #[serde(default)]
     pub ttl_secs: Option<u64>,
+    /// Re-admit this known server (after its credential was revoked or lost): it keeps
+    /// its identity, devices and VMs.
+    #[serde(default)]
+    pub server_uuid: Option<ServerId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -49,6 +49,12 @@ enum Command {
         #[arg(long, default_value_t = 200)]
         iterations: u32,
     },
+    /// Replaces this node's saved credential with a new one from the control plane (the
+    /// old one stops working at once). Run it while the agent is stopped, or restart it.
+    RotateCredential {
+        #[arg(long, default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+    },
     /// Registers with the control plane, then heartbeats, reports inventory and runs tasks.
     Run {
         /// A TOML file with any of the settings below; flags override it.
@@ -97,6 +103,7 @@ fn main() -> ExitCode {
             sysfs_root,
             iterations,
         } => bench_discovery(&sysfs_root, iterations),
+        Command::RotateCredential { state_dir } => rotate_credential(&state_dir),
         Command::FakeSysfs {
             out,
             gpus,
@@ -273,4 +280,56 @@ fn bench_discovery(root: &std::path::Path, iterations: u32) -> ExitCode {
         println!("{name}_p95_us {:.0}", us(pick(0.95)));
     }
     ExitCode::SUCCESS
+}
+
+fn rotate_credential(state_dir: &std::path::Path) -> ExitCode {
+    let saved = match agent::credential::load(state_dir) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            return fail(&format!(
+                "no saved credential in {}: this node has not registered",
+                state_dir.display()
+            ));
+        }
+        Err(e) => {
+            return fail(&format!(
+                "reading the credential in {}: {e}",
+                state_dir.display()
+            ));
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&e),
+    };
+    let answer = rt.block_on(async {
+        agent::client::AgentClient::new(&saved.server_url)
+            .map(|c| c.with_credential(saved.credential.clone()))?
+            .rotate_credential()
+            .await
+    });
+    match answer {
+        Ok(r) => {
+            let next = agent::credential::Credential {
+                server_url: saved.server_url.clone(),
+                server_uuid: r.server_uuid,
+                credential: r.credential,
+            };
+            if let Err(e) = agent::credential::save(state_dir, &next) {
+                // The old credential is already dead: say so plainly.
+                return fail(&format!(
+                    "the server rotated the credential but it could not be saved in {}: {e}; \
+                     re-admit this node with a join token made for server {}",
+                    state_dir.display(),
+                    r.server_uuid
+                ));
+            }
+            println!("credential rotated for server {}", r.server_uuid);
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("rotating the credential: {e}")),
+    }
 }

@@ -36,6 +36,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/servers/{uuid}/device-events"),
     ("get", "/v1/servers/{uuid}/scrub-reports"),
     ("post", "/v1/servers/{uuid}/device-actions"),
+    ("delete", "/v1/servers/{uuid}/credential"),
     ("get", "/v1/vms"),
     ("post", "/v1/vms"),
     ("get", "/v1/vms/{uuid}"),

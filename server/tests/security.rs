@@ -352,3 +352,98 @@ async fn security_headers_everywhere() {
         );
     }
 }
+
+/// A node's credential: the node can rotate it, an operator can revoke it, and a join
+/// token made for the server re-admits the same node with its devices and history.
+async fn node_identity(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let dir = tempfile::tempdir().unwrap();
+    node_agent::fake::generate(
+        &dir.path().join("sys"),
+        &node_agent::fake::FakeSpec::default(),
+    )
+    .unwrap();
+    let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
+    let register = |jt: String| {
+        let s = &s;
+        async move {
+            s.call("POST", "/agent/v1/register", None,
+                   Some(json!({"join_token": jt, "hostname":"cn-1", "agent_version":"t", "protocol_version":1})))
+                .await
+        }
+    };
+    let (_, reg) = register(s.join_token().await).await;
+    let server = reg["server_uuid"].as_str().unwrap().to_string();
+    let cred = reg["credential"].as_str().unwrap().to_string();
+    s.call(
+        "PUT",
+        "/agent/v1/inventory",
+        Some(&cred),
+        Some(json!({"devices": devices})),
+    )
+    .await;
+    let hb = |c: String| {
+        let s = &s;
+        async move {
+            s.call("POST", "/agent/v1/heartbeat", Some(&c), Some(json!({})))
+                .await
+                .0
+        }
+    };
+
+    let (st, rot) = s
+        .call("POST", "/agent/v1/credential", Some(&cred), Some(json!({})))
+        .await;
+    assert_eq!(
+        (st, rot["server_uuid"].as_str()),
+        (200, Some(server.as_str()))
+    );
+    let cred2 = rot["credential"].as_str().unwrap().to_string();
+    assert_eq!(hb(cred.clone()).await, 401, "the old credential is dead");
+    assert_eq!(hb(cred2.clone()).await, 200);
+
+    let (_, tenant) = s.tenant("t").await;
+    let path = format!("/v1/servers/{server}/credential");
+    assert_eq!(s.call("DELETE", &path, Some(&tenant), None).await.0, 403);
+    assert_eq!(s.admin_call("DELETE", &path, None).await.0, 204);
+    assert_eq!(hb(cred2).await, 401, "revoked");
+
+    let (st, e) = s
+        .admin_call(
+            "POST",
+            "/v1/servers/join-tokens",
+            Some(json!({"server_uuid": "00000000-0000-0000-0000-000000000000"})),
+        )
+        .await;
+    assert_eq!((st, e["field"].as_str()), (400, Some("server_uuid")));
+    let (st, jt) = s
+        .admin_call(
+            "POST",
+            "/v1/servers/join-tokens",
+            Some(json!({"server_uuid": server})),
+        )
+        .await;
+    assert_eq!(st, 201);
+    let (st, back) = register(jt["token"].as_str().unwrap().to_string()).await;
+    assert_eq!(
+        (st, back["server_uuid"].as_str()),
+        (201, Some(server.as_str())),
+        "the same node"
+    );
+    assert_eq!(
+        hb(back["credential"].as_str().unwrap().to_string()).await,
+        200
+    );
+    assert_eq!(
+        s.server_uuids().await,
+        vec![server.clone()],
+        "no second server"
+    );
+    assert!(
+        !s.server(&server).await["sysinfo"]["PCI Devices"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}
+both!(node_identity_on, node_identity);

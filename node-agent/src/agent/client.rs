@@ -149,6 +149,17 @@ impl AgentClient {
             .await
     }
 
+    /// Trades the node's credential for a new one; the old one stops working.
+    pub async fn rotate_credential(&self) -> Result<RegisterResponse, ClientError> {
+        self.call(
+            "credential rotation",
+            reqwest::Method::POST,
+            "credential",
+            &serde_json::json!({}),
+        )
+        .await
+    }
+
     pub async fn put_inventory(&self, report: &InventoryReport) -> Result<(), ClientError> {
         let _: serde_json::Value = self
             .call("inventory", reqwest::Method::PUT, "inventory", report)

@@ -61,3 +61,10 @@ pub async fn task_result(
     agents::task_result(&ctx, server, task, result).await?;
     Ok(StatusCode::NO_CONTENT)
 }
+
+pub async fn rotate_credential(
+    State(ctx): State<Ctx>,
+    AgentServer(server): AgentServer,
+) -> ApiResult<Response> {
+    Ok(Json(agents::rotate_credential(&ctx, server).await?).into_response())
+}

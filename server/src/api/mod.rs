@@ -52,6 +52,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::device_events))
         .routes(routes!(v1::scrub_reports))
         .routes(routes!(v1::device_action))
+        .routes(routes!(v1::revoke_credential))
         .routes(routes!(v1::capacity))
         .routes(routes!(v1::alerts))
         .routes(routes!(v1::audit))
@@ -118,6 +119,7 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/inventory", put(agent::inventory))
         .route("/tasks", get(agent::poll_tasks))
         .route("/tasks/{uuid}/result", post(agent::task_result))
+        .route("/credential", post(agent::rotate_credential))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
     let app = Router::new()

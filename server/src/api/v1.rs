@@ -474,3 +474,15 @@ pub async fn placement_dry_run(
 ) -> ApiResult<Response> {
     Ok(Json(ops::dry_run(&ctx, &caller, &req.package).await?).into_response())
 }
+
+#[utoipa::path(delete, path = "/servers/{uuid}/credential", tag = "servers", params(("uuid" = String, Path, description = "The server's uuid")), responses((status = 204, description = "Revoked: the node's agent is refused until re-admitted"), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn revoke_credential(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    caller.require_operator()?;
+    let uuid: ServerId = id(&raw, "server")?;
+    servers::revoke_credential(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -129,3 +129,14 @@ pub async fn task_result(
     ctx.task_done.notify_waiters();
     Ok(())
 }
+
+/// A node replaces its own credential; the old one stops working at once.
+pub async fn rotate_credential(ctx: &Ctx, server: ServerId) -> ApiResult<RegisterResponse> {
+    let credential = new_secret(NODE_CREDENTIAL_PREFIX);
+    servers::set_credential(&ctx.db, server, &sha256_hex(&credential)).await?;
+    tracing::info!(%server, "node credential rotated");
+    Ok(RegisterResponse {
+        server_uuid: server,
+        credential,
+    })
+}

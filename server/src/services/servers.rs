@@ -160,13 +160,23 @@ pub async fn create_join_token(
             format!("must be 1 to {MAX_JOIN_TTL_SECS}"),
         ));
     }
+    if let Some(s) = req.server_uuid {
+        match servers::get(&ctx.db, s).await {
+            Ok(_) => {}
+            Err(store::StoreError::NotFound(_)) => {
+                return Err(ApiError::invalid("server_uuid", "no such server"));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let token = new_secret(JOIN_TOKEN_PREFIX);
     let expires_at = Utc::now() + chrono::Duration::seconds(i64::try_from(ttl).unwrap_or(3600));
-    servers::insert_join_token(
+    servers::insert_join_token_for(
         &ctx.db,
         &sha256_hex(&token),
         &caller.account.uuid.to_string(),
         expires_at.timestamp_millis(),
+        req.server_uuid,
     )
     .await?;
     Ok(JoinToken { token, expires_at })
@@ -192,4 +202,15 @@ pub async fn scrub_reports(
     caller.require_staff()?;
     servers::get(&ctx.db, uuid).await?;
     Ok(store::events::scrub_reports(&ctx.db, uuid, device).await?)
+}
+
+/// Revokes a node's credential: its agent is refused from now on, until the node is
+/// re-admitted with a join token made for it.
+pub async fn revoke_credential(ctx: &Ctx, caller: &Caller, uuid: ServerId) -> ApiResult<()> {
+    caller.require_operator()?;
+    // No SHA-256 hex digest has this form, so no credential matches it.
+    let unusable = format!("revoked:{}", uuid::Uuid::new_v4());
+    servers::set_credential(&ctx.db, uuid, &unusable).await?;
+    tracing::warn!(server = %uuid, by = %caller.account.login, "node credential revoked");
+    Ok(())
 }

@@ -41,14 +41,26 @@ pub async fn insert_join_token(
     created_by: &str,
     expires_at: i64,
 ) -> StoreResult<()> {
+    insert_join_token_for(db, token_hash, created_by, expires_at, None).await
+}
+
+/// A join token; with `for_server`, it re-admits that server instead of a new one.
+pub async fn insert_join_token_for(
+    db: &Db,
+    token_hash: &str,
+    created_by: &str,
+    expires_at: i64,
+    for_server: Option<ServerId>,
+) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(
-        "INSERT INTO join_tokens (token_hash, created_by, expires_at, created_at) \
-         VALUES ($1, $2, $3, $4)"
+        "INSERT INTO join_tokens (token_hash, created_by, expires_at, created_at, for_server) \
+         VALUES ($1, $2, $3, $4, $5)"
     )
     .bind(token_hash)
     .bind(created_by)
     .bind(expires_at)
     .bind(now_ms())
+    .bind(for_server.map(|s| s.to_string()))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
@@ -63,9 +75,24 @@ pub async fn register(
     hostname: &str,
     credential_hash: &str,
 ) -> StoreResult<Option<ServerId>> {
-    let uuid = ServerId::new_random();
+    let fresh = ServerId::new_random();
     let now = now_ms();
     in_tx!(db, |tx| {
+        let token: Option<(Option<String>,)> = sqlx::query_as(
+            "SELECT for_server FROM join_tokens \
+             WHERE token_hash = $1 AND used_at IS NULL AND expires_at > $2",
+        )
+        .bind(join_token_hash)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((for_server,)) = token else {
+            return Ok(None);
+        };
+        let uuid = match &for_server {
+            Some(s) => parse_uuid::<ServerId>(s, "server")?,
+            None => fresh,
+        };
         let spent = sqlx::query(
             "UPDATE join_tokens SET used_at = $2, server_uuid = $3 \
              WHERE token_hash = $1 AND used_at IS NULL AND expires_at > $2",
@@ -78,6 +105,20 @@ pub async fn register(
         .rows_affected();
         if spent != 1 {
             return Ok(None);
+        }
+        if for_server.is_some() {
+            // The same node, a new credential: its devices, VMs and history stay.
+            sqlx::query(
+                "UPDATE servers SET credential_hash = $2, hostname = $3, last_heartbeat = $4 \
+                 WHERE uuid = $1",
+            )
+            .bind(uuid.to_string())
+            .bind(credential_hash)
+            .bind(hostname)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            return Ok(Some(uuid));
         }
         sqlx::query(
             "INSERT INTO servers (uuid, hostname, credential_hash, last_heartbeat, created_at) \
@@ -195,4 +236,20 @@ pub async fn alive_by_device_count(
     rows.into_iter()
         .map(|(u, n)| Ok((parse_uuid(&u, "server")?, n)))
         .collect()
+}
+
+/// Replaces a node's credential hash (rotation, or revocation with an unusable value).
+pub async fn set_credential(db: &Db, uuid: ServerId, credential_hash: &str) -> StoreResult<()> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE servers SET credential_hash = $2 WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .bind(credential_hash)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    if n == 0 {
+        return Err(StoreError::NotFound("server"));
+    }
+    Ok(())
 }
