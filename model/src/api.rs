@@ -594,3 +594,18 @@ pub struct PlacementExplanation {
     pub devices: Vec<DevicePath>,
     pub servers: Vec<ServerVerdict>,
 }
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeVm {
+    /// The new package (uuid or name).
+    pub package: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateVm {
+    /// The server to move to; default: placement picks one.
+    #[serde(default)]
+    pub server_uuid: Option<ServerId>,
+}

@@ -486,3 +486,49 @@ pub async fn revoke_credential(
     servers::revoke_credential(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
+
+#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn stop_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let vm = crate::services::vm_ops::stop(&ctx, &caller, uuid).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/start", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), responses((status = 202, description = "Starting", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn start_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let vm = crate::services::vm_ops::start(&ctx, &caller, uuid).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/resize", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), request_body = passage_model::api::ResizeVm, responses((status = 202, description = "Resizing (new devices reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn resize_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<passage_model::api::ResizeVm>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let vm = crate::services::vm_ops::resize(&ctx, &caller, uuid, &req.package).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/migrate", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), request_body = passage_model::api::MigrateVm, responses((status = 202, description = "Migrating (devices on the target reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn migrate_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<passage_model::api::MigrateVm>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let vm = crate::services::vm_ops::migrate(&ctx, &caller, uuid, req.server_uuid).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}

@@ -9,6 +9,7 @@ pub mod login_guard;
 pub mod metrics;
 pub mod ops;
 pub mod servers;
+pub mod vm_ops;
 pub mod vms;
 
 use crate::config::Config;

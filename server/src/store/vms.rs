@@ -231,10 +231,10 @@ pub async fn begin_destroy(
     steps: &[&str],
 ) -> StoreResult<Vm> {
     in_tx!(db, |tx| {
-        let n = sqlx::query(
+        let n = sqlx::query(&format!(
             "UPDATE vms SET state = 'destroying', job_uuid = $2, updated_at = $3 \
-             WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed')",
-        )
+             WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed') AND {NO_JOB_RUNNING}",
+        ))
         .bind(uuid.to_string())
         .bind(job.to_string())
         .bind(now_ms())
@@ -243,7 +243,9 @@ pub async fn begin_destroy(
         .rows_affected();
         if n != 1 {
             return Err(StoreError::InvalidState(
-                "the VM is being provisioned or destroyed already; wait for its job".into(),
+                "the VM has a job running (provision, stop, start, resize, migrate or destroy); \
+                 wait for it"
+                    .into(),
             ));
         }
         tx.insert_job(job, "destroy", Some(uuid), Some(owner), None, steps)
@@ -354,6 +356,168 @@ pub async fn release_destroyed(
         )
         .bind(uuid.to_string())
         .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    })
+}
+
+/// A VM has at most one job at a time.
+const NO_JOB_RUNNING: &str = "(job_uuid IS NULL OR job_uuid NOT IN \
+    (SELECT uuid FROM jobs WHERE state IN ('queued', 'running')))";
+
+/// Devices a job reserves for a VM when it is written (charged to the owner's quota).
+pub struct Extra<'a> {
+    pub server: ServerId,
+    pub devices: &'a [DevicePath],
+}
+
+/// Writes a job for a VM in one of `from`, with no other job running, reserving `extra`
+/// devices first (all or none: `StoreError::Retry` when one was taken).
+#[allow(clippy::too_many_arguments)]
+pub async fn begin_job(
+    db: &Db,
+    uuid: VmId,
+    owner: AccountId,
+    from: &[VmState],
+    job: JobId,
+    name: &str,
+    payload: Option<&str>,
+    steps: &[&str],
+    extra: Option<Extra<'_>>,
+) -> StoreResult<Vm> {
+    let states: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
+    in_tx!(db, |tx| {
+        let n = sqlx::query(&format!(
+            "UPDATE vms SET job_uuid = $2, updated_at = $3 WHERE uuid = $1 \
+             AND state IN ({}) AND {NO_JOB_RUNNING}",
+            states.join(", ")
+        ))
+        .bind(uuid.to_string())
+        .bind(job.to_string())
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Err(StoreError::InvalidState(format!(
+                "the VM must be {} with no job running",
+                from.iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )));
+        }
+        if let Some(extra) = &extra
+            && !extra.devices.is_empty()
+        {
+            let n = extra.devices.len() as i64;
+            let charged = sqlx::query(
+                "UPDATE accounts SET gpu_held = gpu_held + $2 WHERE uuid = $1 \
+                 AND (gpu_quota IS NULL OR gpu_held + $2 <= gpu_quota)",
+            )
+            .bind(owner.to_string())
+            .bind(n)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if charged != 1 {
+                return Err(StoreError::Quota(format!(
+                    "GPU quota would be exceeded by {n} more device(s)"
+                )));
+            }
+            let ids: Vec<String> = extra.devices.iter().map(|d| d.to_string()).collect();
+            let moved = tx
+                .move_devices(
+                    extra.server,
+                    &ids,
+                    DeviceEvent::Reserve,
+                    Some(uuid),
+                    &format!("reserved for VM {uuid} ({name})"),
+                )
+                .await?;
+            if moved.len() != ids.len() {
+                return Err(StoreError::Retry);
+            }
+        }
+        tx.insert_job(job, name, Some(uuid), Some(owner), payload, steps)
+            .await?;
+        Ok(())
+    })?;
+    get(db, uuid).await
+}
+
+/// The new shape of a VM after a resize or a cold migration.
+pub struct Replacement<'a> {
+    pub from_server: ServerId,
+    pub to_server: ServerId,
+    pub added: &'a [String],
+    pub removed: &'a [String],
+    pub assigned: &'a [String],
+    pub package: Option<PackageId>,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+}
+
+/// The point of no return of a resize or migration: added devices `used`, removed ones
+/// `dirty`, usage records and the VM row updated, together.
+pub async fn commit_replacement(db: &Db, uuid: VmId, r: Replacement<'_>) -> StoreResult<()> {
+    let now = now_ms();
+    let assigned = serde_json::to_string(r.assigned).map_err(corrupt)?;
+    in_tx!(db, |tx| {
+        tx.move_devices(
+            r.to_server,
+            r.added,
+            DeviceEvent::Attach,
+            Some(uuid),
+            &format!("attached to VM {uuid}"),
+        )
+        .await?;
+        tx.move_devices(
+            r.from_server,
+            r.removed,
+            DeviceEvent::Release,
+            Some(uuid),
+            &format!("released by VM {uuid}"),
+        )
+        .await?;
+        for id in r.removed {
+            sqlx::query(
+                "UPDATE usage_records SET ended_at = $3 WHERE vm_uuid = $1 AND device = $2 \
+                 AND server_uuid = $4 AND ended_at IS NULL",
+            )
+            .bind(uuid.to_string())
+            .bind(id)
+            .bind(now)
+            .bind(r.from_server.to_string())
+            .execute(&mut *tx)
+            .await?;
+        }
+        for id in r.added {
+            sqlx::query(
+                "INSERT INTO usage_records (vm_uuid, owner_uuid, server_uuid, device, \
+                 variant, started_at) SELECT v.uuid, v.owner_uuid, $2, $3, \
+                 (SELECT variant FROM devices WHERE server_uuid = $2 AND id = $3), $4 \
+                 FROM vms v WHERE v.uuid = $1",
+            )
+            .bind(uuid.to_string())
+            .bind(r.to_server.to_string())
+            .bind(id)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "UPDATE vms SET server_uuid = $2, package_uuid = COALESCE($3, package_uuid), \
+             vcpus = $4, memory_mib = $5, assigned_devices = $6, updated_at = $7 WHERE uuid = $1",
+        )
+        .bind(uuid.to_string())
+        .bind(r.to_server.to_string())
+        .bind(r.package.map(|p| p.to_string()))
+        .bind(i64::from(r.vcpus))
+        .bind(i64::try_from(r.memory_mib).unwrap_or(i64::MAX))
+        .bind(assigned)
+        .bind(now)
         .execute(&mut *tx)
         .await?;
         Ok(())

@@ -8,6 +8,7 @@
 
 pub mod agent_task;
 pub mod destroy;
+pub mod lifecycle;
 pub mod provision;
 pub mod reconcile;
 pub mod scrub;
@@ -25,6 +26,9 @@ enum Saga {
     Provision,
     Destroy,
     Scrub,
+    Stop,
+    Start,
+    Replace,
 }
 
 impl Saga {
@@ -33,6 +37,9 @@ impl Saga {
             "provision" => Some(Saga::Provision),
             "destroy" => Some(Saga::Destroy),
             "scrub" => Some(Saga::Scrub),
+            "stop" => Some(Saga::Stop),
+            "start" => Some(Saga::Start),
+            "resize" | "migrate" => Some(Saga::Replace),
             _ => None,
         }
     }
@@ -42,13 +49,18 @@ impl Saga {
             Saga::Provision => provision::action(ctx, job, step).await,
             Saga::Destroy => destroy::action(ctx, job, step).await,
             Saga::Scrub => scrub::job_action(ctx, job, step).await,
+            Saga::Stop => lifecycle::stop(ctx, job, step).await,
+            Saga::Start => lifecycle::start(ctx, job, step).await,
+            Saga::Replace => lifecycle::replace(ctx, job, step).await,
         }
     }
 
     async fn undo(self, ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
         match self {
             Saga::Provision => provision::undo(ctx, job, step).await,
-            Saga::Destroy | Saga::Scrub => Ok(()),
+            Saga::Start => lifecycle::start_undo(ctx, job, step).await,
+            Saga::Replace => lifecycle::replace_undo(ctx, job, step).await,
+            Saga::Destroy | Saga::Scrub | Saga::Stop => Ok(()),
         }
     }
 
@@ -56,7 +68,7 @@ impl Saga {
         match self {
             Saga::Provision => provision::on_failed(ctx, job, error).await,
             Saga::Destroy => destroy::on_failed(ctx, job, error).await,
-            Saga::Scrub => Ok(()),
+            Saga::Scrub | Saga::Stop | Saga::Start | Saga::Replace => Ok(()),
         }
     }
 }

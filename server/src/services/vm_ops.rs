@@ -1,0 +1,251 @@
+//! Stop, start, resize (another package) and cold migration (another server) of a VM.
+
+use super::Ctx;
+use super::auth::Caller;
+use super::catalog;
+use crate::error::{ApiError, ApiResult};
+use crate::placement;
+use crate::store::{StoreError, devices, vms};
+use crate::workflows::{self, lifecycle};
+use passage_model::api::{Package, Vm, VmState};
+use passage_model::{DevicePath, ErrorCode, JobId, ServerId, VmId};
+use std::collections::BTreeMap;
+
+const ATTEMPTS: usize = 16;
+
+async fn owned(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = super::vms::get(ctx, caller, uuid).await?;
+    caller.may_change(vm.owner_uuid)?;
+    Ok(vm)
+}
+
+pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = owned(ctx, caller, uuid).await?;
+    let job = JobId::new_random();
+    let vm = vms::begin_job(
+        &ctx.db,
+        uuid,
+        vm.owner_uuid,
+        &[VmState::Running],
+        job,
+        "stop",
+        None,
+        lifecycle::STOP_STEPS,
+        None,
+    )
+    .await?;
+    workflows::spawn(ctx.clone(), job);
+    Ok(vm)
+}
+
+pub async fn start(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = owned(ctx, caller, uuid).await?;
+    let job = JobId::new_random();
+    let vm = vms::begin_job(
+        &ctx.db,
+        uuid,
+        vm.owner_uuid,
+        &[VmState::Stopped],
+        job,
+        "start",
+        None,
+        lifecycle::START_STEPS,
+        None,
+    )
+    .await?;
+    workflows::spawn(ctx.clone(), job);
+    Ok(vm)
+}
+
+/// The VM's devices by variant, as the fleet knows them.
+async fn current(ctx: &Ctx, vm: &Vm) -> ApiResult<(ServerId, BTreeMap<String, Vec<DevicePath>>)> {
+    let server = vm
+        .server_uuid
+        .ok_or_else(|| ApiError::invalid_state("the VM was never placed"))?;
+    let mut by_variant: BTreeMap<String, Vec<DevicePath>> = BTreeMap::new();
+    for d in devices::held_by(&ctx.db, vm.uuid).await? {
+        by_variant
+            .entry(d.variant.unwrap_or_default())
+            .or_default()
+            .push(d.pci.id);
+    }
+    Ok((server, by_variant))
+}
+
+fn counts(m: &BTreeMap<String, Vec<DevicePath>>) -> BTreeMap<String, u32> {
+    m.iter().map(|(k, v)| (k.clone(), v.len() as u32)).collect()
+}
+
+/// Another package for a stopped VM: devices added on its server when it has them free,
+/// else the VM moves to a server that has the whole new set.
+pub async fn resize(ctx: &Ctx, caller: &Caller, uuid: VmId, package: &str) -> ApiResult<Vm> {
+    let vm = owned(ctx, caller, uuid).await?;
+    let package = match catalog::find_package(ctx, package).await {
+        Ok(p) => p,
+        Err(e) if e.code == ErrorCode::ResourceNotFound => {
+            return Err(ApiError::invalid("package", "no such package"));
+        }
+        Err(e) => return Err(e),
+    };
+    replace(ctx, vm, Some(package), None, "resize").await
+}
+
+/// A stopped VM to another server with free devices of its variants (operators).
+pub async fn migrate(
+    ctx: &Ctx,
+    caller: &Caller,
+    uuid: VmId,
+    target: Option<ServerId>,
+) -> ApiResult<Vm> {
+    caller.require_operator()?;
+    let vm = owned(ctx, caller, uuid).await?;
+    replace(ctx, vm, None, Some(target), "migrate").await
+}
+
+async fn replace(
+    ctx: &Ctx,
+    vm: Vm,
+    package: Option<Package>,
+    migrate_to: Option<Option<ServerId>>,
+    name: &str,
+) -> ApiResult<Vm> {
+    if vm.state != VmState::Stopped {
+        return Err(ApiError::invalid_state("stop the VM first"));
+    }
+    let (from, have) = current(ctx, &vm).await?;
+    let want: BTreeMap<String, u32> = match &package {
+        Some(p) => p.devices.clone(),
+        None => counts(&have),
+    };
+    let (vcpus, memory_mib) = package
+        .as_ref()
+        .map_or((vm.vcpus, vm.memory_mib), |p| (p.vcpus, p.memory_mib));
+    let variants: Vec<String> = want.keys().cloned().collect();
+    let mut avoid = Vec::new();
+    for _ in 0..ATTEMPTS {
+        let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+        let plan = match migrate_to {
+            None => plan_in_place(from, &have, &want, &cands)
+                .or_else(|| plan_elsewhere(from, &have, &want, &cands, None, &avoid)),
+            Some(target) => {
+                if target == Some(from) {
+                    return Err(ApiError::invalid(
+                        "server_uuid",
+                        "the VM is on that server already",
+                    ));
+                }
+                plan_elsewhere(from, &have, &want, &cands, target, &avoid)
+            }
+        };
+        let Some(mut plan) = plan else {
+            return Err(ApiError::new(
+                ErrorCode::InsufficientCapacity,
+                "no running server has the devices this needs free right now",
+            ));
+        };
+        plan.package = package.as_ref().map(|p| p.uuid);
+        plan.vcpus = vcpus;
+        plan.memory_mib = memory_mib;
+        let payload =
+            serde_json::to_string(&plan).map_err(|e| ApiError::internal(format!("plan: {e}")))?;
+        let job = JobId::new_random();
+        let r = vms::begin_job(
+            &ctx.db,
+            vm.uuid,
+            vm.owner_uuid,
+            &[VmState::Stopped],
+            job,
+            name,
+            Some(&payload),
+            lifecycle::REPLACE_STEPS,
+            Some(vms::Extra {
+                server: plan.to_server,
+                devices: &plan.add,
+            }),
+        )
+        .await;
+        match r {
+            Ok(vm) => {
+                workflows::spawn(ctx.clone(), job);
+                return Ok(vm);
+            }
+            Err(StoreError::Retry) => avoid.push(plan.to_server),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::conflict("too many concurrent changes; try again"))
+}
+
+fn empty_plan(from: ServerId, to: ServerId) -> lifecycle::Plan {
+    lifecycle::Plan {
+        from_server: from,
+        to_server: to,
+        keep: Vec::new(),
+        add: Vec::new(),
+        remove: Vec::new(),
+        package: None,
+        vcpus: 0,
+        memory_mib: 0,
+    }
+}
+
+/// Keep what the new shape still wants, add the rest from the same server's free
+/// devices, release the surplus. `None` when the server lacks free devices.
+fn plan_in_place(
+    from: ServerId,
+    have: &BTreeMap<String, Vec<DevicePath>>,
+    want: &BTreeMap<String, u32>,
+    cands: &[devices::Candidate],
+) -> Option<lifecycle::Plan> {
+    let mut plan = empty_plan(from, from);
+    let mut need: BTreeMap<String, u32> = BTreeMap::new();
+    for (variant, &n) in want {
+        let mine = have.get(variant).cloned().unwrap_or_default();
+        let keep = (n as usize).min(mine.len());
+        plan.keep.extend(mine[..keep].iter().cloned());
+        if n as usize > mine.len() {
+            need.insert(variant.clone(), n - mine.len() as u32);
+        }
+    }
+    for (variant, mine) in have {
+        let keep = want.get(variant).copied().unwrap_or(0) as usize;
+        plan.remove.extend(mine.iter().skip(keep).cloned());
+    }
+    if !need.is_empty() {
+        let local: Vec<devices::Candidate> = cands
+            .iter()
+            .filter(|c| c.server_uuid == from)
+            .cloned()
+            .collect();
+        plan.add = placement::choose(&local, &need, &[], placement::Policy::Pack)?.devices;
+    }
+    Some(plan)
+}
+
+/// The whole new set on another server; every current device is released.
+fn plan_elsewhere(
+    from: ServerId,
+    have: &BTreeMap<String, Vec<DevicePath>>,
+    want: &BTreeMap<String, u32>,
+    cands: &[devices::Candidate],
+    target: Option<ServerId>,
+    avoid: &[ServerId],
+) -> Option<lifecycle::Plan> {
+    let pool: Vec<devices::Candidate> = cands
+        .iter()
+        .filter(|c| c.server_uuid != from && target.is_none_or(|t| c.server_uuid == t))
+        .cloned()
+        .collect();
+    let to = if want.is_empty() {
+        target?
+    } else {
+        let chosen = placement::choose(&pool, want, avoid, placement::Policy::Pack)?;
+        let mut plan = empty_plan(from, chosen.server);
+        plan.add = chosen.devices;
+        plan.remove = have.values().flatten().cloned().collect();
+        return Some(plan);
+    };
+    let mut plan = empty_plan(from, to);
+    plan.remove = have.values().flatten().cloned().collect();
+    Some(plan)
+}
