@@ -7,6 +7,7 @@
 use crate::ids::{ServerId, TaskId, VmId};
 use crate::pci::{DevicePath, PciDevice};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 pub const PROTOCOL_VERSION: u32 = 1;
 /// More functions than any real server has; a report beyond this is refused.
@@ -80,8 +81,42 @@ pub enum Task {
     /// Clean devices a VM had, each step reported.
     Scrub {
         devices: Vec<DevicePath>,
+        /// The steps for each device (by its path); a device not named here gets the
+        /// agent's default for its class. Steps run in order; the first failure stops
+        /// that device's pipeline.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        pipelines: BTreeMap<String, Vec<ScrubAction>>,
     },
 }
+
+/// One step of a scrub pipeline (configured per variant on the control plane).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ScrubAction {
+    /// Function-level reset through sysfs `reset`; where the device lacks FLR, a secondary
+    /// bus reset of its parent bridge (`reset_method` / the bridge's `reset`).
+    Reset,
+    /// `nvidia-smi --gpu-reset -i BDF` when nvidia-smi is installed; reported as skipped
+    /// when it is not.
+    NvidiaReset,
+    /// An operator's command; `{bdf}` and `{path}` in the arguments are replaced by the
+    /// device's address and sysfs path. Fails on a non-zero exit or after `timeout_secs`.
+    Command {
+        argv: Vec<String>,
+        #[serde(default)]
+        timeout_secs: Option<u64>,
+    },
+    /// Zero the GPU's memory and read it back (NVIDIA, needs CUDA on the node); reported as
+    /// skipped where CUDA is absent.
+    ZeroGpuMemory,
+    /// For NVMe: wipe partition tables and ZFS labels on the controller's namespaces so the
+    /// host never imports a tenant's pool.
+    WipeNvmeLabels,
+    /// Check the device is still present and bound as before.
+    VerifyDriver,
+}
+
+pub const MAX_SCRUB_STEPS: usize = 16;
 
 impl Task {
     pub fn name(&self) -> &'static str {
@@ -110,6 +145,10 @@ pub struct ScrubStep {
     pub duration_ms: u64,
     #[serde(default)]
     pub detail: Option<String>,
+    /// The step could not run here (no nvidia-smi, no CUDA) and was passed over; `ok` is
+    /// true for a skip.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -211,6 +211,7 @@ fn executor_runs_a_vm_lifecycle() {
 
     let r = exec.execute(&Task::Scrub {
         devices: devices.clone(),
+        pipelines: Default::default(),
     });
     assert!(r.ok, "{r:?}");
     assert_eq!(r.scrub_reports.len(), 2);
@@ -228,7 +229,10 @@ fn executor_runs_a_vm_lifecycle() {
     // A failing scrub fails the task and still reports every device.
     let dir = w.root.join(devices[0].to_string().trim_start_matches('/'));
     std::fs::remove_file(dir.join("reset")).unwrap();
-    let r = exec.execute(&Task::Scrub { devices });
+    let r = exec.execute(&Task::Scrub {
+        devices,
+        pipelines: Default::default(),
+    });
     assert!(!r.ok);
     assert_eq!(r.scrub_reports.len(), 2);
     assert!(!r.scrub_reports[0].ok && r.scrub_reports[1].ok);

@@ -51,7 +51,7 @@ impl Executor {
                 Ok(()) => TaskResult::success(),
                 Err(e) => TaskResult::failure(e.to_string()),
             },
-            Task::Scrub { devices } => {
+            Task::Scrub { devices, .. } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());
                 }

@@ -12,6 +12,7 @@ fn step(name: &str, started: Instant, result: Result<(), String>) -> ScrubStep {
         ok: result.is_ok(),
         duration_ms: started.elapsed().as_millis().try_into().unwrap_or(u64::MAX),
         detail: result.err(),
+        skipped: false,
     }
 }
 

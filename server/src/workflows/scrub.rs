@@ -68,7 +68,10 @@ pub async fn scrub_devices(
     }
     let paths: Vec<DevicePath> = started.iter().filter_map(|m| m.id.parse().ok()).collect();
     let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
-    let task = Task::Scrub { devices: paths };
+    let task = Task::Scrub {
+        devices: paths,
+        pipelines: Default::default(),
+    };
     let task_result = match agent_task::run_raw(ctx, server, job, task).await {
         Ok(r) => r,
         Err(e) => {
