@@ -57,6 +57,10 @@ pub struct Variant {
     pub revision: Option<Revision>,
     #[serde(default)]
     pub description: Option<String>,
+    /// How its devices are cleaned between tenants; `null` = the agent's default for the
+    /// device's class (GPUs: reset, vendor reset, memory zeroing, driver check).
+    #[serde(default)]
+    pub scrub: Option<Vec<crate::protocol::ScrubAction>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +69,8 @@ pub enum VariantError {
     Name,
     #[error("description is longer than 1024 characters")]
     Description,
+    #[error("{0}")]
+    Scrub(String),
 }
 
 impl VariantError {
@@ -72,6 +78,7 @@ impl VariantError {
         match self {
             VariantError::Name => "name",
             VariantError::Description => "description",
+            VariantError::Scrub(_) => "scrub",
         }
     }
 }
@@ -95,6 +102,9 @@ impl Variant {
         {
             return Err(VariantError::Description);
         }
+        if let Some(steps) = &self.scrub {
+            validate_pipeline(steps)?;
+        }
         Ok(())
     }
 
@@ -112,6 +122,30 @@ impl Variant {
             + u8::from(self.subsystem.is_some())
             + u8::from(self.revision.is_some())
     }
+}
+
+fn validate_pipeline(steps: &[crate::protocol::ScrubAction]) -> Result<(), VariantError> {
+    use crate::protocol::{MAX_SCRUB_STEPS, ScrubAction};
+    let bad = |m: String| Err(VariantError::Scrub(m));
+    if steps.is_empty() || steps.len() > MAX_SCRUB_STEPS {
+        return bad(format!("a scrub pipeline has 1 to {MAX_SCRUB_STEPS} steps"));
+    }
+    for (i, s) in steps.iter().enumerate() {
+        if let ScrubAction::Command { argv, timeout_secs } = s {
+            if argv.is_empty() || argv.len() > 32 {
+                return bad(format!("step {i}: a command has 1 to 32 arguments"));
+            }
+            if argv.iter().any(|a| a.len() > 1024 || a.contains('\0')) {
+                return bad(format!(
+                    "step {i}: arguments are at most 1024 bytes, without NUL"
+                ));
+            }
+            if timeout_secs.is_some_and(|t| t == 0 || t > 3600) {
+                return bad(format!("step {i}: timeout_secs is 1 to 3600"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The variant a device belongs to: the most specific match, ties broken by name so the
@@ -156,6 +190,7 @@ mod tests {
             subsystem: None,
             revision: rev.map(|s| s.parse().unwrap()),
             description: None,
+            scrub: None,
         }
     }
 
@@ -188,6 +223,35 @@ mod tests {
         assert!(validate_name("").is_err());
         assert!(validate_name("a/b").is_err());
         assert!(validate_name(&"x".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn scrub_pipelines_are_checked() {
+        let with = |json: &str| {
+            serde_json::from_str::<Variant>(&format!(
+                r#"{{"name":"X","type":"gpu","vendor":"10de","device":"2330","scrub":{json}}}"#
+            ))
+        };
+        assert!(
+            with(r#"[{"action":"reset"},{"action":"verify_driver"}]"#)
+                .unwrap()
+                .validate()
+                .is_ok()
+        );
+        assert!(with("[]").unwrap().validate().is_err());
+        assert!(
+            with(r#"[{"action":"command","argv":[]}]"#)
+                .unwrap()
+                .validate()
+                .is_err()
+        );
+        assert!(
+            with(r#"[{"action":"command","argv":["x"],"timeout_secs":0}]"#)
+                .unwrap()
+                .validate()
+                .is_err()
+        );
+        assert!(with(r#"[{"action":"format_disk"}]"#).is_err());
     }
 
     #[test]

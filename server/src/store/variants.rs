@@ -15,6 +15,7 @@ struct VariantRow {
     subsystem: Option<String>,
     revision: Option<String>,
     description: Option<String>,
+    scrub: Option<String>,
 }
 
 impl VariantRow {
@@ -39,12 +40,18 @@ impl VariantRow {
                 .transpose()
                 .map_err(corrupt)?,
             description: self.description,
+            scrub: self
+                .scrub
+                .as_deref()
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(corrupt)?,
             name: self.name,
         })
     }
 }
 
-const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description";
+const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub";
 
 /// A page, newest first, and the total.
 pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
@@ -88,7 +95,7 @@ pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
 
 pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(&format!(
-        "INSERT INTO variants ({COLS}, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+        "INSERT INTO variants ({COLS}, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $9)"
     ))
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -99,6 +106,7 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(v.revision.map(|x| x.to_string()))
     .bind(&v.description)
     .bind(now_ms())
+    .bind(scrub_json(v)?)
     .execute(p)
     .await
     .map(|r| r.rows_affected()))
@@ -109,7 +117,7 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
 pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
-         subsystem = $6, revision = $7, description = $8 WHERE name = $1"
+         subsystem = $6, revision = $7, description = $8, scrub = $9 WHERE name = $1"
     )
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -119,6 +127,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(v.subsystem.map(|x| x.to_string()))
     .bind(v.revision.map(|x| x.to_string()))
     .bind(&v.description)
+    .bind(scrub_json(v)?)
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
@@ -159,4 +168,12 @@ pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
         return Err(StoreError::NotFound("variant"));
     }
     Ok(())
+}
+
+fn scrub_json(v: &Variant) -> StoreResult<Option<String>> {
+    v.scrub
+        .as_ref()
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(corrupt)
 }

@@ -69,8 +69,8 @@ pub async fn scrub_devices(
     let paths: Vec<DevicePath> = started.iter().filter_map(|m| m.id.parse().ok()).collect();
     let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
     let task = Task::Scrub {
+        pipelines: pipelines(ctx, server, &ids).await?,
         devices: paths,
-        pipelines: Default::default(),
     };
     let task_result = match agent_task::run_raw(ctx, server, job, task).await {
         Ok(r) => r,
@@ -139,4 +139,35 @@ pub async fn scrub_devices(
     } else {
         Err(format!("devices quarantined: {}", failed.join("; ")))
     }
+}
+
+/// Each device's pipeline from its variant; devices whose variant names none are left to
+/// the agent's default.
+async fn pipelines(
+    ctx: &Ctx,
+    server: ServerId,
+    ids: &[String],
+) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, String> {
+    let variants = crate::store::variants::list(&ctx.db)
+        .await
+        .map_err(|e| e.to_string())?;
+    let devs = devices::for_server(&ctx.db, server)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = std::collections::BTreeMap::new();
+    for d in devs {
+        let id = d.pci.id.to_string();
+        if !ids.contains(&id) {
+            continue;
+        }
+        let steps = d
+            .variant
+            .as_ref()
+            .and_then(|name| variants.iter().find(|v| &v.name == name))
+            .and_then(|v| v.scrub.clone());
+        if let Some(steps) = steps {
+            out.insert(id, steps);
+        }
+    }
+    Ok(out)
 }
