@@ -61,7 +61,9 @@ pub struct Account {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateAccount {
+    #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.@-]+$")]
     pub login: String,
+    #[schema(min_length = 8, max_length = 1024)]
     pub password: String,
     #[serde(default = "default_role")]
     pub role: Role,
@@ -86,6 +88,7 @@ where
 #[serde(deny_unknown_fields)]
 pub struct UpdateAccount {
     #[serde(default)]
+    #[schema(min_length = 8, max_length = 1024)]
     pub password: Option<String>,
     #[serde(default)]
     pub role: Option<Role>,
@@ -160,10 +163,18 @@ pub struct Package {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreatePackage {
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[^\\x00-\\x1f\\x7f]*[^\\s\\x00-\\x1f\\x7f][^\\x00-\\x1f\\x7f]*$"
+    )]
     pub name: String,
+    #[schema(minimum = 1, maximum = 1024)]
     pub vcpus: u32,
+    #[schema(minimum = 64, maximum = 16777216)]
     pub memory_mib: u64,
     #[serde(default)]
+    #[schema(maximum = 1048576)]
     pub disk_gib: u64,
     #[serde(default)]
     pub devices: BTreeMap<String, u32>,
@@ -245,6 +256,7 @@ pub struct Server {
 #[serde(deny_unknown_fields)]
 pub struct UpdateServer {
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
     pub hostname: Option<String>,
     /// `true` drains the server (no new placements), `false` puts it back in service.
     #[serde(default)]
@@ -256,6 +268,7 @@ pub struct UpdateServer {
 pub struct CreateJoinToken {
     /// How long the token admits a node; default one hour, at most a week.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 604800)]
     pub ttl_secs: Option<u64>,
     /// Re-admit this known server (after its credential was revoked or lost): it keeps
     /// its identity, devices and VMs.
@@ -322,6 +335,7 @@ pub struct Vm {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
+    #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.-]+$")]
     pub alias: String,
     /// A package uuid or name.
     #[serde(default)]
@@ -337,8 +351,10 @@ pub struct CreateVm {
     pub server_uuid: Option<ServerId>,
     /// Without a package: the VM's size (default 1 vCPU, 1024 MiB).
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1024)]
     pub vcpus: Option<u32>,
     #[serde(default)]
+    #[schema(minimum = 64, maximum = 16777216)]
     pub memory_mib: Option<u64>,
 }
 
@@ -480,9 +496,11 @@ pub struct ApiToken {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateApiToken {
+    #[schema(min_length = 1, max_length = 64, pattern = "\\S")]
     pub name: String,
     /// Lifetime; default 90 days, at most a year.
     #[serde(default)]
+    #[schema(minimum = 60, maximum = 31536000)]
     pub ttl_secs: Option<u64>,
 }
 
@@ -509,6 +527,7 @@ pub struct DeviceActionRequest {
     pub device: DevicePath,
     pub action: DeviceAction,
     /// Why: recorded in the device's history.
+    #[schema(min_length = 1, max_length = 512, pattern = "\\S")]
     pub reason: String,
 }
 

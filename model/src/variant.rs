@@ -44,6 +44,7 @@ impl DeviceType {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Variant {
+    #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.-]+$")]
     pub name: String,
     #[serde(rename = "type")]
     pub kind: DeviceType,
@@ -56,10 +57,12 @@ pub struct Variant {
     #[serde(default)]
     pub revision: Option<Revision>,
     #[serde(default)]
+    #[schema(max_length = 1024)]
     pub description: Option<String>,
     /// How its devices are cleaned between tenants; `null` = the agent's default for the
     /// device's class (GPUs: reset, vendor reset, memory zeroing, driver check).
     #[serde(default)]
+    #[schema(min_items = 1, max_items = 16)]
     pub scrub: Option<Vec<crate::protocol::ScrubAction>>,
 }
 

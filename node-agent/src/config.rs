@@ -9,9 +9,14 @@
 //! hypervisor = "qemu"
 //! heartbeat_secs = 10
 //! hostname = "cn-7"
+//! # Scrub tools (see `FileConfig`); each defaults as described there.
+//! nvidia_smi = "/usr/bin/nvidia-smi"
+//! gpu_zero_helper = "/usr/lib/passage/passage-gpu-zero"
+//! dev_dir = "/dev"
 //! ```
 
 use crate::hypervisor::HypervisorKind;
+use crate::scrub::ScrubOverrides;
 use serde::Deserialize;
 use std::fs;
 use std::io::{self, Read};
@@ -36,6 +41,17 @@ pub struct FileConfig {
     pub hypervisor: Option<HypervisorKind>,
     pub heartbeat_secs: Option<u64>,
     pub hostname: Option<String>,
+    /// The `nvidia-smi` the `nvidia_reset` scrub step runs. Default: `nvidia-smi` on the
+    /// agent's `PATH`; where there is none (or this file does not exist) the step is
+    /// reported as skipped.
+    pub nvidia_smi: Option<PathBuf>,
+    /// The program the `zero_gpu_memory` scrub step runs as `PROGRAM --bdf BDF` (exit 0:
+    /// the GPU's memory was zeroed and read back as zero). Default: `passage-gpu-zero` on
+    /// the agent's `PATH`; where there is none the step is reported as skipped.
+    pub gpu_zero_helper: Option<PathBuf>,
+    /// Where the `wipe_nvme_labels` scrub step finds the namespaces' block device nodes
+    /// (`DIR/nvme0n1`). Default: `/dev` (on a generated tree, the tree's own stand-ins).
+    pub dev_dir: Option<PathBuf>,
 }
 
 fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(
@@ -61,6 +77,12 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("config file {path}: heartbeat_secs must be between 1 and 3600, not {value}")]
     Heartbeat { path: PathBuf, value: u64 },
+    #[error("config file {path}: {key} must be an absolute path, not {value:?}")]
+    RelativePath {
+        path: PathBuf,
+        key: &'static str,
+        value: PathBuf,
+    },
     #[error("join token file {path}: {reason}")]
     Token { path: PathBuf, reason: String },
 }
@@ -97,7 +119,33 @@ impl FileConfig {
                 value: v,
             });
         }
+        for (key, value) in [
+            ("nvidia_smi", &cfg.nvidia_smi),
+            ("gpu_zero_helper", &cfg.gpu_zero_helper),
+            ("dev_dir", &cfg.dev_dir),
+        ] {
+            // Relative to whatever directory the service manager started the agent in
+            // would be a different program on another node.
+            if let Some(v) = value
+                && !v.is_absolute()
+            {
+                return Err(ConfigError::RelativePath {
+                    path: path.to_path_buf(),
+                    key,
+                    value: v.clone(),
+                });
+            }
+        }
         Ok(cfg)
+    }
+
+    /// The scrub settings, for [`crate::scrub::ScrubEnv::with_overrides`].
+    pub fn scrub_overrides(&self) -> ScrubOverrides {
+        ScrubOverrides {
+            nvidia_smi: self.nvidia_smi.clone(),
+            gpu_zero_helper: self.gpu_zero_helper.clone(),
+            dev_dir: self.dev_dir.clone(),
+        }
     }
 }
 
@@ -169,11 +217,21 @@ mod tests {
             hypervisor = "cloud-hypervisor"
             heartbeat_secs = 5
             hostname = "cn-1"
+            nvidia_smi = "/usr/bin/nvidia-smi"
+            gpu_zero_helper = "/opt/passage/passage-gpu-zero"
+            dev_dir = "/dev"
         "#;
         let c = FileConfig::parse(Path::new("a.toml"), text).unwrap();
         assert_eq!(c.server.as_deref(), Some("http://127.0.0.1:8080"));
         assert_eq!(c.hypervisor, Some(HypervisorKind::CloudHypervisor));
         assert_eq!(c.heartbeat_secs, Some(5));
+        let o = c.scrub_overrides();
+        assert_eq!(o.nvidia_smi, Some(PathBuf::from("/usr/bin/nvidia-smi")));
+        assert_eq!(
+            o.gpu_zero_helper,
+            Some(PathBuf::from("/opt/passage/passage-gpu-zero"))
+        );
+        assert_eq!(o.dev_dir, Some(PathBuf::from("/dev")));
         assert_eq!(
             FileConfig::parse(Path::new("a.toml"), "").unwrap(),
             FileConfig::default()
@@ -191,6 +249,9 @@ mod tests {
             "heartbeat_secs = 99999",
             "[[[",
             "server = \"a\"\nserver = \"b\"",
+            "nvidia_smi = \"bin/nvidia-smi\"",
+            "dev_dir = \"dev\"",
+            "gpu_zero_helper = 3",
         ] {
             let e = FileConfig::parse(Path::new("x.toml"), bad);
             assert!(e.is_err(), "{bad:?} accepted");

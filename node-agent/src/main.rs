@@ -144,6 +144,7 @@ fn main() -> ExitCode {
                 Ok(f) => f.unwrap_or_default(),
                 Err(e) => return fail(&e),
             };
+            let scrub = file.scrub_overrides();
             let Some(server_url) = server.or(file.server) else {
                 return fail(
                     &"no server URL: give --server, PASSAGE_SERVER or `server` in --config",
@@ -197,7 +198,7 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
             };
-            match rt.block_on(agent::run(cfg)) {
+            match rt.block_on(agent::run_with(cfg, scrub)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

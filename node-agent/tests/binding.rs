@@ -156,15 +156,22 @@ fn scrub_resets_and_verifies() {
     assert!(r.ok, "{r:?}");
     assert_eq!(
         r.steps.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
-        ["flr", "verify_driver"]
+        ["reset", "verify_driver"]
     );
     let log = std::fs::read_to_string(w.root.join(RESET_LOG)).unwrap();
     assert_eq!(log.trim(), w.gpus[0].address().to_string());
 
+    // Without its own reset the GPU's bridge is reset; without that either, it fails
+    // and the driver check is not run.
     let dir = w.root.join(w.gpus[1].to_string().trim_start_matches('/'));
     std::fs::remove_file(dir.join("reset")).unwrap();
     let r = scrub(ops.as_ref(), &w.gpus[1]);
+    assert!(r.ok, "{r:?}");
+    assert_eq!(r.steps[0].name, "bus_reset");
+    std::fs::remove_file(dir.parent().unwrap().join("reset")).unwrap();
+    let r = scrub(ops.as_ref(), &w.gpus[1]);
     assert!(!r.ok);
+    assert_eq!(r.steps.len(), 1);
     assert!(!r.steps[0].ok);
     assert!(r.steps[0].detail.as_deref().unwrap().contains("reset"));
 
@@ -229,6 +236,7 @@ fn executor_runs_a_vm_lifecycle() {
     // A failing scrub fails the task and still reports every device.
     let dir = w.root.join(devices[0].to_string().trim_start_matches('/'));
     std::fs::remove_file(dir.join("reset")).unwrap();
+    std::fs::remove_file(dir.parent().unwrap().join("reset")).unwrap();
     let r = exec.execute(&Task::Scrub {
         devices,
         pipelines: Default::default(),

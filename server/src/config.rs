@@ -19,6 +19,8 @@ pub struct Config {
     /// How long a job's lease lasts without renewal: after that another replica (or this
     /// one, restarted) takes the job over.
     pub job_lease: Duration,
+    /// Jobs this process runs at once; more wait their turn.
+    pub job_concurrency: usize,
     /// Failed-login throttling.
     pub login_limits: crate::services::login_guard::Limits,
     /// Placement policy for packages that do not name one.
@@ -44,6 +46,7 @@ impl Default for Config {
             pause_before: None,
             placement: crate::placement::Policy::Pack,
             login_limits: crate::services::login_guard::Limits::default(),
+            job_concurrency: 256,
             faults: Vec::new(),
         }
     }

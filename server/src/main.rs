@@ -38,6 +38,9 @@ struct Args {
     /// next, `spread` puts each VM where the most is free.
     #[arg(long, default_value = "pack", value_parser = ["pack", "spread"])]
     placement: String,
+    /// Jobs (provision, destroy, scrub…) this server runs at once; more wait their turn.
+    #[arg(long, default_value_t = 256)]
+    job_concurrency: usize,
     /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
     /// hypervisor) in this process.
     #[arg(long, default_value_t = 0)]
@@ -69,6 +72,7 @@ async fn main() -> std::process::ExitCode {
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
         placement: passage_server::placement::Policy::parse(&args.placement).unwrap_or_default(),
+        job_concurrency: args.job_concurrency.max(1),
         ..Config::default()
     };
     // Test only: make named job steps fail after their action, to exercise every undo.

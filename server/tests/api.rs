@@ -357,6 +357,44 @@ async fn bad_input(b: Backend) {
         .await;
     assert_invalid(st, &e, "state");
 
+    // Arrays are not objects, even where serde would take one field by field.
+    let (st, e) = s
+        .raw(
+            "POST",
+            "/v1/variants",
+            Some(&admin),
+            r#"["A","gpu","10de","2330"]"#,
+        )
+        .await;
+    assert_invalid(st, &e, "body");
+    // NUL never reaches the store (Postgres text cannot hold it).
+    let (st, e) = s
+        .raw(
+            "POST",
+            "/v1/variants",
+            Some(&admin),
+            r#"{"name":"A","type":"gpu","vendor":"10de","device":"2330","description":"a\u0000b"}"#,
+        )
+        .await;
+    assert_invalid(st, &e, "body");
+    let (st, _) = s
+        .raw(
+            "POST",
+            "/v1/auth/login",
+            None,
+            r#"{"login":"a\u0000","password":"x"}"#,
+        )
+        .await;
+    assert_eq!(st, 400);
+    let (st, e) = s
+        .call("GET", "/v1/vms?assigned_device=%00", Some(&admin), None)
+        .await;
+    assert_eq!(st, 400, "{e}");
+    let (st, _) = s
+        .call("GET", "/v1/variants/a%00b", Some(&admin), None)
+        .await;
+    assert_eq!(st, 404);
+
     // Oversize body: 413, whatever it holds.
     let big = format!(
         r#"{{"name":"{}","vcpus":1,"memory_mib":1024}}"#,

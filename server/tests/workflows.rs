@@ -125,7 +125,7 @@ async fn provision_and_destroy(b: Backend) {
             .as_array()
             .unwrap()
             .iter()
-            .any(|s| s["name"] == "flr" && s["ok"] == true)
+            .any(|s| s["name"] == "reset" && s["ok"] == true)
     );
     let unassigned_at = events[4]["at"].as_str().unwrap();
     assert!(r["at"].as_str().unwrap() <= unassigned_at);

@@ -23,12 +23,38 @@ const PROCESS_RUNS: usize = 50;
 pub fn run(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         Some("discovery") => discovery(),
+        Some("placement") => placement(&args[1..]),
         Some("-h" | "--help") | None => {
-            println!("usage: cargo xtask bench discovery");
+            println!(
+                "usage: cargo xtask bench discovery\n       cargo xtask bench placement \
+                 [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]"
+            );
             Ok(())
         }
-        Some(other) => bail!("unknown benchmark {other:?} (known: discovery)"),
+        Some(other) => bail!("unknown benchmark {other:?} (known: discovery, placement)"),
     }
+}
+
+/// VM creations through the HTTP API of a release `server` onto simulated nodes, then
+/// multi-GPU decisions in-process: `server/examples/bench_placement.rs` does the work.
+fn placement(args: &[String]) -> Result<()> {
+    println!("==> building server and the placement benchmark (release)");
+    util::run_checked(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "passage-server",
+        "--bin",
+        "server",
+        "--example",
+        "bench_placement",
+    ]))?;
+    let release = target_dir()?.join("release");
+    let mut cmd = Command::new(release.join("examples/bench_placement"));
+    cmd.arg("--server-bin")
+        .arg(release.join("server"))
+        .args(args);
+    util::run_checked(&mut cmd)
 }
 
 fn discovery() -> Result<()> {

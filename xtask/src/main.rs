@@ -4,9 +4,14 @@
 //! - `cargo xtask demo [--servers N] [--gpus G] [--model M] [--port P] [--reset]`: a local
 //!   control plane with simulated compute nodes.
 //! - `cargo xtask bench discovery`: PCI discovery timings next to pciutils' `lspci`.
+//! - `cargo xtask bench placement`: VM creations per second through the API, and
+//!   multi-GPU placement decisions.
+//! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
+//!   REST API fuzzed with Schemathesis against its own OpenAPI document.
 
 mod bench;
 mod demo;
+mod fuzz;
 mod http;
 mod test;
 mod util;
@@ -30,6 +35,16 @@ commands:
       --reset        delete .passage-demo/ first (new database, new password)
   bench discovery  time node-agent's PCI discovery on a ~300-function fake tree,
                    next to `lspci` on the same tree (builds node-agent --release)
+  bench placement [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]
+                   VM creations through the HTTP API onto simulated nodes (default
+                   1250 x 8 GPUs, 10000 VMs, 64 clients), then 4- and 8-GPU decisions
+  fuzz-api [options] [-- ARGS]
+                   fuzz the REST API with Schemathesis (installed with pip if missing)
+                   against a throwaway server; non-zero exit on any failure
+      --cases N            cases per API operation (default 1000)
+      --backend B          sqlite | postgres (default sqlite)
+      --max-minutes M      stop after M minutes with what was found (default 20)
+      --workers W          concurrent Schemathesis workers (default 2)
   help             this text
 ";
 
@@ -53,6 +68,7 @@ fn run(args: &[String]) -> Result<()> {
         "test" => test::run(rest),
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
+        "fuzz-api" => fuzz::run(rest),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())

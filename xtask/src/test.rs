@@ -225,7 +225,7 @@ fn drop_test_databases(url: &str) {
 }
 
 /// Makes sure the Postgres the tests use answers; starts the local cluster if it does not.
-fn ensure_postgres(url: &str) -> Result<()> {
+pub(crate) fn ensure_postgres(url: &str) -> Result<()> {
     let Some(addr) = pg_addr(url) else {
         println!("PASSAGE_TEST_PG_URL names no TCP host; not checking it");
         return Ok(());

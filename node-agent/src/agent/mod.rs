@@ -12,6 +12,7 @@ pub use tasks::Executor;
 
 use crate::host::{Binder, Discoverer, open_sysfs};
 use crate::hypervisor::{self, HypervisorKind};
+use crate::scrub::{ScrubEnv, ScrubOverrides};
 use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
 };
@@ -305,8 +306,14 @@ fn prepare_state_dir(dir: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Runs the agent until a fatal error or Ctrl-C.
+/// Runs the agent until a fatal error or Ctrl-C, with the default scrub tools.
 pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
+    run_with(cfg, ScrubOverrides::default()).await
+}
+
+/// [`run`] with the operator's scrub settings (kept out of [`AgentConfig`], which callers
+/// build field by field).
+pub async fn run_with(cfg: AgentConfig, scrub: ScrubOverrides) -> Result<(), AgentError> {
     let setup = {
         let cfg = cfg.clone();
         tokio::task::spawn_blocking(move || -> Result<tasks::Executor, AgentError> {
@@ -316,6 +323,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
             let ops = open_sysfs(&cfg.sysfs_root).map_err(|e| {
                 AgentError::Setup(format!("sysfs root {}: {e}", cfg.sysfs_root.display()))
             })?;
+            let scrub_env = ScrubEnv::for_sysfs(ops.as_ref()).with_overrides(&scrub);
             let binder = Binder::new(ops, &cfg.state_dir);
             match binder.reapply_bindings() {
                 Ok(failures) => {
@@ -325,7 +333,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                 }
                 Err(e) => error!(error = %e, "could not read the saved bindings"),
             }
-            Ok(tasks::Executor::new(binder, hv))
+            Ok(tasks::Executor::new(binder, hv).with_scrub_env(scrub_env))
         })
     };
     let executor = setup.await.map_err(blocking_err)??;

@@ -3,7 +3,7 @@
 
 use crate::host::Binder;
 use crate::hypervisor::Hypervisor;
-use crate::scrub::scrub;
+use crate::scrub::{ScrubEnv, scrub_for_task};
 use passage_model::DevicePath;
 use passage_model::protocol::{MAX_TASK_DEVICES, Task, TaskResult};
 use std::sync::Arc;
@@ -11,11 +11,25 @@ use std::sync::Arc;
 pub struct Executor {
     pub binder: Binder,
     pub hypervisor: Arc<dyn Hypervisor>,
+    /// The programs and block devices scrub steps use.
+    pub scrub_env: ScrubEnv,
 }
 
 impl Executor {
+    /// An executor whose scrubs use what suits the binder's tree
+    /// ([`ScrubEnv::for_sysfs`]: the host's tools, or none on a generated tree).
     pub fn new(binder: Binder, hypervisor: Arc<dyn Hypervisor>) -> Self {
-        Executor { binder, hypervisor }
+        let scrub_env = ScrubEnv::for_sysfs(binder.ops().as_ref());
+        Executor {
+            binder,
+            hypervisor,
+            scrub_env,
+        }
+    }
+
+    pub fn with_scrub_env(mut self, env: ScrubEnv) -> Self {
+        self.scrub_env = env;
+        self
     }
 
     /// Runs `task` (blocking: sysfs writes, hypervisor calls). Every failure becomes a
@@ -51,12 +65,15 @@ impl Executor {
                 Ok(()) => TaskResult::success(),
                 Err(e) => TaskResult::failure(e.to_string()),
             },
-            Task::Scrub { devices, .. } => {
+            Task::Scrub { devices, pipelines } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());
                 }
                 let ops = self.binder.ops();
-                let reports: Vec<_> = devices.iter().map(|d| scrub(ops.as_ref(), d)).collect();
+                let reports: Vec<_> = devices
+                    .iter()
+                    .map(|d| scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env))
+                    .collect();
                 let failed: Vec<String> = reports
                     .iter()
                     .filter(|r| !r.ok)

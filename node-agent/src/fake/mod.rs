@@ -5,4 +5,7 @@ mod kernel;
 mod tree;
 
 pub use kernel::{FakeKernel, RESET_LOG, native_driver};
-pub use tree::{FakeError, FakeOptions, FakeSpec, FakeTree, GpuModel, generate, generate_with};
+pub use tree::{
+    FAKE_DEV_DIR, FAKE_NVME_BYTES, FakeError, FakeOptions, FakeSpec, FakeTree, GpuModel, generate,
+    generate_with,
+};

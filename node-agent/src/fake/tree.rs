@@ -9,6 +9,13 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+/// The directory, at the root of a generated tree, that stands in for `/dev`: it holds a
+/// regular file for each NVMe namespace, so scrubbing a fake node's NVMe writes there and
+/// never to a real disk.
+pub const FAKE_DEV_DIR: &str = ".passage-fake-dev";
+/// The size of each fake NVMe namespace (a sparse file: it takes no disk space).
+pub const FAKE_NVME_BYTES: u64 = 16 << 20;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum GpuModel {
     V100,
@@ -499,6 +506,20 @@ impl Writer {
         Ok(())
     }
 
+    /// An NVMe controller's sysfs entries for its one namespace (`nvme/nvme0/nvme0n1`,
+    /// with `size` in 512-byte sectors and `dev`), and the namespace's stand-in device
+    /// node under [`FAKE_DEV_DIR`]. The generated world has one NVMe controller.
+    fn nvme(&self, dir: &Path) -> io::Result<()> {
+        let ns = dir.join("nvme/nvme0/nvme0n1");
+        fs::create_dir_all(&ns)?;
+        fs::write(ns.join("size"), format!("{}\n", FAKE_NVME_BYTES / 512))?;
+        fs::write(ns.join("dev"), "259:0\n")?;
+        fs::write(dir.join("nvme/nvme0/model"), "SAMSUNG MZQL23T8HCLS-00A07\n")?;
+        let dev = self.root.join(FAKE_DEV_DIR);
+        fs::create_dir_all(&dev)?;
+        fs::File::create(dev.join("nvme0n1"))?.set_len(FAKE_NVME_BYTES)
+    }
+
     /// `bus/pci/slots/<label>/address`: the slot's `domain:bus:device`.
     fn slot(&self, label: &str, a: PciAddress) -> io::Result<()> {
         let dir = self.root.join("bus/pci/slots").join(label);
@@ -583,6 +604,9 @@ impl Writer {
                 dir.join("aer_dev_correctable"),
                 aer_text(AER_CORRECTABLE, "COR"),
             )?;
+        }
+        if i.class == 0x010802 {
+            self.nvme(&dir)?;
         }
         if let Some(total) = f.sriov_total {
             fs::write(dir.join("sriov_totalvfs"), format!("{total}\n"))?;

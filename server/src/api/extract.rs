@@ -40,6 +40,17 @@ where
 }
 
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // Every body is an object; serde would also take an array, field by field in order.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid("body", "must be a JSON object"));
+    }
+    // Postgres text cannot hold NUL, and no name, alias or reason needs one.
+    if bytes.windows(6).any(|w| w.eq_ignore_ascii_case(b"\\u0000")) {
+        return Err(ApiError::invalid(
+            "body",
+            "strings may not contain NUL (\\u0000)",
+        ));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -115,13 +126,23 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryMap {
         }
         let map: HashMap<String, String> =
             serde_urlencoded::from_str(q).map_err(|e| ApiError::invalid("query", e.to_string()))?;
+        if let Some((k, _)) = map
+            .iter()
+            .find(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return Err(ApiError::invalid(
+                k.replace('\0', ""),
+                "may not contain NUL",
+            ));
+        }
         Ok(QueryMap(map))
     }
 }
 
 impl QueryMap {
+    /// An empty value (`?device=`) counts as absent, as HTML forms send them.
     pub fn get(&self, k: &str) -> Option<&str> {
-        self.0.get(k).map(String::as_str)
+        self.0.get(k).map(String::as_str).filter(|v| !v.is_empty())
     }
 
     pub fn parse<T: std::str::FromStr>(&self, k: &str) -> Result<Option<T>, ApiError> {

@@ -73,7 +73,7 @@ pub async fn logout(
 
 // ---- accounts ----
 
-#[utoipa::path(get, path = "/accounts", tag = "accounts", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Accounts, newest first", body = [Account]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/accounts", tag = "accounts", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Accounts, newest first", body = [Account]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_accounts(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -94,7 +94,7 @@ pub async fn create_account(
     Ok((StatusCode::CREATED, Json(a)).into_response())
 }
 
-#[utoipa::path(get, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -104,7 +104,7 @@ pub async fn get_account(
     Ok(Json(accounts::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(patch, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), request_body = UpdateAccount, responses((status = 200, description = "Updated", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(patch, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateAccount, responses((status = 200, description = "Updated", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn update_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -115,7 +115,7 @@ pub async fn update_account(
     Ok(Json(accounts::update(&ctx, &caller, uuid, req).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -128,7 +128,7 @@ pub async fn delete_account(
 
 // ---- variants ----
 
-#[utoipa::path(get, path = "/variants", tag = "variants", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Variants, newest first", body = [Variant]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/variants", tag = "variants", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Variants, newest first", body = [Variant]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_variants(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -181,7 +181,7 @@ pub async fn delete_variant(
 
 // ---- packages ----
 
-#[utoipa::path(get, path = "/packages", tag = "packages", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Packages, newest first", body = [Package]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/packages", tag = "packages", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Packages, newest first", body = [Package]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_packages(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -202,7 +202,7 @@ pub async fn create_package(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
-#[utoipa::path(get, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The package", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The package", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_package(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -212,7 +212,7 @@ pub async fn get_package(
     Ok(Json(catalog::get_package(&ctx, uuid).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_package(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -226,7 +226,7 @@ pub async fn delete_package(
 
 // ---- servers ----
 
-#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Compute nodes, newest first", body = [Server]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Compute nodes, newest first", body = [Server]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_servers(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -237,7 +237,7 @@ pub async fn list_servers(
     Ok(listed(items, total))
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_server(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -248,7 +248,7 @@ pub async fn get_server(
     Ok(Json(servers::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(patch, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), request_body = UpdateServer, responses((status = 200, description = "Updated", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(patch, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateServer, responses((status = 200, description = "Updated", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn update_server(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -276,7 +276,7 @@ pub async fn create_join_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn device_events(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -285,12 +285,15 @@ pub async fn device_events(
 ) -> ApiResult<Response> {
     caller.require_staff()?;
     let uuid: ServerId = id(&raw, "server")?;
-    let items = servers::device_events(&ctx, &caller, uuid, q.get("device")).await?;
+    let device = q
+        .parse::<passage_model::DevicePath>("device")?
+        .map(|d| d.to_string());
+    let items = servers::device_events(&ctx, &caller, uuid, device.as_deref()).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}/scrub-reports", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "Scrub reports, oldest first", body = [ScrubRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}/scrub-reports", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "Scrub reports, oldest first", body = [ScrubRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn scrub_reports(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -299,14 +302,17 @@ pub async fn scrub_reports(
 ) -> ApiResult<Response> {
     caller.require_staff()?;
     let uuid: ServerId = id(&raw, "server")?;
-    let items = servers::scrub_reports(&ctx, &caller, uuid, q.get("device")).await?;
+    let device = q
+        .parse::<passage_model::DevicePath>("device")?
+        .map(|d| d.to_string());
+    let items = servers::scrub_reports(&ctx, &caller, uuid, device.as_deref()).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
 // ---- vms and jobs ----
 
-#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip"), ("state" = Option<String>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, description = "Only on this server"), ("assigned_device" = Option<String>, Query, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first", body = [Vm]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip"), ("state" = Option<String>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only on this server"), ("assigned_device" = Option<String>, Query, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first", body = [Vm]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let state = match q.get("state") {
@@ -338,7 +344,7 @@ pub async fn create_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(get, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The VM", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The VM", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -348,7 +354,7 @@ pub async fn get_vm(
     Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -359,7 +365,7 @@ pub async fn delete_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(get, path = "/jobs/{uuid}", tag = "jobs", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 200, description = "The job and its steps", body = Job), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/jobs/{uuid}", tag = "jobs", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The job and its steps", body = Job), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn get_job(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -369,7 +375,7 @@ pub async fn get_job(
     Ok(Json(vms::job(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Jobs, newest first", body = [Job]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Jobs, newest first", body = [Job]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = vms::list_jobs(&ctx, &caller, limit, offset).await?;
@@ -395,7 +401,7 @@ pub async fn create_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-#[utoipa::path(delete, path = "/tokens/{uuid}", tag = "auth", params(("uuid" = String, Path, description = "The object's uuid")), responses((status = 204, description = "Revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/tokens/{uuid}", tag = "auth", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -415,21 +421,21 @@ pub async fn capacity(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Respo
     Ok(listed(items, n))
 }
 
-#[utoipa::path(get, path = "/alerts", tag = "operations", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "Alerts, newest first", body = [Alert]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/alerts", tag = "operations", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Alerts, newest first", body = [Alert]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn alerts(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = ops::alerts(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(get, path = "/audit", tag = "operations", params(("limit" = Option<u32>, Query, description = "1 to 1000 (default 1000)"), ("offset" = Option<u32>, Query, description = "items to skip")), responses((status = 200, description = "State-changing calls, newest first", body = [AuditEntry]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/audit", tag = "operations", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "State-changing calls, newest first", body = [AuditEntry]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn audit(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let (limit, offset) = q.page()?;
     let (items, total) = ops::audit(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(get, path = "/usage", tag = "operations", params(("owner_uuid" = Option<String>, Query, description = "Only this account (operators)"), ("from" = Option<String>, Query, description = "RFC 3339 start (default 30 days ago)"), ("to" = Option<String>, Query, description = "RFC 3339 end (default now)")), responses((status = 200, description = "GPU-hours", body = Usage), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/usage", tag = "operations", params(("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this account (operators)"), ("from" = Option<String>, Query, description = "RFC 3339 start (default 30 days ago)"), ("to" = Option<String>, Query, description = "RFC 3339 end (default now)")), responses((status = 200, description = "GPU-hours", body = Usage), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
     let time = |k: &str| -> ApiResult<Option<chrono::DateTime<chrono::Utc>>> {
         q.get(k)
@@ -453,7 +459,7 @@ pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiRe
     Ok(Json(u).into_response())
 }
 
-#[utoipa::path(post, path = "/servers/{uuid}/device-actions", tag = "servers", params(("uuid" = String, Path, description = "The object's uuid")), request_body = DeviceActionRequest, responses((status = 200, description = "The device's history after the action", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/servers/{uuid}/device-actions", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = DeviceActionRequest, responses((status = 200, description = "The device's history after the action", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn device_action(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -475,7 +481,7 @@ pub async fn placement_dry_run(
     Ok(Json(ops::dry_run(&ctx, &caller, &req.package).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/servers/{uuid}/credential", tag = "servers", params(("uuid" = String, Path, description = "The server's uuid")), responses((status = 204, description = "Revoked: the node's agent is refused until re-admitted"), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/servers/{uuid}/credential", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The server's uuid")), responses((status = 204, description = "Revoked: the node's agent is refused until re-admitted"), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn revoke_credential(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -487,7 +493,7 @@ pub async fn revoke_credential(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn stop_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -498,7 +504,7 @@ pub async fn stop_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/start", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), responses((status = 202, description = "Starting", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/start", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Starting", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn start_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -509,7 +515,7 @@ pub async fn start_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/resize", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), request_body = passage_model::api::ResizeVm, responses((status = 202, description = "Resizing (new devices reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/resize", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::ResizeVm, responses((status = 202, description = "Resizing (new devices reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn resize_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -521,7 +527,7 @@ pub async fn resize_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/migrate", tag = "vms", params(("uuid" = String, Path, description = "The VM's uuid")), request_body = passage_model::api::MigrateVm, responses((status = 202, description = "Migrating (devices on the target reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/migrate", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::MigrateVm, responses((status = 202, description = "Migrating (devices on the target reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn migrate_vm(
     State(ctx): State<Ctx>,
     caller: Caller,

@@ -87,8 +87,7 @@ pub async fn update(
         validate_quota(q)?;
     }
     if uuid == caller.account.uuid && req.role.is_some_and(|r| r != caller.account.role) {
-        return Err(ApiError::invalid(
-            "role",
+        return Err(ApiError::invalid_state(
             "you cannot change your own role (ask another operator)",
         ));
     }

@@ -68,7 +68,7 @@ fn decoy_hash() -> &'static str {
 
 pub fn validate_password(field: &str, pw: &str) -> ApiResult<()> {
     let n = pw.chars().count();
-    if n < passage_model::api::MIN_PASSWORD_LEN || pw.len() > MAX_PASSWORD_LEN {
+    if !(passage_model::api::MIN_PASSWORD_LEN..=MAX_PASSWORD_LEN).contains(&n) {
         return Err(ApiError::invalid(
             field,
             format!(

@@ -29,8 +29,14 @@ pub async fn create_variant(ctx: &Ctx, caller: &Caller, v: Variant) -> ApiResult
     Ok(variants::get(&ctx.db, &v.name).await?)
 }
 
+/// A name no variant can have names none: 404 before the store sees it.
+fn known_shape(name: &str) -> ApiResult<()> {
+    passage_model::variant::validate_name(name).map_err(|_| ApiError::not_found("variant"))
+}
+
 pub async fn put_variant(ctx: &Ctx, caller: &Caller, name: &str, v: Variant) -> ApiResult<Variant> {
     caller.require_operator()?;
+    known_shape(name)?;
     check_variant(&v)?;
     if v.name != name {
         return Err(ApiError::invalid(
@@ -45,6 +51,7 @@ pub async fn put_variant(ctx: &Ctx, caller: &Caller, name: &str, v: Variant) -> 
 
 pub async fn get_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<Variant> {
     caller.require_staff()?;
+    known_shape(name)?;
     Ok(variants::get(&ctx.db, name).await?)
 }
 
@@ -60,6 +67,7 @@ pub async fn list_variants(
 
 pub async fn delete_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<()> {
     caller.require_operator()?;
+    known_shape(name)?;
     variants::delete(&ctx.db, name).await?;
     recompute(ctx).await
 }

@@ -30,6 +30,8 @@ pub struct Services {
     /// Jobs this process is running now (never two runners for one job here).
     pub running_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
     pub login_guard: login_guard::LoginGuard,
+    /// Jobs that may run at once in this process.
+    pub job_permits: Arc<tokio::sync::Semaphore>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -37,6 +39,7 @@ pub type Ctx = Arc<Services>;
 impl Services {
     pub fn new(db: Db, cfg: Config) -> Ctx {
         let cfg_limits = cfg.login_limits.clone();
+        let job_concurrency = cfg.job_concurrency.max(1);
         Arc::new(Services {
             db,
             cfg,
@@ -46,6 +49,7 @@ impl Services {
             instance: uuid::Uuid::new_v4().to_string(),
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
             login_guard: login_guard::LoginGuard::new(cfg_limits),
+            job_permits: Arc::new(tokio::sync::Semaphore::new(job_concurrency)),
         })
     }
 

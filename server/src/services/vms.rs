@@ -136,6 +136,7 @@ async fn place_and_reserve(
     let variants: Vec<String> = package.devices.keys().cloned().collect();
     let mut avoid = Vec::new();
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
+        let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {
             any_running_server(ctx)
                 .await?
@@ -144,13 +145,15 @@ async fn place_and_reserve(
                     devices: Vec::new(),
                 })
         } else {
-            let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
-            placement::choose(
-                &cands,
-                &package.devices,
-                &avoid,
-                package.placement.unwrap_or(ctx.cfg.placement),
-            )
+            match hinted_choice(ctx, &package.devices, &variants, &avoid, policy).await? {
+                Some(c) => Some(c),
+                // The index is a hint: before saying no, look at every device.
+                None => {
+                    let cands =
+                        devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+                    placement::choose(&cands, &package.devices, &avoid, policy)
+                }
+            }
         };
         let Some(choice) = choice else {
             let err = insufficient(&package.devices);
@@ -194,6 +197,39 @@ async fn place_and_reserve(
     Err(ApiError::conflict(
         "too many concurrent provisions for the same devices; try again",
     ))
+}
+
+/// Servers that fit come from the free-device index (fewest free first for pack, most
+/// for spread); servers that tie are tried in random order, so concurrent requests spread
+/// over them instead of all racing for the same devices.
+async fn hinted_choice(
+    ctx: &Ctx,
+    request: &BTreeMap<String, u32>,
+    variants: &[String],
+    avoid: &[passage_model::ServerId],
+    policy: placement::Policy,
+) -> ApiResult<Option<placement::Placement>> {
+    use rand::seq::SliceRandom;
+    let Some((primary, &count)) = request.iter().max_by_key(|(_, n)| **n) else {
+        return Ok(None);
+    };
+    let spread = policy == placement::Policy::Spread;
+    let mut servers =
+        devices::hinted_servers(&ctx.db, primary, count, ctx.alive_after_ms(), spread, 32).await?;
+    servers.retain(|(s, _)| !avoid.contains(s));
+    let mut order: Vec<passage_model::ServerId> = Vec::with_capacity(servers.len());
+    for tie in servers.chunk_by(|a, b| a.1 == b.1) {
+        let mut group: Vec<_> = tie.iter().map(|(s, _)| *s).collect();
+        group.shuffle(&mut rand::thread_rng());
+        order.extend(group);
+    }
+    for server in order.into_iter().take(8) {
+        let cands = devices::candidates_on(&ctx.db, server, variants).await?;
+        if let Some(p) = placement::choose(&cands, request, &[], policy) {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
 }
 
 /// For a VM without devices: a server without GPUs first, else the one with fewest.

@@ -186,6 +186,9 @@ pub trait DeviceTx {
         vm: Option<VmId>,
         reason: &str,
     ) -> impl Future<Output = StoreResult<Vec<Moved>>> + Send;
+
+    /// Recounts the server's free devices per variant into `free_devices`.
+    fn refresh_free(&mut self, server: ServerId) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 macro_rules! impl_device_tx {
@@ -282,7 +285,30 @@ macro_rules! impl_device_tx {
                         to,
                     });
                 }
+                if !moved.is_empty() {
+                    self.refresh_free(server).await?;
+                }
                 Ok(moved)
+            }
+
+            async fn refresh_free(&mut self, server: ServerId) -> StoreResult<()> {
+                // Zero first, then count: a variant with no free device left keeps a row
+                // of 0, and concurrent writers on one server queue on these rows.
+                sqlx::query("UPDATE free_devices SET free = 0 WHERE server_uuid = $1")
+                    .bind(server.to_string())
+                    .execute(&mut **self)
+                    .await?;
+                sqlx::query(
+                    "INSERT INTO free_devices (server_uuid, variant, free) \
+                     SELECT server_uuid, variant, COUNT(*) FROM devices \
+                     WHERE server_uuid = $1 AND variant IS NOT NULL AND state = 'unassigned' \
+                     AND missing = 0 AND taint IS NULL GROUP BY server_uuid, variant \
+                     ON CONFLICT (server_uuid, variant) DO UPDATE SET free = excluded.free",
+                )
+                .bind(server.to_string())
+                .execute(&mut **self)
+                .await?;
+                Ok(())
             }
         }
     };
@@ -420,6 +446,7 @@ pub async fn apply_inventory(
             .execute(&mut *tx)
             .await?;
         }
+        tx.refresh_free(server).await?;
         Ok(())
     })
 }
@@ -439,6 +466,8 @@ pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u6
         }
     }
     let n = changes.len() as u64;
+    let servers: std::collections::BTreeSet<String> =
+        changes.iter().map(|(s, _, _)| s.clone()).collect();
     in_tx!(db, |tx| {
         for (server, id, variant) in &changes {
             sqlx::query(
@@ -450,6 +479,9 @@ pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u6
             .bind(variant)
             .execute(&mut *tx)
             .await?;
+        }
+        for server in &servers {
+            tx.refresh_free(parse_uuid(server, "server")?).await?;
         }
         Ok(())
     })?;
@@ -489,14 +521,72 @@ pub async fn dirty_before(
 
 /// Clears a device's taint; false if it had none.
 pub async fn clear_taint(db: &Db, server: ServerId, id: &str) -> StoreResult<bool> {
-    let n = crate::on_write!(db, |p| sqlx::query(
-        "UPDATE devices SET taint = NULL, generation = generation + 1 \
-         WHERE server_uuid = $1 AND id = $2 AND taint IS NOT NULL AND missing = 0"
+    in_tx!(db, |tx| {
+        let n = sqlx::query(
+            "UPDATE devices SET taint = NULL, generation = generation + 1 \
+             WHERE server_uuid = $1 AND id = $2 AND taint IS NOT NULL AND missing = 0",
+        )
+        .bind(server.to_string())
+        .bind(id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.refresh_free(server).await?;
+        Ok(n == 1)
+    })
+}
+
+/// Up to `limit` servers in service, heard from since `alive_after_ms`, with at least
+/// `at_least` free devices of `variant`: fewest free first (pack) or most (spread).
+pub async fn hinted_servers(
+    db: &Db,
+    variant: &str,
+    at_least: u32,
+    alive_after_ms: i64,
+    spread: bool,
+    limit: i64,
+) -> StoreResult<Vec<(ServerId, i64)>> {
+    let order = if spread { "DESC" } else { "ASC" };
+    let sql = format!(
+        "SELECT f.server_uuid, f.free FROM free_devices f \
+         JOIN servers s ON s.uuid = f.server_uuid \
+         WHERE f.variant = $1 AND f.free >= $2 AND s.last_heartbeat >= $3 \
+         AND s.disabled = 0 ORDER BY f.free {order} LIMIT $4"
+    );
+    let rows: Vec<(String, i64)> = on_read!(db, |p| sqlx::query_as(&sql)
+        .bind(variant)
+        .bind(i64::from(at_least))
+        .bind(alive_after_ms)
+        .bind(limit)
+        .fetch_all(p)
+        .await)?;
+    rows.iter()
+        .map(|(s, n)| Ok((parse_uuid(s, "server")?, *n)))
+        .collect()
+}
+
+/// The placeable devices of these variants on one server.
+pub async fn candidates_on(
+    db: &Db,
+    server: ServerId,
+    variants: &[String],
+) -> StoreResult<Vec<Candidate>> {
+    let rows: Vec<(String, String, Option<i64>)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT id, variant, numa_node FROM devices WHERE server_uuid = $1 \
+         AND state = 'unassigned' AND missing = 0 AND taint IS NULL AND variant IS NOT NULL"
     )
     .bind(server.to_string())
-    .bind(id)
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    Ok(n == 1)
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .filter(|(_, v, _)| variants.contains(v))
+        .map(|(id, variant, numa)| {
+            Ok(Candidate {
+                server_uuid: server,
+                id: id.parse().map_err(corrupt)?,
+                variant,
+                numa_node: numa.and_then(|n| u32::try_from(n).ok()),
+            })
+        })
+        .collect()
 }

@@ -267,7 +267,7 @@ pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {
     let rows: Vec<String> = on_read!(db, |p| sqlx::query_scalar(
         "SELECT uuid FROM jobs WHERE state IN ('queued', 'running') \
          AND ((lease_until IS NULL AND created_at < $2) OR lease_until < $1) \
-         ORDER BY created_at"
+         ORDER BY created_at LIMIT 500"
     )
     .bind(now)
     .bind(now - grace_ms)

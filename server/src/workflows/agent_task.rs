@@ -37,7 +37,7 @@ pub async fn run_raw(
         .await
         .map_err(|e| format!("could not queue {name}: {e}"))?;
     ctx.tasks_queued.notify_waiters();
-    let deadline = tokio::time::Instant::now() + ctx.cfg.task_timeout;
+    let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
     loop {
         let done = ctx.task_done.notified();
         match tasks::result(&ctx.db, id).await {
@@ -48,10 +48,21 @@ pub async fn run_raw(
         if tokio::time::Instant::now() >= deadline {
             return Err(format!(
                 "the node did not answer {name} within {} s",
-                ctx.cfg.task_timeout.as_secs()
+                timeout_for(ctx, &task).as_secs()
             ));
         }
         // Polling as well covers a result given to another replica.
         let _ = tokio::time::timeout(Duration::from_millis(500), done).await;
+    }
+}
+
+/// A scrub runs a pipeline per device (a vendor reset alone may take a minute, memory
+/// zeroing several): it gets 15 minutes per device on top of the usual limit.
+fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
+    match task {
+        Task::Scrub { devices, .. } => {
+            ctx.cfg.task_timeout + Duration::from_secs(900) * devices.len().max(1) as u32
+        }
+        _ => ctx.cfg.task_timeout,
     }
 }

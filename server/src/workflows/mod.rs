@@ -88,9 +88,13 @@ pub fn spawn(ctx: Ctx, job: JobId) {
         return;
     }
     tokio::spawn(async move {
+        // Bounded: a burst of provisions queues here instead of flooding the database
+        // and the agents; the semaphore is never closed.
+        let permit = ctx.job_permits.clone().acquire_owned().await;
         if let Err(e) = run(&ctx, job).await {
             tracing::error!(%job, error = %e, "job runner failed");
         }
+        drop(permit);
         if let Ok(mut set) = ctx.running_jobs.lock() {
             set.remove(&job);
         }

@@ -1,0 +1,891 @@
+//! `cargo xtask fuzz-api`: property-based fuzzing of the REST API with Schemathesis,
+//! driven by the OpenAPI document the server serves at `/v1/openapi.json`.
+//!
+//! 1. makes sure the pinned Schemathesis is installed (`python3 -m pip install`);
+//! 2. builds `server`, starts it on a free loopback port with a throwaway database (SQLite
+//!    in a temp folder, or a fresh `passage_fuzz_<random>` PostgreSQL database) and two
+//!    simulated compute nodes, logs in as `admin`, creates a variant and a package, and
+//!    makes an API token for the fuzzer (API tokens outlive password changes, which end
+//!    login sessions);
+//! 3. runs `schemathesis run` with every check, N cases per operation and all phases
+//!    (examples, coverage, fuzzing, stateful over the links it infers), leaving out the two
+//!    operations that would revoke the fuzzer's own token (`POST /v1/auth/logout`,
+//!    `DELETE /v1/tokens/{uuid}`) and the one that would cut off the simulated nodes
+//!    (`DELETE /v1/servers/{uuid}/credential`);
+//! 4. prints a summary, stops the server, and fails on any failure; on failure the temp
+//!    folder (server log, Schemathesis output and JUnit report) is kept and named.
+
+use crate::http::{Client, Response, truncate};
+use crate::util::{self, cargo, secs};
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::json;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The Schemathesis release this runner was written and checked against (flags differ
+/// between 3.x and 4.x; 4.x runs the stateful phase by itself when it can infer links).
+const SCHEMATHESIS_VERSION: &str = "4.32.5";
+const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+const PING_WAIT: Duration = Duration::from_secs(60);
+const NODES_WAIT: Duration = Duration::from_secs(30);
+/// How long Schemathesis gets to print its summary after SIGINT.
+const INTERRUPT_GRACE: Duration = Duration::from_secs(60);
+/// `operationId`s left out: the first two would revoke the token the fuzzer runs with;
+/// the third revokes a node's credential, which stops the simulated nodes for the rest of
+/// the run (and with them every placement).
+const EXCLUDED_OPERATIONS: &[&str] = &["logout", "delete_token", "revoke_credential"];
+
+const HELP: &str = "\
+usage: cargo xtask fuzz-api [options] [-- ARGS FOR `schemathesis run`]
+
+  --cases N            test cases per API operation (default 1000)
+  --backend B          sqlite | postgres (default sqlite); postgres makes a database
+                       passage_fuzz_<random> on PASSAGE_TEST_PG_URL
+                       (default postgres://postgres@127.0.0.1:5432/postgres), dropped after
+  --max-minutes M      stop Schemathesis after M minutes and report what it found so far
+                       (default 20)
+  --workers W          concurrent Schemathesis workers (default 2)
+
+Installs schemathesis==4.32.5 with pip if needed. Exits non-zero on any failure and
+then keeps its temp folder (server log, Schemathesis output, JUnit report).
+Example: cargo xtask fuzz-api --cases 50 -- --seed 1 --phases fuzzing
+";
+
+#[derive(Clone, Copy, PartialEq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+struct Options {
+    cases: u32,
+    backend: Backend,
+    max_minutes: u64,
+    workers: u32,
+    passthrough: Vec<String>,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        cases: 1000,
+        backend: Backend::Sqlite,
+        max_minutes: 20,
+        workers: 2,
+        passthrough: Vec::new(),
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            o.passthrough = it.cloned().collect();
+            break;
+        }
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = |name: &str| -> Result<String> {
+            match &inline {
+                Some(v) => Ok(v.clone()),
+                None => it
+                    .next()
+                    .cloned()
+                    .ok_or_else(|| anyhow!("{name} needs a value")),
+            }
+        };
+        match flag {
+            "--cases" => {
+                o.cases = value(flag)?
+                    .parse()
+                    .context("--cases takes a whole number")?;
+                if o.cases == 0 {
+                    bail!("--cases must be at least 1");
+                }
+            }
+            "--backend" => {
+                o.backend = match value(flag)?.as_str() {
+                    "sqlite" => Backend::Sqlite,
+                    "postgres" | "postgresql" => Backend::Postgres,
+                    other => bail!("--backend must be sqlite or postgres, not {other:?}"),
+                }
+            }
+            "--max-minutes" => {
+                o.max_minutes = value(flag)?
+                    .parse()
+                    .context("--max-minutes takes a whole number")?;
+                if o.max_minutes == 0 {
+                    bail!("--max-minutes must be at least 1");
+                }
+            }
+            "--workers" => {
+                o.workers = value(flag)?
+                    .parse()
+                    .context("--workers takes a whole number")?;
+                if !(1..=64).contains(&o.workers) {
+                    bail!("--workers must be 1 to 64");
+                }
+            }
+            "-h" | "--help" => {
+                print!("{HELP}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown fuzz-api option {other:?} (try `cargo xtask fuzz-api --help`)"),
+        }
+    }
+    Ok(o)
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    let opts = parse(args)?;
+    let started = Instant::now();
+
+    // Ctrl-C (or a SIGTERM to us) stops Schemathesis early; it still prints its summary
+    // and we still stop the server. Registering a handler also means the children start
+    // with the default disposition even when we were started with SIGINT ignored.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .context("cannot install a signal handler")?;
+    }
+
+    println!("==> schemathesis");
+    ensure_schemathesis()?;
+
+    println!("==> building the server");
+    util::run_checked(cargo().args(["build", "-p", "passage-server", "--bin", "server"]))?;
+    let server_bin = util::target_dir()?.join("debug/server");
+    if !server_bin.is_file() {
+        bail!("{} was not built", server_bin.display());
+    }
+
+    let mut run = FuzzRun::new()?;
+    println!("work folder: {}", run.dir.display());
+
+    let database = match opts.backend {
+        Backend::Sqlite => format!("sqlite://{}", run.dir.join("passage.db").display()),
+        Backend::Postgres => run.create_pg_database()?,
+    };
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let password = random_hex(16)?;
+    println!(
+        "==> starting the server on http://{addr} ({})",
+        redact(&database)
+    );
+    run.start_server(&server_bin, &addr, &database, &password)?;
+    let mut api = Client::new(&addr);
+    run.wait_for_ping(&api, &stop)?;
+
+    println!("==> seeding: admin login, variant, package, API token");
+    let login = api.post(
+        "/v1/auth/login",
+        Some(&json!({"login": "admin", "password": password})),
+    )?;
+    let session = expect(&login, 200, "log in as admin")?["token"]
+        .as_str()
+        .ok_or_else(|| anyhow!("login answer has no token"))?
+        .to_string();
+    api.set_token(&session);
+    let r = api.post(
+        "/v1/variants",
+        Some(&json!({"name": "NVIDIA_H100", "type": "gpu", "vendor": "10de", "device": "2330"})),
+    )?;
+    expect(&r, 201, "create the variant NVIDIA_H100")?;
+    let r = api.post(
+        "/v1/packages",
+        Some(&json!({
+            "name": "gpu-1x", "vcpus": 2, "memory_mib": 2048,
+            "devices": {"NVIDIA_H100": 1}
+        })),
+    )?;
+    expect(&r, 201, "create the package gpu-1x")?;
+    let r = api.post("/v1/tokens", Some(&json!({"name": "fuzz"})))?;
+    let token = expect(&r, 201, "create an API token")?["token"]
+        .as_str()
+        .ok_or_else(|| anyhow!("token answer has no secret"))?
+        .to_string();
+    api.set_token(&token);
+    wait_for_nodes(&api, &stop)?;
+
+    println!(
+        "==> schemathesis run: {} case(s) per operation, all checks, {} worker(s), \
+         at most {} min",
+        opts.cases, opts.workers, opts.max_minutes
+    );
+    let fuzz_started = Instant::now();
+    let outcome = run.schemathesis(&opts, &addr, &token, &stop)?;
+    let fuzz_time = fuzz_started.elapsed();
+
+    // The fuzzer must not have lost its own credentials part way through.
+    let token_alive = api.get("/v1/tokens").map(|r| r.status == 200).ok();
+    let server_exit = run.server_exit();
+    let panics = count_panics(&run.server_log);
+
+    println!();
+    println!("==> summary");
+    println!(
+        "schemathesis {SCHEMATHESIS_VERSION}: {} case(s)/operation, {} (exit {})",
+        opts.cases,
+        secs(fuzz_time),
+        outcome
+            .exit
+            .map_or_else(|| "killed".to_string(), |c| c.to_string())
+    );
+    for line in &outcome.summary {
+        println!("  {line}");
+    }
+    if !outcome.failures.is_empty() {
+        println!("failures by operation:");
+        for (op, checks) in &outcome.failures {
+            println!("  {op}");
+            for c in checks {
+                println!("      {c}");
+            }
+        }
+    }
+    let mut problems = Vec::new();
+    if outcome.timed_out {
+        problems.push(format!(
+            "stopped at the time limit ({} min): results are partial",
+            opts.max_minutes
+        ));
+    }
+    if outcome.interrupted {
+        problems.push("interrupted".to_string());
+    }
+    if outcome.exit != Some(0) && !outcome.timed_out && !outcome.interrupted {
+        problems.push("schemathesis reported failures or errors".to_string());
+    }
+    if outcome.timed_out && outcome.found_failures {
+        problems.push("schemathesis reported failures before the time limit".to_string());
+    }
+    if let Some(status) = server_exit {
+        problems.push(format!("the server exited during the run ({status})"));
+    }
+    if panics > 0 {
+        problems.push(format!("the server log has {panics} panic(s)"));
+    }
+    if token_alive == Some(false) {
+        problems
+            .push("the fuzzer's API token no longer works: later results may be 401s".to_string());
+    }
+    println!("total time: {}", secs(started.elapsed()));
+
+    // A time limit reached with nothing found is a pass; anything else that went wrong
+    // is a failure.
+    let failed = problems
+        .iter()
+        .any(|p| !p.starts_with("stopped at the time limit"));
+    for p in &problems {
+        println!("- {p}");
+    }
+    drop(api);
+    run.stop_server();
+    if failed {
+        run.keep = true;
+        println!("server log:          {}", run.server_log.display());
+        println!(
+            "schemathesis output: {}",
+            run.dir.join("schemathesis.log").display()
+        );
+        println!("reports:             {}", run.dir.join("reports").display());
+        println!(
+            "(reproductions print `Authorization: [Filtered]`: use a token of your own, \
+             or -- --output-sanitize false)"
+        );
+        bail!("API fuzzing found problems");
+    }
+    println!("no failures");
+    Ok(())
+}
+
+/// Installs the pinned Schemathesis unless `python3 -m schemathesis.cli` is that version.
+fn ensure_schemathesis() -> Result<()> {
+    let installed = installed_schemathesis();
+    if installed.as_deref() == Some(SCHEMATHESIS_VERSION) {
+        println!("schemathesis {SCHEMATHESIS_VERSION} is installed");
+        return Ok(());
+    }
+    match &installed {
+        Some(v) => println!("schemathesis {v} is installed; installing {SCHEMATHESIS_VERSION}"),
+        None => println!("schemathesis is not installed; installing {SCHEMATHESIS_VERSION}"),
+    }
+    util::run_checked(Command::new("python3").args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--quiet",
+        &format!("schemathesis=={SCHEMATHESIS_VERSION}"),
+    ]))
+    .context("installing schemathesis (needs python3 with pip)")?;
+    match installed_schemathesis() {
+        Some(v) if v == SCHEMATHESIS_VERSION => Ok(()),
+        Some(v) => bail!("pip installed schemathesis {v}, not {SCHEMATHESIS_VERSION}"),
+        None => bail!("`python3 -m schemathesis.cli --version` still fails after pip install"),
+    }
+}
+
+/// The version `python3 -m schemathesis.cli --version` reports, if it runs.
+fn installed_schemathesis() -> Option<String> {
+    let out = Command::new("python3")
+        .args(["-m", "schemathesis.cli", "--version"])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    // "python -m schemathesis.cli, version 4.32.5"
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split("version")
+        .nth(1)
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+struct Outcome {
+    exit: Option<i32>,
+    timed_out: bool,
+    interrupted: bool,
+    found_failures: bool,
+    /// Schemathesis' own summary: its failure counts and test-case totals.
+    summary: Vec<String>,
+    /// Each failing operation with the checks it failed.
+    failures: Vec<(String, Vec<String>)>,
+}
+
+/// One run's temp folder, server and database; dropping it stops and removes them.
+struct FuzzRun {
+    dir: PathBuf,
+    server: Option<Child>,
+    server_log: PathBuf,
+    /// `(admin URL, database name)` of a Postgres database to drop at the end.
+    pg: Option<(String, String)>,
+    keep: bool,
+}
+
+impl FuzzRun {
+    fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("passage-fuzz-{}", random_hex(4)?));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        Ok(Self {
+            server_log: dir.join("server.log"),
+            dir,
+            server: None,
+            pg: None,
+            keep: false,
+        })
+    }
+
+    fn create_pg_database(&mut self) -> Result<String> {
+        let admin_url = std::env::var("PASSAGE_TEST_PG_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| DEFAULT_PG_URL.to_string());
+        crate::test::ensure_postgres(&admin_url)?;
+        let name = format!("passage_fuzz_{}", random_hex(6)?);
+        let out = Command::new("psql")
+            .args([&admin_url, "-qc", &format!("CREATE DATABASE {name}")])
+            .stdin(Stdio::null())
+            .output()
+            .context("cannot run psql (apt-get install postgresql-client)")?;
+        if !out.status.success() {
+            bail!(
+                "CREATE DATABASE {name} failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        println!("created database {name}");
+        self.pg = Some((admin_url.clone(), name.clone()));
+        with_database(&admin_url, &name)
+    }
+
+    fn start_server(&mut self, bin: &Path, addr: &str, database: &str, pw: &str) -> Result<()> {
+        let out = File::create(&self.server_log)
+            .with_context(|| format!("cannot create {}", self.server_log.display()))?;
+        let err = out.try_clone()?;
+        let mut cmd = Command::new(bin);
+        cmd.current_dir(&self.dir)
+            .args(["--listen", addr, "--database", database])
+            .args(["--sim-servers", "2", "--sim-gpus", "8", "--sim-dir"])
+            .arg(self.dir.join("sim"))
+            .env("PASSAGE_ADMIN_PASSWORD", pw)
+            .env_remove("PASSAGE_LISTEN")
+            .env_remove("PASSAGE_DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", util::show(&cmd)))?;
+        self.server = Some(child);
+        Ok(())
+    }
+
+    fn wait_for_ping(&mut self, api: &Client, stop: &AtomicBool) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                bail!("interrupted");
+            }
+            if let Some(status) = self.server_exit() {
+                self.keep = true;
+                bail!(
+                    "the server exited ({status}) before answering; see {}:\n{}",
+                    self.server_log.display(),
+                    log_tail(&self.server_log)
+                );
+            }
+            if let Ok(r) = api.get("/v1/ping")
+                && r.status == 200
+            {
+                return Ok(());
+            }
+            if start.elapsed() > PING_WAIT {
+                self.keep = true;
+                bail!(
+                    "the server did not answer /v1/ping within {} s; see {}",
+                    PING_WAIT.as_secs(),
+                    self.server_log.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// How the server ended, if it has.
+    fn server_exit(&mut self) -> Option<String> {
+        let child = self.server.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(status)) => Some(status.to_string()),
+            _ => None,
+        }
+    }
+
+    /// SIGTERM (the server shuts down gracefully on it), SIGKILL after 5 s.
+    fn stop_server(&mut self) {
+        let Some(mut child) = self.server.take() else {
+            return;
+        };
+        if let Ok(None) = child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    fn schemathesis(
+        &self,
+        opts: &Options,
+        addr: &str,
+        token: &str,
+        stop: &AtomicBool,
+    ) -> Result<Outcome> {
+        let reports = self.dir.join("reports");
+        let mut cmd = Command::new("python3");
+        // Its example database (.hypothesis/, .schemathesis/) goes in the temp folder.
+        cmd.current_dir(&self.dir)
+            .args(["-m", "schemathesis.cli", "run"])
+            .arg(format!("http://{addr}/v1/openapi.json"))
+            .args(["--header", &format!("Authorization: Bearer {token}")])
+            .args(["--checks", "all"])
+            .args(["--max-examples", &opts.cases.to_string()])
+            .args(["--workers", &opts.workers.to_string()]);
+        for op in EXCLUDED_OPERATIONS {
+            cmd.args(["--exclude-operation-id", op]);
+        }
+        cmd.args(["--no-color", "--report", "junit", "--report-dir"])
+            .arg(&reports)
+            .args(&opts.passthrough)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let shown = util::show(&cmd).replace(token, "$TOKEN");
+        println!("{shown}");
+        let mut child = cmd
+            .spawn()
+            .context("cannot start `python3 -m schemathesis.cli run`")?;
+
+        // Echo both streams and keep them in schemathesis.log.
+        let log_path = self.dir.join("schemathesis.log");
+        let log = Arc::new(std::sync::Mutex::new(
+            File::create(&log_path)
+                .with_context(|| format!("cannot create {}", log_path.display()))?,
+        ));
+        let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let mut pumps = Vec::new();
+        let streams: [Option<Box<dyn Read + Send>>; 2] = [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+        ];
+        for stream in streams.into_iter().flatten() {
+            let log = Arc::clone(&log);
+            let lines = Arc::clone(&lines);
+            pumps.push(std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines() {
+                    let Ok(line) = line else { break };
+                    println!("{line}");
+                    if let Ok(mut f) = log.lock() {
+                        let _ = writeln!(f, "{line}");
+                    }
+                    if let Ok(mut l) = lines.lock() {
+                        l.push(line);
+                    }
+                }
+            }));
+        }
+
+        let deadline = Instant::now() + Duration::from_secs(opts.max_minutes * 60);
+        let mut timed_out = false;
+        let mut interrupted = false;
+        let mut signalled_at: Option<Instant> = None;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            if signalled_at.is_none() {
+                if Instant::now() >= deadline {
+                    timed_out = true;
+                } else if stop.load(Ordering::Relaxed) {
+                    interrupted = true;
+                }
+                if timed_out || interrupted {
+                    // SIGINT: Schemathesis stops and prints its summary of what it found.
+                    let _ = Command::new("kill")
+                        .args(["-INT", &child.id().to_string()])
+                        .stderr(Stdio::null())
+                        .status();
+                    signalled_at = Some(Instant::now());
+                }
+            } else if signalled_at.is_some_and(|t| t.elapsed() > INTERRUPT_GRACE) {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        for p in pumps {
+            let _ = p.join();
+        }
+        let lines = lines.lock().map(|l| l.clone()).unwrap_or_default();
+        Ok(Outcome {
+            exit: status.and_then(|s| s.code()),
+            timed_out,
+            interrupted,
+            found_failures: lines
+                .iter()
+                .any(|l| l.trim_start().starts_with("Failures:")),
+            summary: summary_lines(&lines),
+            failures: failures_by_operation(&lines),
+        })
+    }
+}
+
+impl Drop for FuzzRun {
+    fn drop(&mut self) {
+        self.stop_server();
+        if let Some((admin_url, name)) = self.pg.take() {
+            let dropped = Command::new("psql")
+                .args([
+                    &admin_url,
+                    "-qc",
+                    &format!("DROP DATABASE IF EXISTS {name}"),
+                ])
+                .stdin(Stdio::null())
+                .output();
+            match dropped {
+                Ok(o) if o.status.success() => println!("dropped database {name}"),
+                _ => println!("warning: could not drop database {name}"),
+            }
+        }
+        if self.keep {
+            println!("kept {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// The parts of Schemathesis' closing summary worth repeating: failure counts per kind,
+/// errors, warnings and the test-case total.
+fn summary_lines(lines: &[String]) -> Vec<String> {
+    let Some(start) = lines.iter().rposition(|l| l.contains("SUMMARY")) else {
+        return vec!["(schemathesis printed no summary)".to_string()];
+    };
+    let mut out = Vec::new();
+    let mut section = "";
+    for line in &lines[start + 1..] {
+        let t = line.trim();
+        if t.starts_with('=') {
+            out.push(t.trim_matches(|c| c == '=' || c == ' ').into());
+            continue;
+        }
+        if t.ends_with(':') && !line.starts_with(' ') {
+            section = t;
+            continue;
+        }
+        if t.is_empty() {
+            continue;
+        }
+        match section {
+            "Failures:" | "Errors:" | "Warnings:" if !t.starts_with("For more information") => {
+                out.push(format!("{section} {t}"))
+            }
+            "Test cases:" => out.push(format!("test cases: {t}")),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// From Schemathesis' FAILURES section: each operation (`____ GET /v1/x ____`) with the
+/// distinct checks that failed on it (`- ST202 Schema-valid request rejected`), in order.
+fn failures_by_operation(lines: &[String]) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    let mut inside = false;
+    for line in lines {
+        let t = line.trim_end();
+        if t.starts_with("===") {
+            inside = t.contains(" FAILURES ");
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        if t.starts_with('_') && t.ends_with('_') {
+            let op = t.trim_matches(|c| c == '_' || c == ' ');
+            if !op.is_empty() {
+                out.push((op.to_string(), Vec::new()));
+            }
+        } else if let Some(check) = t.strip_prefix("- ")
+            && let Some((_, checks)) = out.last_mut()
+            && !checks.iter().any(|c| c == check)
+        {
+            checks.push(check.to_string());
+        }
+    }
+    out
+}
+
+/// Waits (best effort) until the two simulated nodes are running, so that devices exist.
+fn wait_for_nodes(api: &Client, stop: &AtomicBool) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted");
+        }
+        let r = api.get("/v1/servers?limit=1000")?;
+        let list = expect(&r, 200, "list servers")?;
+        let servers = list.as_array().cloned().unwrap_or_default();
+        let running = servers
+            .iter()
+            .filter(|s| s["status"].as_str() == Some("running"))
+            .count();
+        let devices: usize = servers
+            .iter()
+            .map(|s| s["assignable_devices"].as_array().map_or(0, Vec::len))
+            .sum();
+        if running >= 2 {
+            println!("{running} simulated server(s) running with {devices} assignable device(s)");
+            return Ok(());
+        }
+        if start.elapsed() > NODES_WAIT {
+            println!(
+                "warning: only {running} of 2 simulated servers running after {} s",
+                NODES_WAIT.as_secs()
+            );
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn expect(r: &Response, want: u16, what: &str) -> Result<serde_json::Value> {
+    if r.status != want {
+        bail!(
+            "could not {what}: HTTP {} {}",
+            r.status,
+            truncate(&r.text(), 300)
+        );
+    }
+    r.json()
+}
+
+/// A loopback port nobody listens on (the OS picks it; there is a small race).
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// `n` random bytes from /dev/urandom as lowercase hex.
+fn random_hex(n: usize) -> Result<String> {
+    let mut buf = vec![0u8; n];
+    File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .context("cannot read /dev/urandom")?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `url` with its database name replaced by `db` (query string kept).
+fn with_database(url: &str, db: &str) -> Result<String> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| anyhow!("{url:?} is not a postgres:// URL"))?;
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let authority = before_query.split('/').next().unwrap_or("");
+    let mut out = format!("{scheme}://{authority}/{db}");
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    Ok(out)
+}
+
+/// A database URL with any password replaced, for printing.
+fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{}", &rest[authority.len()..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+fn count_panics(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("panicked"))
+        .count()
+}
+
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let from = lines.len().saturating_sub(15);
+    lines[from..]
+        .iter()
+        .map(|l| format!("    {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{failures_by_operation, redact, summary_lines, with_database};
+
+    #[test]
+    fn failures() {
+        let text = "\
+=================================== FAILURES ===================================
+_______________________________ GET /v1/accounts _______________________________
+1. Test Case ID: FhyCCu
+
+- ST201 Schema-violating request accepted
+
+    Invalid data should have been rejected
+2. Test Case ID: Kgg14r
+
+- ST202 Schema-valid request rejected
+3. Test Case ID: Kgg14s
+
+- ST202 Schema-valid request rejected
+________________________________ GET /v1/alerts ________________________________
+1. Test Case ID: zIwG33
+
+- Server error
+=================================== WARNINGS ===================================
+- not a failure";
+        let lines: Vec<String> = text.lines().map(String::from).collect();
+        let got = failures_by_operation(&lines);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].0, "GET /v1/accounts");
+        assert_eq!(
+            got[0].1,
+            [
+                "ST201 Schema-violating request accepted",
+                "ST202 Schema-valid request rejected"
+            ]
+        );
+        assert_eq!(got[1].0, "GET /v1/alerts");
+        assert_eq!(got[1].1, ["Server error"]);
+    }
+
+    #[test]
+    fn database_url() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "x").unwrap(),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            with_database("postgresql://u:p@h/d?sslmode=disable", "x").unwrap(),
+            "postgresql://u:p@h/x?sslmode=disable"
+        );
+        assert_eq!(
+            with_database("postgres://h:1", "x").unwrap(),
+            "postgres://h:1/x"
+        );
+        assert!(with_database("nonsense", "x").is_err());
+    }
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact("postgres://u:secret@h/d"), "postgres://u:***@h/d");
+        assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
+        assert_eq!(redact("sqlite:///tmp/x.db"), "sqlite:///tmp/x.db");
+    }
+
+    #[test]
+    fn summary() {
+        let text = "\
+=================================== SUMMARY ====================================
+
+API Operations:
+  Selected: 36/38
+
+Failures:
+  ❌ ST202 Schema-valid request rejected: 19
+
+Test cases:
+  4606 generated, 29 found 29 unique failures, 32 skipped
+
+=============== 29 failures, 1 warning, interrupted after 39.81s ===============";
+        let lines: Vec<String> = text.lines().map(String::from).collect();
+        assert_eq!(
+            summary_lines(&lines),
+            [
+                "Failures: ❌ ST202 Schema-valid request rejected: 19",
+                "test cases: 4606 generated, 29 found 29 unique failures, 32 skipped",
+                "29 failures, 1 warning, interrupted after 39.81s",
+            ]
+        );
+    }
+}
