@@ -284,3 +284,58 @@ async fn quota_is_enforced(b: Backend) {
     );
 }
 both!(quota_is_enforced_on, quota_is_enforced);
+
+/// A variant's own scrub pipeline reaches the node: a failing step quarantines the device,
+/// and the report shows each step.
+async fn variant_scrub_pipeline(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(1).await;
+    let (st, v) = s
+        .admin_call(
+            "POST",
+            "/v1/variants",
+            Some(json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330",
+                "scrub":[{"action":"reset"},{"action":"command","argv":["/bin/false"]},{"action":"verify_driver"}]})),
+        )
+        .await;
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(v["scrub"][1]["action"], "command");
+    s.admin_call(
+        "POST",
+        "/v1/packages",
+        Some(json!({"name":"gpu-1x","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":1}})),
+    )
+    .await;
+    let vm = create_vm(&s, &s.admin.clone(), "p").await;
+    s.wait_job(vm["job_uuid"].as_str().unwrap()).await;
+    let (_, d) = s
+        .admin_call(
+            "DELETE",
+            &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    let job = s.wait_job(d["job_uuid"].as_str().unwrap()).await;
+    assert_eq!(job["state"], "failed", "the scrub step failed: {job}");
+    let states = settle(&s, &node.uuid).await;
+    assert_eq!(states[0].1, "quarantined");
+    let (_, reports) = s
+        .admin_call(
+            "GET",
+            &format!("/v1/servers/{}/scrub-reports", node.uuid),
+            None,
+        )
+        .await;
+    let steps: Vec<(&str, bool)> = reports[0]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["ok"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(
+        steps,
+        [("reset", true), ("command", false)],
+        "stops at the first failure"
+    );
+}
+both!(variant_scrub_pipeline_on, variant_scrub_pipeline);
