@@ -447,3 +447,78 @@ async fn node_identity(b: Backend) {
     );
 }
 both!(node_identity_on, node_identity);
+
+/// 64 creations at once by one tenant whose quota is 4: exactly 4 succeed, the others are
+/// refused with `QuotaExceeded` naming the quota, and nothing is left half-reserved.
+async fn quota_under_a_race(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let dir = tempfile::tempdir().unwrap();
+    node_agent::fake::generate(
+        &dir.path().join("sys"),
+        &node_agent::fake::FakeSpec::default(),
+    )
+    .unwrap();
+    let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
+    let jt = s.join_token().await;
+    let (_, reg) = s
+        .call("POST", "/agent/v1/register", None,
+              Some(json!({"join_token": jt, "hostname":"cn", "agent_version":"t", "protocol_version":1})))
+        .await;
+    let cred = reg["credential"].as_str().unwrap().to_string();
+    let server = reg["server_uuid"].as_str().unwrap().to_string();
+    s.call(
+        "PUT",
+        "/agent/v1/inventory",
+        Some(&cred),
+        Some(json!({"devices": devices})),
+    )
+    .await;
+    s.h100_catalog(1).await;
+    let (uuid, tenant) = s.tenant("greedy").await;
+    s.admin_call(
+        "PATCH",
+        &format!("/v1/accounts/{uuid}"),
+        Some(json!({"gpu_quota": 4})),
+    )
+    .await;
+    let mut calls = Vec::new();
+    for i in 0..64 {
+        let (http, url, t) = (s.http.clone(), s.url("/v1/vms"), tenant.clone());
+        calls.push(tokio::spawn(async move {
+            let r = http
+                .post(url)
+                .bearer_auth(t)
+                .json(&json!({"alias": format!("q{i}"), "package": "gpu-1x"}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }));
+    }
+    let mut ok = 0;
+    for c in calls {
+        let (st, body) = c.await.unwrap();
+        if st == 202 {
+            ok += 1;
+        } else {
+            assert_eq!(
+                (st, body["code"].as_str()),
+                (409, Some("QuotaExceeded")),
+                "{body}"
+            );
+            assert!(
+                body["message"].as_str().unwrap().contains("quota of 4"),
+                "{body}"
+            );
+        }
+    }
+    assert_eq!(ok, 4);
+    let held = s
+        .device_states(&server)
+        .await
+        .iter()
+        .filter(|(_, st, _)| st == "provisioning")
+        .count();
+    assert_eq!(held, 4, "exactly the winners' devices are held");
+}
+both!(quota_under_a_race_on, quota_under_a_race);
