@@ -37,9 +37,11 @@ pub struct RegisterResponse {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Heartbeat {
-    /// The VMs the agent's hypervisor is running now.
+    /// The VMs the agent's hypervisor is running now; the control plane marks a running
+    /// VM missing from this list as stopped. Absent (not empty) when the agent cannot
+    /// tell.
     #[serde(default)]
-    pub running_vms: Vec<VmId>,
+    pub running_vms: Option<Vec<VmId>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

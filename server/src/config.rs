@@ -19,6 +19,9 @@ pub struct Config {
     /// How long a job's lease lasts without renewal: after that another replica (or this
     /// one, restarted) takes the job over.
     pub job_lease: Duration,
+    /// A running VM that its node stops reporting is marked stopped, once it has been
+    /// running this long (a node's report may predate the VM's start).
+    pub vm_exit_grace: Duration,
     /// Jobs this process runs at once; more wait their turn.
     pub job_concurrency: usize,
     /// Failed-login throttling.
@@ -47,6 +50,7 @@ impl Default for Config {
             placement: crate::placement::Policy::Pack,
             login_limits: crate::services::login_guard::Limits::default(),
             job_concurrency: 256,
+            vm_exit_grace: Duration::from_secs(10),
             faults: Vec::new(),
         }
     }

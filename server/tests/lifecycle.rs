@@ -204,3 +204,50 @@ both!(
     resize_replaces_when_the_server_is_full_on,
     resize_replaces_when_the_server_is_full
 );
+
+/// A VM that dies on its node is never silently lost: the node's heartbeat no longer lists
+/// it, the VM shows `stopped` (its devices stay with it), an alert says so, and it starts
+/// again.
+async fn a_vm_that_exits_is_reported(b: Backend) {
+    let mut cfg = fast_config();
+    cfg.vm_exit_grace = Duration::from_millis(200);
+    let mut s = TestServer::start(b, cfg).await;
+    let node = s.add_node(1).await;
+    s.h100_catalog(1).await;
+    let admin = s.admin.clone();
+    let (_, vm) = s
+        .admin_call(
+            "POST",
+            "/v1/vms",
+            Some(json!({"alias":"fragile","package":"gpu-1x"})),
+        )
+        .await;
+    let uuid = vm["uuid"].as_str().unwrap().to_string();
+    s.wait_job(vm["job_uuid"].as_str().unwrap()).await;
+    // The sim hypervisor keeps its VMs in its state file; emptying it is a crash.
+    std::fs::write(node.state.join("sim-vms.json"), "[]").unwrap();
+    let stopped = wait_for(Duration::from_secs(20), || async {
+        let (_, v) = s.admin_call("GET", &format!("/v1/vms/{uuid}"), None).await;
+        (v["state"] == "stopped").then_some(v)
+    })
+    .await
+    .expect("the exit was noticed");
+    assert_eq!(stopped["assigned_devices"].as_array().unwrap().len(), 1);
+    let (_, alerts) = s.admin_call("GET", "/v1/alerts", None).await;
+    assert!(
+        alerts
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["kind"] == "vm_exited" && a["message"].as_str().unwrap().contains(&uuid))
+    );
+    assert_eq!(
+        s.device_states(&node.uuid).await[0].1,
+        "used",
+        "the device stays with the VM"
+    );
+    let v = act(&s, &admin, &uuid, "start", None).await;
+    assert_eq!(v["state"], "running");
+    assert_eq!(node.running_vms(), vec![uuid]);
+}
+both!(a_vm_that_exits_is_reported_on, a_vm_that_exits_is_reported);

@@ -232,7 +232,13 @@ impl Agent {
             let running_vms = tokio::task::spawn_blocking(move || hv.running())
                 .await
                 .map_err(blocking_err)?;
-            match self.client.heartbeat(&Heartbeat { running_vms }).await {
+            match self
+                .client
+                .heartbeat(&Heartbeat {
+                    running_vms: Some(running_vms),
+                })
+                .await
+            {
                 Ok(_) => debug!("heartbeat"),
                 Err(e) => {
                     if let Some(f) = self.fatal(&e) {

@@ -71,8 +71,14 @@ impl Hypervisor for SimHypervisor {
         Ok(())
     }
 
+    /// The state file is the sim's truth: a VM removed from it (by a test, as a crash
+    /// would remove it) is no longer running.
     fn running(&self) -> Vec<VmId> {
-        self.vms().keys().copied().collect()
+        let mut vms = self.vms();
+        if let Ok(Some(list)) = read_json::<Vec<VmSpec>>(&self.path) {
+            *vms = list.into_iter().map(|s| (s.uuid, s)).collect();
+        }
+        vms.keys().copied().collect()
     }
 }
 

@@ -24,9 +24,9 @@ pub async fn register(
 pub async fn heartbeat(
     State(ctx): State<Ctx>,
     AgentServer(server): AgentServer,
-    ApiJson(_hb): ApiJson<Heartbeat>,
+    ApiJson(hb): ApiJson<Heartbeat>,
 ) -> ApiResult<Response> {
-    agents::heartbeat(&ctx, server).await?;
+    agents::heartbeat(&ctx, server, hb).await?;
     Ok(Json(HeartbeatResponse {
         server_uuid: server,
     })

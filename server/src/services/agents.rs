@@ -60,8 +60,27 @@ pub async fn server_from_credential(ctx: &Ctx, credential: &str) -> ApiResult<Se
         .ok_or_else(ApiError::unauthorized)
 }
 
-pub async fn heartbeat(ctx: &Ctx, server: ServerId) -> ApiResult<()> {
-    Ok(servers::heartbeat(&ctx.db, server).await?)
+pub async fn heartbeat(
+    ctx: &Ctx,
+    server: ServerId,
+    hb: passage_model::protocol::Heartbeat,
+) -> ApiResult<()> {
+    servers::heartbeat(&ctx.db, server).await?;
+    let Some(running) = hb.running_vms else {
+        return Ok(());
+    };
+    if running.len() > MAX_INVENTORY_DEVICES {
+        return Err(ApiError::invalid("running_vms", "too many"));
+    }
+    let grace = i64::try_from(ctx.cfg.vm_exit_grace.as_millis()).unwrap_or(i64::MAX);
+    for vm in crate::store::vms::reconcile_exits(&ctx.db, server, &running, grace).await? {
+        // Never silently lost: the VM shows stopped, its devices stay with it, and the
+        // operator sees why.
+        let msg = format!("VM {vm} stopped running on server {server} without being asked");
+        tracing::warn!(%vm, %server, "VM exited on its node");
+        crate::store::ops::alert(&ctx.db, "vm_exited", &msg, None, None).await?;
+    }
+    Ok(())
 }
 
 pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> ApiResult<()> {

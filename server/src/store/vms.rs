@@ -523,3 +523,42 @@ pub async fn commit_replacement(db: &Db, uuid: VmId, r: Replacement<'_>) -> Stor
         Ok(())
     })
 }
+
+/// Running VMs of a server that its node no longer runs (and no job is working on, and
+/// that have been running longer than `grace_ms`) become `stopped`; returns them.
+pub async fn reconcile_exits(
+    db: &Db,
+    server: ServerId,
+    running: &[VmId],
+    grace_ms: i64,
+) -> StoreResult<Vec<VmId>> {
+    let now = now_ms();
+    let rows: Vec<String> = on_read!(db, |p| sqlx::query_scalar(&format!(
+        "SELECT uuid FROM vms WHERE server_uuid = $1 AND state = 'running' \
+         AND updated_at < $2 AND {NO_JOB_RUNNING}"
+    ))
+    .bind(server.to_string())
+    .bind(now - grace_ms)
+    .fetch_all(p)
+    .await)?;
+    let mut gone = Vec::new();
+    for u in rows {
+        let vm: VmId = parse_uuid(&u, "vm")?;
+        if running.contains(&vm) {
+            continue;
+        }
+        let n = on_write!(db, |p| sqlx::query(&format!(
+            "UPDATE vms SET state = 'stopped', updated_at = $2 WHERE uuid = $1 \
+             AND state = 'running' AND {NO_JOB_RUNNING}"
+        ))
+        .bind(&u)
+        .bind(now)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()))?;
+        if n == 1 {
+            gone.push(vm);
+        }
+    }
+    Ok(gone)
+}
