@@ -141,7 +141,7 @@ async fn auth_and_roles(b: Backend) {
     assert_eq!(st, 401);
 
     // Another tenant's VM is not found, not forbidden, and stays untouched.
-    manual_node(&s, 1).await;
+    s.manual_node(1).await;
     s.h100_catalog(1).await;
     let (st, vm) = s
         .call(
@@ -445,47 +445,9 @@ async fn bad_input(b: Backend) {
 }
 both!(bad_input_on, bad_input);
 
-/// Registers a node by hand (no agent loop) and reports the inventory of a fake tree.
-async fn manual_node(s: &TestServer, gpus: u32) -> (String, String, Vec<passage_model::PciDevice>) {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("sys");
-    node_agent::fake::generate(
-        &root,
-        &node_agent::fake::FakeSpec {
-            gpus,
-            model: node_agent::fake::GpuModel::H100,
-            numa_nodes: 2,
-        },
-    )
-    .unwrap();
-    let devices = node_agent::host::discover(&root).devices;
-    let jt = s.join_token().await;
-    let (st, reg) = s
-        .call(
-            "POST",
-            "/agent/v1/register",
-            None,
-            Some(json!({"join_token": jt, "hostname":"cn-manual", "agent_version":"t", "protocol_version":1})),
-        )
-        .await;
-    assert_eq!(st, 201);
-    let cred = reg["credential"].as_str().unwrap().to_string();
-    let uuid = reg["server_uuid"].as_str().unwrap().to_string();
-    let (st, e) = s
-        .call(
-            "PUT",
-            "/agent/v1/inventory",
-            Some(&cred),
-            Some(json!({"devices": devices})),
-        )
-        .await;
-    assert_eq!(st, 204, "{e}");
-    (uuid, cred, devices)
-}
-
 async fn inventory_and_variants(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
-    let (server, cred, devices) = manual_node(&s, 8).await;
+    let (server, cred, devices) = s.manual_node(8).await;
     let srv = s.server(&server).await;
     assert_eq!(
         srv["sysinfo"]["PCI Devices"].as_array().unwrap().len(),
@@ -623,7 +585,7 @@ both!(inventory_and_variants_on, inventory_and_variants);
 
 async fn race_for_the_last_devices(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
-    let (server, _cred, _) = manual_node(&s, 8).await;
+    let (server, _cred, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let (_, tenant) = s.tenant("racer").await;
     let mut calls = Vec::new();

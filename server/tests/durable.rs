@@ -298,26 +298,7 @@ async fn silent_agent_times_out(b: Backend) {
     cfg.task_timeout = Duration::from_secs(1);
     let s = TestServer::start(b, cfg).await;
     // A node that registered and reported, then fell silent (no agent loop answers).
-    let dir = tempfile::tempdir().unwrap();
-    node_agent::fake::generate(
-        &dir.path().join("sys"),
-        &node_agent::fake::FakeSpec::default(),
-    )
-    .unwrap();
-    let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
-    let jt = s.join_token().await;
-    let (_, reg) = s
-        .call("POST", "/agent/v1/register", None,
-              Some(json!({"join_token": jt, "hostname":"quiet", "agent_version":"t", "protocol_version":1})))
-        .await;
-    let cred = reg["credential"].as_str().unwrap().to_string();
-    s.call(
-        "PUT",
-        "/agent/v1/inventory",
-        Some(&cred),
-        Some(json!({"devices": devices})),
-    )
-    .await;
+    let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let (st, vm) = s
         .admin_call(
@@ -342,9 +323,8 @@ async fn silent_agent_times_out(b: Backend) {
         )
         .await;
     assert_eq!(v["state"], "failed");
-    let server = reg["server_uuid"].as_str().unwrap();
     assert!(
-        s.device_states(server)
+        s.device_states(&server)
             .await
             .iter()
             .all(|(_, _, u)| u.is_none()),

@@ -30,27 +30,7 @@ async fn bola_matrix(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     // A fleet: one node (registered by hand, so jobs just wait), catalog, two tenants,
     // a reader, and the owner's VM, job and API token.
-    let dir = tempfile::tempdir().unwrap();
-    node_agent::fake::generate(
-        &dir.path().join("sys"),
-        &node_agent::fake::FakeSpec::default(),
-    )
-    .unwrap();
-    let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
-    let jt = s.join_token().await;
-    let (_, reg) = s
-        .call("POST", "/agent/v1/register", None,
-              Some(json!({"join_token": jt, "hostname":"cn", "agent_version":"t", "protocol_version":1})))
-        .await;
-    let agent = reg["credential"].as_str().unwrap().to_string();
-    let server = reg["server_uuid"].as_str().unwrap().to_string();
-    s.call(
-        "PUT",
-        "/agent/v1/inventory",
-        Some(&agent),
-        Some(json!({"devices": devices})),
-    )
-    .await;
+    let (server, agent, _) = s.manual_node(8).await;
     let pkg = s.h100_catalog(1).await;
     let (_, pkg_obj) = s.admin_call("GET", "/v1/packages", None).await;
     let pkg_uuid = pkg_obj[0]["uuid"].as_str().unwrap().to_string();
@@ -452,27 +432,7 @@ both!(node_identity_on, node_identity);
 /// refused with `QuotaExceeded` naming the quota, and nothing is left half-reserved.
 async fn quota_under_a_race(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
-    let dir = tempfile::tempdir().unwrap();
-    node_agent::fake::generate(
-        &dir.path().join("sys"),
-        &node_agent::fake::FakeSpec::default(),
-    )
-    .unwrap();
-    let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
-    let jt = s.join_token().await;
-    let (_, reg) = s
-        .call("POST", "/agent/v1/register", None,
-              Some(json!({"join_token": jt, "hostname":"cn", "agent_version":"t", "protocol_version":1})))
-        .await;
-    let cred = reg["credential"].as_str().unwrap().to_string();
-    let server = reg["server_uuid"].as_str().unwrap().to_string();
-    s.call(
-        "PUT",
-        "/agent/v1/inventory",
-        Some(&cred),
-        Some(json!({"devices": devices})),
-    )
-    .await;
+    let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let (uuid, tenant) = s.tenant("greedy").await;
     s.admin_call(

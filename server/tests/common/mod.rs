@@ -249,6 +249,36 @@ impl TestServer {
         }
     }
 
+    /// A node registered by hand (no agent loop: its tasks are never answered) that
+    /// reported the inventory of a fake tree of `gpus` H100s: (server uuid, node
+    /// credential, devices reported).
+    pub async fn manual_node(&self, gpus: u32) -> (String, String, Vec<passage_model::PciDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let spec = FakeSpec {
+            gpus,
+            model: GpuModel::H100,
+            numa_nodes: 2,
+        };
+        node_agent::fake::generate(&root, &spec).unwrap();
+        let devices = node_agent::host::discover(&root).devices;
+        let jt = self.join_token().await;
+        let body = json!({"join_token": jt, "hostname": "cn-manual", "agent_version": "t",
+                          "protocol_version": 1});
+        let (st, reg) = self
+            .call("POST", "/agent/v1/register", None, Some(body))
+            .await;
+        assert_eq!(st, 201, "{reg}");
+        let cred = reg["credential"].as_str().unwrap().to_string();
+        let uuid = reg["server_uuid"].as_str().unwrap().to_string();
+        let inventory = json!({ "devices": devices });
+        let (st, e) = self
+            .call("PUT", "/agent/v1/inventory", Some(&cred), Some(inventory))
+            .await;
+        assert_eq!(st, 204, "{e}");
+        (uuid, cred, devices)
+    }
+
     pub async fn server_uuids(&self) -> Vec<String> {
         let (_, b) = self.admin_call("GET", "/v1/servers", None).await;
         b.as_array()
