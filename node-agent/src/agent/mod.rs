@@ -28,7 +28,7 @@ const LONG_POLL: Duration = Duration::from_secs(30);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct AgentConfig {
     pub server_url: String,
     pub join_token: String,
@@ -37,6 +37,21 @@ pub struct AgentConfig {
     pub hypervisor: HypervisorKind,
     pub heartbeat: Duration,
     pub hostname: String,
+}
+
+// The join token admits a node: it never reaches a log through `{:?}`.
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("server_url", &self.server_url)
+            .field("join_token", &"<redacted>")
+            .field("sysfs_root", &self.sysfs_root)
+            .field("state_dir", &self.state_dir)
+            .field("hypervisor", &self.hypervisor)
+            .field("heartbeat", &self.heartbeat)
+            .field("hostname", &self.hostname)
+            .finish()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -363,5 +378,26 @@ pub async fn run_with(cfg: AgentConfig, scrub: ScrubOverrides) -> Result<(), Age
             info!("interrupted; stopping");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod redaction_tests {
+    use super::*;
+
+    #[test]
+    fn agent_config_debug_hides_the_join_token() {
+        let c = AgentConfig {
+            server_url: "http://cp:8080".into(),
+            join_token: "psj_secret".into(),
+            sysfs_root: "/sys".into(),
+            state_dir: "/var/lib/passage-agent".into(),
+            hypervisor: HypervisorKind::Sim,
+            heartbeat: Duration::from_secs(10),
+            hostname: "cn-1".into(),
+        };
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("psj_secret"), "{shown}");
+        assert!(shown.contains("cn-1"));
     }
 }

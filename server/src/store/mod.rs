@@ -174,7 +174,9 @@ impl Db {
             sqlx::migrate!("../migrations/postgres").run(&pool).await?;
             Ok(Db::Postgres(pool))
         } else {
-            Err(StoreError::BadUrl(url.chars().take(40).collect()))
+            Err(StoreError::BadUrl(
+                redact_url(url).chars().take(60).collect(),
+            ))
         }
     }
 
@@ -196,6 +198,21 @@ impl Db {
     }
 }
 
+/// A database URL fit for messages and logs: any password in it replaced.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:<redacted>@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+}
+
 /// Milliseconds since the Unix epoch: the one time format in both schemas.
 pub fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
@@ -213,4 +230,34 @@ pub(crate) fn corrupt(e: impl std::fmt::Display) -> StoreError {
 pub fn parse_uuid<T: FromStr>(s: &str, what: &str) -> StoreResult<T> {
     s.parse()
         .map_err(|_| StoreError::Corrupt(format!("{what} {s:?} is not a uuid")))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_never_leave_in_urls() {
+        use super::redact_url;
+        assert_eq!(
+            redact_url("postgres://passage:hunter2@db:5432/passage"),
+            "postgres://passage:<redacted>@db:5432/passage"
+        );
+        assert_eq!(
+            redact_url("sqlite:///var/lib/p.db"),
+            "sqlite:///var/lib/p.db"
+        );
+        assert_eq!(
+            redact_url("mysql://u:p@h/x?a=b"),
+            "mysql://u:<redacted>@h/x?a=b"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unknown_scheme_is_refused_without_its_password() {
+        let e = super::Db::connect("mysql://u:hunter2@h/x")
+            .await
+            .unwrap_err();
+        let shown = e.to_string();
+        assert!(shown.contains("neither sqlite"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
 }
