@@ -1,30 +1,33 @@
-//! The portal. For now one placeholder page served at `/`; the Leptos admin portal and
-//! tenant self-service replace it.
+//! The portal: one Leptos app, server-rendered and hydrated. Operators get the admin
+//! pages, tenants their instances; the session's role decides what a page shows.
+//!
+//! Under `ssr` the server functions call the control plane's REST API in-process through
+//! a [`backend::Backend`] taken from context, so the portal has exactly the API's rules
+//! (roles, validation, another tenant's object reads as not found) and never its own SQL.
 
-/// The page served at `/` until the portal exists.
-pub fn placeholder_page(version: &str) -> String {
-    format!(
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-<title>Passage</title></head><body><main><h1>Passage</h1>\
-<p>GPU instances for your own datacenter. The web portal is coming; the API is at \
-<a href=\"/v1/ping\">/v1</a>.</p><p>Version {}</p></main></body></html>\n",
-        escape(version)
-    )
-}
+#![recursion_limit = "512"]
 
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
+pub mod app;
+#[cfg(feature = "ssr")]
+pub mod backend;
+pub mod components;
+pub mod error;
+pub mod fmt;
+pub mod pages;
+pub mod rpc;
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn page_escapes_its_input() {
-        let p = super::placeholder_page("<b>");
-        assert!(p.contains("&lt;b&gt;"));
-        assert!(!p.contains("<b>"));
+pub use app::App;
+#[cfg(feature = "ssr")]
+pub use app::shell;
+
+/// The wasm entry point: attaches the app to the server-rendered page.
+#[cfg(feature = "hydrate")]
+#[wasm_bindgen::prelude::wasm_bindgen]
+pub fn hydrate() {
+    console_error_panic_hook::set_once();
+    leptos::mount::hydrate_body(App);
+    // Lets tests (and curious people) tell a hydrated page from a server-rendered one.
+    if let Some(body) = leptos::prelude::document().body() {
+        let _ = body.set_attribute("data-hydrated", "true");
     }
 }

@@ -3,7 +3,7 @@
 //! Views are what clients see; the store's row types never leave the server.
 
 use crate::ids::{AccountId, JobId, PackageId, ServerId, VmId};
-use crate::pci::{DevicePath, HexId, PciClass, Revision};
+use crate::pci::{DevicePath, HexId, PciAddress, PciClass, Revision};
 use crate::state::DeviceState;
 use crate::variant::DeviceType;
 use chrono::{DateTime, Utc};
@@ -627,4 +627,40 @@ pub struct MigrateVm {
     /// The server to move to; default: placement picks one.
     #[serde(default)]
     pub server_uuid: Option<ServerId>,
+}
+
+/// Whether a package can be had right now by the caller: what the self-service page
+/// shows next to each package.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PackageAvailability {
+    pub package: PackageId,
+    /// Enough placeable devices on one running server.
+    pub capacity_ok: bool,
+    /// The caller's GPU quota has room for the package's devices.
+    pub quota_ok: bool,
+    /// Why not, when either is false.
+    pub message: Option<String>,
+}
+
+/// One assignable device in the fleet-wide device list (`GET /v1/devices`): a device that
+/// matches a variant, with the server it sits in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DeviceRow {
+    pub id: DevicePath,
+    pub server_uuid: ServerId,
+    pub hostname: String,
+    /// The function's PCI address (the last element of `id`).
+    pub address: PciAddress,
+    /// The variant it matches (always set in this list, which holds assignable devices
+    /// only; nullable for lists to come).
+    pub variant: Option<String>,
+    pub state: DeviceState,
+    pub used_by: Option<VmId>,
+    pub numa_node: Option<u32>,
+    /// The bound driver, null when none is.
+    pub driver: Option<String>,
+    pub vendor: HexId,
+    pub device: HexId,
+    /// Why the device is kept out of placement although its state allows it.
+    pub taint: Option<String>,
 }

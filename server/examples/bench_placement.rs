@@ -6,14 +6,15 @@
 //!        [--gpus 8] [--vms 10000] [--clients 64]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{ms, pct, post};
 use passage_server::placement::{self, Policy};
 use passage_server::store::devices::Candidate;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashSet};
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 struct Args {
     server_bin: String,
@@ -52,45 +53,6 @@ fn args() -> Args {
     a
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx]
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
-}
-
-/// A synthetic GPU server: `gpus` H100s split over two NUMA nodes, each behind its own
-/// root port.
-fn inventory(gpus: usize) -> Value {
-    let devices: Vec<Value> = (0..gpus)
-        .map(|g| {
-            let numa = u32::from(g >= gpus / 2);
-            json!({
-                "id": format!("/devices/pci0000:{:02x}/0000:{:02x}:01.0/0000:{:02x}:00.0", g * 16, g * 16, g * 16 + 1),
-                "vendor": "10de", "device": "2330", "subvendor": "10de", "subsystem": "16c1",
-                "revision": "a1", "class": "030200", "driver": "nvidia",
-                "numa_node": numa, "iommu_group": g
-            })
-        })
-        .collect();
-    json!({ "devices": devices })
-}
-
-async fn post(http: &reqwest::Client, url: &str, token: Option<&str>, body: Value) -> (u16, Value) {
-    let mut rb = http.post(url).json(&body);
-    if let Some(t) = token {
-        rb = rb.bearer_auth(t);
-    }
-    let r = rb.send().await.unwrap();
-    let st = r.status().as_u16();
-    (st, r.json().await.unwrap_or(Value::Null))
-}
-
 fn rss_peak_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
@@ -103,115 +65,18 @@ fn rss_peak_kib(pid: u32) -> Option<u64> {
 async fn main() {
     let a = args();
     let dir = tempfile::tempdir().unwrap();
-    let db = match a.backend.as_str() {
-        "sqlite" => format!("sqlite://{}", dir.path().join("bench.db").display()),
-        "postgres" => {
-            let admin = std::env::var("PASSAGE_TEST_PG_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-            let name = format!("passage_bench_{}", uuid::Uuid::new_v4().simple());
-            let pool = sqlx::PgPool::connect(&admin).await.unwrap();
-            sqlx::query(&format!("CREATE DATABASE {name}"))
-                .execute(&pool)
-                .await
-                .unwrap();
-            let base = admin.rsplit_once('/').map(|(b, _)| b.to_string()).unwrap();
-            format!("{base}/{name}")
-        }
-        other => panic!("--backend sqlite|postgres, not {other}"),
-    };
-    let mut child = Command::new(&a.server_bin)
-        .args(["--listen", "127.0.0.1:0", "--database", &db])
-        .args([
-            "--heartbeat-timeout-secs",
-            "3600",
-            "--job-concurrency",
-            "64",
-        ])
-        .env("PASSAGE_ADMIN_PASSWORD", "bench-admin-password")
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let db = common::database(&a.backend, dir.path()).await;
+    let (mut child, base) = common::start_server(&a.server_bin, &db);
     let pid = child.id();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let base = loop {
-        let l = lines.next().expect("server exited").unwrap();
-        if let Some(u) = l.strip_prefix("Passage listening on ") {
-            break u.trim().to_string();
-        }
-    };
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(a.clients)
         .build()
         .unwrap();
-    let (_, login) = post(
-        &http,
-        &format!("{base}/v1/auth/login"),
-        None,
-        json!({"login":"admin","password":"bench-admin-password"}),
-    )
-    .await;
-    let op = login["token"].as_str().unwrap().to_string();
-    post(
-        &http,
-        &format!("{base}/v1/variants"),
-        Some(&op),
-        json!({"name":"H100","type":"gpu","vendor":"10de","device":"2330"}),
-    )
-    .await;
-    post(
-        &http,
-        &format!("{base}/v1/packages"),
-        Some(&op),
-        json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"devices":{"H100":1}}),
-    )
-    .await;
+    let op = common::catalog(&http, &base).await;
 
     // The fleet: every node registers and reports, as an agent would.
     let t = Instant::now();
-    let inv = inventory(a.gpus);
-    let mut joins = Vec::new();
-    let sem = Arc::new(tokio::sync::Semaphore::new(16));
-    for i in 0..a.servers {
-        let (http, base, op, inv, sem) = (
-            http.clone(),
-            base.clone(),
-            op.clone(),
-            inv.clone(),
-            sem.clone(),
-        );
-        joins.push(tokio::spawn(async move {
-            let _p = sem.acquire().await.unwrap();
-            let (_, jt) = post(
-                &http,
-                &format!("{base}/v1/servers/join-tokens"),
-                Some(&op),
-                json!({}),
-            )
-            .await;
-            let (_, reg) = post(
-                &http,
-                &format!("{base}/agent/v1/register"),
-                None,
-                json!({
-                "join_token": jt["token"], "hostname": format!("cn-{i}"),
-                "agent_version": "bench", "protocol_version": 1}),
-            )
-            .await;
-            let cred = reg["credential"].as_str().unwrap().to_string();
-            let r = http
-                .put(format!("{base}/agent/v1/inventory"))
-                .bearer_auth(&cred)
-                .json(&inv)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status().as_u16(), 204);
-        }));
-    }
-    for j in joins {
-        j.await.unwrap();
-    }
+    common::fleet(&http, &base, &op, a.servers, a.gpus).await;
     println!(
         "fleet: {} servers x {} GPUs registered in {:.1} s",
         a.servers,

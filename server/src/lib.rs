@@ -5,6 +5,7 @@ pub mod config;
 pub mod error;
 pub mod health;
 pub mod placement;
+pub mod portal;
 pub mod services;
 pub mod sim;
 pub mod store;

@@ -56,8 +56,25 @@ struct Args {
     sim_dir: std::path::PathBuf,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// Rendering a portal page nests many futures; unoptimised builds need more than tokio's
+/// default 2 MiB of stack per worker for them. Untouched stack costs no memory.
+const WORKER_STACK: usize = 32 * 1024 * 1024;
+
+fn main() -> std::process::ExitCode {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_stack_size(WORKER_STACK)
+        .build()
+    {
+        Ok(rt) => rt.block_on(serve()),
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

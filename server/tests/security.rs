@@ -313,7 +313,7 @@ both!(
 #[tokio::test]
 async fn security_headers_everywhere() {
     let s = TestServer::start(Backend::Sqlite, fast_config()).await;
-    for path in ["/", "/v1/ping", "/v1/vms", "/v1/nowhere"] {
+    for path in ["/", "/login", "/v1/ping", "/v1/vms", "/v1/nowhere"] {
         let r = s.http.get(s.url(path)).send().await.unwrap();
         let h = r.headers();
         assert!(
@@ -324,7 +324,7 @@ async fn security_headers_everywhere() {
             "{path}"
         );
         assert_eq!(h["x-content-type-options"], "nosniff", "{path}");
-        assert_eq!(h["referrer-policy"], "no-referrer", "{path}");
+        assert_eq!(h["referrer-policy"], "same-origin", "{path}");
         assert_eq!(h["x-frame-options"], "DENY", "{path}");
         assert!(
             h.get("access-control-allow-origin").is_none(),

@@ -23,22 +23,26 @@ const PROCESS_RUNS: usize = 50;
 pub fn run(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         Some("discovery") => discovery(),
-        Some("placement") => placement(&args[1..]),
+        Some("placement") => example("bench_placement", &args[1..]),
+        Some("portal") => example("bench_portal", &args[1..]),
         Some("-h" | "--help") | None => {
             println!(
                 "usage: cargo xtask bench discovery\n       cargo xtask bench placement \
-                 [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]"
+                 [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]\n       \
+                 cargo xtask bench portal [--backend sqlite|postgres] [--servers N] [--gpus G] \
+                 [--vms N] [--clients C] [--requests R]"
             );
             Ok(())
         }
-        Some(other) => bail!("unknown benchmark {other:?} (known: discovery, placement)"),
+        Some(other) => bail!("unknown benchmark {other:?} (known: discovery, placement, portal)"),
     }
 }
 
 /// VM creations through the HTTP API of a release `server` onto simulated nodes, then
 /// multi-GPU decisions in-process: `server/examples/bench_placement.rs` does the work.
-fn placement(args: &[String]) -> Result<()> {
-    println!("==> building server and the placement benchmark (release)");
+/// Runs one of the server's benchmark examples against a release `server`.
+fn example(name: &str, args: &[String]) -> Result<()> {
+    println!("==> building server and {name} (release)");
     util::run_checked(cargo().args([
         "build",
         "--release",
@@ -47,10 +51,10 @@ fn placement(args: &[String]) -> Result<()> {
         "--bin",
         "server",
         "--example",
-        "bench_placement",
+        name,
     ]))?;
     let release = target_dir()?.join("release");
-    let mut cmd = Command::new(release.join("examples/bench_placement"));
+    let mut cmd = Command::new(release.join("examples").join(name));
     cmd.arg("--server-bin")
         .arg(release.join("server"))
         .args(args);

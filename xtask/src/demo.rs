@@ -156,6 +156,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
     println!("==> building the binaries");
     util::run_checked(cargo().args(["build", "--workspace", "--bins"]))?;
+    crate::site::build()?;
     let bin_dir = util::target_dir()?.join("debug");
     let server_bin = bin_dir.join("server");
     let agent_bin = bin_dir.join("node-agent");
@@ -295,7 +296,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
     let url = format!("http://{addr}");
     println!();
-    println!("Passage demo is running at {url}");
+    println!("Passage demo is running at {url} (the portal; the API is under {url}/v1)");
     println!("  operator login: admin");
     println!("  password:       {password}");
     if !fresh {

@@ -3,6 +3,7 @@
 //! - `cargo xtask test [-- ARGS]`: everything CI runs (set-up, fmt, clippy, build, tests).
 //! - `cargo xtask demo [--servers N] [--gpus G] [--model M] [--port P] [--reset]`: a local
 //!   control plane with simulated compute nodes.
+//! - `cargo xtask site`: the portal's WebAssembly bundle and stylesheet, into `<target>/site`.
 //! - `cargo xtask bench discovery`: PCI discovery timings next to pciutils' `lspci`.
 //! - `cargo xtask bench placement`: VM creations per second through the API, and
 //!   multi-GPU placement decisions.
@@ -13,6 +14,7 @@ mod bench;
 mod demo;
 mod fuzz;
 mod http;
+mod site;
 mod test;
 mod util;
 
@@ -38,6 +40,9 @@ commands:
   bench placement [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]
                    VM creations through the HTTP API onto simulated nodes (default
                    1250 x 8 GPUs, 10000 VMs, 64 clients), then 4- and 8-GPU decisions
+  bench portal [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]
+                   the servers, devices and VMs list pages over a seeded fleet (default
+                   2000 x 8 GPUs, 5000 VMs, 16 clients): p50/p95/p99 and page size
   fuzz-api [options] [-- ARGS]
                    fuzz the REST API with Schemathesis (installed with pip if missing)
                    against a throwaway server; non-zero exit on any failure
@@ -45,6 +50,8 @@ commands:
       --backend B          sqlite | postgres (default sqlite)
       --max-minutes M      stop after M minutes with what was found (default 20)
       --workers W          concurrent Schemathesis workers (default 2)
+  site             build the portal's browser half (wasm32 + wasm-bindgen, stylesheet)
+                   into <target>/site, where `server` serves it from
   help             this text
 ";
 
@@ -69,6 +76,7 @@ fn run(args: &[String]) -> Result<()> {
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
         "fuzz-api" => fuzz::run(rest),
+        "site" => site::build().map(|dir| println!("portal bundle in {}", dir.display())),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())

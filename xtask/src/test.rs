@@ -59,6 +59,8 @@ pub fn run(args: &[String]) -> Result<()> {
     stages.run("build", || {
         util::run_checked(cargo().args(["build", "--workspace", "--bins"]))
     })?;
+    // The portal's browser half, which the server serves and the end2end tests load.
+    stages.run("site", || crate::site::build().map(|_| ()))?;
     // nextest does not run doc tests. They go first so the test runner's own summary is
     // the last thing printed (CI reads it).
     if nextest {
@@ -87,8 +89,37 @@ pub fn run(args: &[String]) -> Result<()> {
             util::run_checked(&mut cmd)
         })?;
     }
+    // The portal in real Chromium, against the real binaries. Skipped when the runner
+    // was given a filter (those name Rust tests).
+    if passthrough.is_empty() {
+        stages.run("chromium", || ensure_tool("chromium", "chromium"))?;
+        stages.run("end2end", end2end)?;
+    } else {
+        println!("==> end2end skipped (test runner arguments given)");
+    }
     stages.summary();
     Ok(())
+}
+
+/// Playwright (installed from npm, without its own browsers) driving Debian's Chromium.
+fn end2end() -> Result<()> {
+    let dir = util::repo_root().join("end2end");
+    if !dir.join("node_modules/@playwright/test").is_dir() {
+        let mut cmd = Command::new("npm");
+        cmd.current_dir(&dir)
+            .args(["ci", "--no-audit", "--no-fund"])
+            .env("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1");
+        util::run_checked(&mut cmd)?;
+    }
+    let bin_dir = util::target_dir()?.join("debug");
+    let mut cmd = Command::new("npx");
+    cmd.current_dir(&dir)
+        .args(["playwright", "test"])
+        .env("PASSAGE_BIN_DIR", &bin_dir)
+        .env("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1");
+    util::run_checked(&mut cmd).context(
+        "end2end tests failed; screenshots and traces of the failing pages are in end2end/test-results/",
+    )
 }
 
 #[derive(Default)]

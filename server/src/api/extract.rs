@@ -4,6 +4,7 @@
 use crate::error::ApiError;
 use crate::services::auth::{self, Caller};
 use crate::services::{Ctx, agents};
+use crate::store::page::{Cursor, MAX_CURSOR_LEN, PageReq, Start};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
@@ -166,6 +167,35 @@ impl QueryMap {
         }
         let offset: u32 = self.parse("offset")?.unwrap_or(0);
         Ok((i64::from(limit), i64::from(offset)))
+    }
+
+    /// `?limit=N` with either `?offset=N` or `?after=CURSOR`, the cursor a previous page
+    /// gave in `x-next-cursor` (both at once: 400 naming `after`).
+    pub fn keyset<K: Cursor>(&self) -> Result<PageReq<K>, ApiError> {
+        let (limit, offset) = self.page()?;
+        let Some(raw) = self.get("after") else {
+            return Ok(PageReq::offset(limit, offset));
+        };
+        if self.get("offset").is_some() {
+            return Err(ApiError::invalid(
+                "after",
+                "cannot be combined with offset: page with one or the other",
+            ));
+        }
+        let key = (raw.len() <= MAX_CURSOR_LEN)
+            .then(|| K::decode(raw))
+            .flatten()
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "after",
+                    "is not a cursor of this list (pass the x-next-cursor header of the \
+                     previous page as it came)",
+                )
+            })?;
+        Ok(PageReq {
+            limit,
+            start: Start::After(key),
+        })
     }
 }
 

@@ -22,7 +22,7 @@ pub fn security_headers<S: Clone + Send + Sync + 'static>(r: Router<S>) -> Route
     r.layer(set(header::CONTENT_SECURITY_POLICY, CSP))
         .layer(set(header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
         .layer(set(header::X_FRAME_OPTIONS, "DENY"))
-        .layer(set(header::REFERRER_POLICY, "no-referrer"))
+        .layer(set(header::REFERRER_POLICY, "same-origin"))
         .layer(set(
             HeaderName::from_static("cross-origin-opener-policy"),
             "same-origin",

@@ -1,4 +1,4 @@
-//! The HTTP surface: REST /v1, the agent API, the portal at /.
+//! The HTTP surface: REST /v1, the agent API, the portal at / (see `crate::portal`).
 
 pub mod agent;
 pub mod audit;
@@ -11,7 +11,7 @@ use crate::error::ApiError;
 use crate::services::Ctx;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::response::{Html, IntoResponse};
+use axum::response::IntoResponse;
 use axum::routing::{get, post, put};
 use passage_model::ErrorCode;
 use utoipa::OpenApi;
@@ -30,6 +30,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::ping))
         .routes(routes!(v1::login))
         .routes(routes!(v1::logout))
+        .routes(routes!(v1::me))
         .routes(routes!(v1::list_accounts, v1::create_account))
         .routes(routes!(
             v1::get_account,
@@ -46,7 +47,9 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         ))
         .routes(routes!(v1::list_packages, v1::create_package))
         .routes(routes!(v1::get_package, v1::delete_package))
+        .routes(routes!(v1::package_availability))
         .routes(routes!(v1::list_servers))
+        .routes(routes!(v1::list_devices))
         .routes(routes!(v1::create_join_token))
         .routes(routes!(v1::get_server, v1::update_server))
         .routes(routes!(v1::device_events))
@@ -102,7 +105,7 @@ impl utoipa::Modify for BearerAuth {
 pub fn router(ctx: Ctx) -> Router {
     let (v1_router, doc) = v1_routes();
     let doc = std::sync::Arc::new(doc);
-    let v1 = v1_router
+    let v1: Router = v1_router
         .route(
             "/openapi.json",
             get(move || {
@@ -116,7 +119,8 @@ pub fn router(ctx: Ctx) -> Router {
             ctx.clone(),
             audit::record,
         ))
-        .layer(axum::middleware::from_fn(hardening::time_limit));
+        .layer(axum::middleware::from_fn(hardening::time_limit))
+        .with_state(ctx.clone());
     let agent_api = Router::new()
         .route("/register", post(agent::register))
         .route("/heartbeat", post(agent::heartbeat))
@@ -127,16 +131,14 @@ pub fn router(ctx: Ctx) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
     let app = Router::new()
-        .route("/", get(portal))
         .route("/metrics", get(metrics::render))
-        .nest("/v1", v1)
         .nest("/agent/v1", agent_api)
-        .with_state(ctx);
+        .with_state(ctx)
+        .nest_service("/v1", v1.clone())
+        .merge(crate::portal::router(v1))
+        // Portal forms post small bodies; nothing else is served here.
+        .layer(DefaultBodyLimit::max(API_BODY_LIMIT));
     hardening::security_headers(app).layer(tower_http::trace::TraceLayer::new_for_http())
-}
-
-async fn portal() -> Html<String> {
-    Html(passage_app::placeholder_page(env!("CARGO_PKG_VERSION")))
 }
 
 async fn not_found() -> impl IntoResponse {

@@ -4,11 +4,15 @@ use super::extract::{ApiJson, QueryMap};
 use crate::error::{ApiError, ApiResult};
 use crate::services::auth::{self, Caller};
 use crate::services::{Ctx, accounts, catalog, ops, servers, vms};
+use crate::store::devices::DeviceFilter;
+use crate::store::page::{Cursor, Page};
 use crate::store::vms::VmFilter;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use passage_model::DeviceState;
+use passage_model::api::PackageAvailability;
 #[allow(unused_imports)]
 use passage_model::api::{
     Account, Alert, ApiToken, AuditEntry, Capacity, CreateApiToken, DeviceActionRequest,
@@ -16,8 +20,8 @@ use passage_model::api::{
     PlacementExplanation, ScrubRecord, Server, Usage, Vm,
 };
 use passage_model::api::{
-    CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
-    UpdateServer, VmState,
+    CreateAccount, CreateJoinToken, CreatePackage, CreateVm, DeviceRow, JobState, LoginRequest,
+    Ping, ServerStatus, UpdateAccount, UpdateServer, VmState,
 };
 use passage_model::{AccountId, ApiErrorBody, JobId, PackageId, ServerId, Variant, VmId};
 use serde::Serialize;
@@ -28,6 +32,20 @@ fn listed<T: Serialize>(items: Vec<T>, total: i64) -> Response {
     if let Ok(v) = HeaderValue::from_str(&total.to_string()) {
         r.headers_mut()
             .insert(HeaderName::from_static("x-resource-count"), v);
+    }
+    r
+}
+
+/// A page of a list: the items, the total in `x-resource-count`, and when more follow,
+/// the cursor of the next page in `x-next-cursor`.
+fn paged<T: Serialize, K: Cursor>(page: Page<T, K>) -> Response {
+    let mut r = listed(page.items, page.total);
+    if let Some(v) = page
+        .next
+        .and_then(|k| HeaderValue::from_str(&k.encode()).ok())
+    {
+        r.headers_mut()
+            .insert(HeaderName::from_static("x-next-cursor"), v);
     }
     r
 }
@@ -69,6 +87,11 @@ pub async fn logout(
         auth::logout(&ctx, t.trim()).await?;
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/auth/me", tag = "auth", responses((status = 200, description = "The caller's own account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn me(caller: Caller) -> Json<Account> {
+    Json(caller.account)
 }
 
 // ---- accounts ----
@@ -212,6 +235,16 @@ pub async fn get_package(
     Ok(Json(catalog::get_package(&ctx, uuid).await?).into_response())
 }
 
+#[utoipa::path(get, path = "/packages/{uuid}/availability", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "Whether the caller could get this package now (capacity and quota)", body = PackageAvailability), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn package_availability(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: PackageId = id(&raw, "package")?;
+    Ok(Json(vms::availability(&ctx, &caller, uuid).await?).into_response())
+}
+
 #[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn delete_package(
     State(ctx): State<Ctx>,
@@ -226,15 +259,51 @@ pub async fn delete_package(
 
 // ---- servers ----
 
-#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Compute nodes, newest first", body = [Server]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("status" = Option<ServerStatus>, Query, description = "Only servers with this status")), responses((status = 200, description = "Compute nodes, newest first (then by uuid, descending)", body = [Server], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_servers(
     State(ctx): State<Ctx>,
     caller: Caller,
     q: QueryMap,
 ) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
-    let (items, total) = servers::list(&ctx, &caller, limit, offset).await?;
-    Ok(listed(items, total))
+    let req = q.keyset()?;
+    let status = match q.get("status") {
+        None => None,
+        Some("running") => Some(ServerStatus::Running),
+        Some("unknown") => Some(ServerStatus::Unknown),
+        Some("offline") => Some(ServerStatus::Offline),
+        Some(s) => {
+            return Err(ApiError::invalid(
+                "status",
+                format!("{s:?} is not one of running, unknown, offline"),
+            ));
+        }
+    };
+    Ok(paged(servers::list(&ctx, &caller, status, &req).await?))
+}
+
+#[utoipa::path(get, path = "/devices", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[A-Za-z0-9._-]{1,253}~[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}~[A-Za-z0-9:./]{1,512}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("state" = Option<DeviceState>, Query, description = "Only devices in this state"), ("variant" = Option<String>, Query, max_length = 128, description = "Only devices of this variant"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only devices of this server")), responses((status = 200, description = "The assignable devices (those matching a variant) of every server, ordered by server hostname, then server uuid, then device id, ascending", body = [DeviceRow], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+pub async fn list_devices(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    q: QueryMap,
+) -> ApiResult<Response> {
+    caller.require_staff()?;
+    let req = q.keyset()?;
+    let state =
+        match q.get("state") {
+            None => None,
+            Some(s) => Some(DeviceState::parse(s).ok_or_else(|| {
+                ApiError::invalid("state", format!("{s:?} is not a device state"))
+            })?),
+        };
+    let filter = DeviceFilter {
+        state,
+        variant: q.get("variant").map(str::to_string),
+        server: q.parse("server_uuid")?,
+    };
+    Ok(paged(
+        servers::list_devices(&ctx, &caller, &filter, &req).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
@@ -276,7 +345,7 @@ pub async fn create_join_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, description = "Only this device"), ("last" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Only the newest N")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn device_events(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -288,7 +357,13 @@ pub async fn device_events(
     let device = q
         .parse::<passage_model::DevicePath>("device")?
         .map(|d| d.to_string());
-    let items = servers::device_events(&ctx, &caller, uuid, device.as_deref()).await?;
+    let last = match q.parse::<i64>("last")? {
+        Some(n) if !(1..=1000).contains(&n) => {
+            return Err(ApiError::invalid("last", "must be 1 to 1000"));
+        }
+        other => other,
+    };
+    let items = servers::device_events(&ctx, &caller, uuid, device.as_deref(), last).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
@@ -312,9 +387,9 @@ pub async fn scrub_reports(
 
 // ---- vms and jobs ----
 
-#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip"), ("state" = Option<String>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only on this server"), ("assigned_device" = Option<String>, Query, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first", body = [Vm]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("state" = Option<VmState>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only on this server"), ("assigned_device" = Option<String>, Query, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first (then by uuid, descending)", body = [Vm], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+    let req = q.keyset()?;
     let state = match q.get("state") {
         None => None,
         Some(s) => Some(
@@ -330,8 +405,7 @@ pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> Ap
             .parse::<passage_model::DevicePath>("assigned_device")?
             .map(|d| d.to_string()),
     };
-    let (items, total) = vms::list(&ctx, &caller, filter, limit, offset).await?;
-    Ok(listed(items, total))
+    Ok(paged(vms::list(&ctx, &caller, filter, &req).await?))
 }
 
 #[utoipa::path(post, path = "/vms", tag = "vms", request_body = CreateVm, responses((status = 202, description = "Placed and reserved; provisioning", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
@@ -375,11 +449,17 @@ pub async fn get_job(
     Ok(Json(vms::job(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Jobs, newest first", body = [Job]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("state" = Option<JobState>, Query, description = "Only jobs in this state")), responses((status = 200, description = "Jobs, newest first (then by uuid, descending)", body = [Job], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
-    let (items, total) = vms::list_jobs(&ctx, &caller, limit, offset).await?;
-    Ok(listed(items, total))
+    let req = q.keyset()?;
+    let state = match q.get("state") {
+        None => None,
+        Some(s) => Some(
+            JobState::parse(s)
+                .ok_or_else(|| ApiError::invalid("state", format!("{s:?} is not a job state")))?,
+        ),
+    };
+    Ok(paged(vms::list_jobs(&ctx, &caller, state, &req).await?))
 }
 
 // ---- the caller's API tokens ----

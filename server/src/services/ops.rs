@@ -137,7 +137,7 @@ pub async fn device_action(
     if event == DeviceEvent::Requeue {
         workflows::scrub::start_job(ctx, server, std::slice::from_ref(&id)).await?;
     }
-    Ok(store::events::device_events(&ctx.db, server, Some(&id)).await?)
+    Ok(store::events::device_events(&ctx.db, server, Some(&id), None).await?)
 }
 
 async fn clear_taint(
@@ -156,7 +156,7 @@ async fn clear_taint(
         return Err(ApiError::invalid_state("the device has no taint"));
     }
     tracing::info!(%server, device = %id, %why, "taint cleared");
-    Ok(store::events::device_events(&ctx.db, server, Some(id)).await?)
+    Ok(store::events::device_events(&ctx.db, server, Some(id), None).await?)
 }
 
 /// Where a package would go now, and why every other server would not.

@@ -3,12 +3,13 @@
 use super::Ctx;
 use super::auth::{Caller, JOIN_TOKEN_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
+use crate::store::page::{DeviceKey, Page, PageReq, TimeKey};
 use crate::store::{self, devices, servers, variants, vms};
 use chrono::Utc;
 use passage_model::ServerId;
 use passage_model::api::{
-    AssignableDevice, CreateJoinToken, JoinToken, Server, ServerStatus, ServerVm, Sysinfo,
-    SysinfoDevice, UpdateServer,
+    AssignableDevice, CreateJoinToken, DeviceRow, JoinToken, Server, ServerStatus, ServerVm,
+    Sysinfo, SysinfoDevice, UpdateServer, Vm,
 };
 use passage_model::variant::DeviceType;
 use std::collections::BTreeMap;
@@ -24,13 +25,30 @@ pub fn status(ctx: &Ctx, last_heartbeat: Option<chrono::DateTime<Utc>>) -> Serve
     }
 }
 
-pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
-    let devs = devices::for_server(&ctx.db, rec.uuid).await?;
-    let kinds: BTreeMap<String, DeviceType> = variants::list(&ctx.db)
+/// Variant name → device type, for `assignable_devices`' `type`.
+async fn variant_kinds(ctx: &Ctx) -> ApiResult<BTreeMap<String, DeviceType>> {
+    Ok(variants::list(&ctx.db)
         .await?
         .into_iter()
         .map(|v| (v.name, v.kind))
-        .collect();
+        .collect())
+}
+
+pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
+    let devs = devices::for_server(&ctx.db, rec.uuid).await?;
+    let kinds = variant_kinds(ctx).await?;
+    let vms = vms::on_server(&ctx.db, rec.uuid).await?;
+    Ok(assemble(ctx, rec, &devs, vms, &kinds))
+}
+
+/// The server object from what the store holds: its devices and its VMs.
+fn assemble(
+    ctx: &Ctx,
+    rec: servers::ServerRecord,
+    devs: &[devices::DeviceRecord],
+    on_server: Vec<Vm>,
+    kinds: &BTreeMap<String, DeviceType>,
+) -> Server {
     let pci_devices = devs
         .iter()
         .filter(|d| !d.missing)
@@ -64,8 +82,7 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
             })
         })
         .collect();
-    let vms = vms::on_server(&ctx.db, rec.uuid)
-        .await?
+    let vms = on_server
         .into_iter()
         .map(|vm| {
             (
@@ -80,7 +97,7 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
             )
         })
         .collect();
-    Ok(Server {
+    Server {
         uuid: rec.uuid,
         status: status(ctx, rec.last_heartbeat),
         hostname: rec.hostname,
@@ -90,7 +107,7 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
         sysinfo: Sysinfo { pci_devices },
         assignable_devices,
         vms,
-    })
+    }
 }
 
 pub async fn get(ctx: &Ctx, caller: &Caller, uuid: ServerId) -> ApiResult<Server> {
@@ -99,19 +116,69 @@ pub async fn get(ctx: &Ctx, caller: &Caller, uuid: ServerId) -> ApiResult<Server
     view(ctx, rec).await
 }
 
+/// One page of servers, newest first: four queries whatever the page size (the servers,
+/// their devices, their VMs, the variants).
 pub async fn list(
     ctx: &Ctx,
     caller: &Caller,
-    limit: i64,
-    offset: i64,
-) -> ApiResult<(Vec<Server>, i64)> {
+    status: Option<ServerStatus>,
+    req: &PageReq<TimeKey>,
+) -> ApiResult<Page<Server, TimeKey>> {
     caller.require_staff()?;
-    let (recs, total) = servers::list(&ctx.db, limit, offset).await?;
-    let mut out = Vec::with_capacity(recs.len());
-    for r in recs {
-        out.push(view(ctx, r).await?);
+    let filter = servers::ServerFilter {
+        status,
+        alive_after_ms: ctx.alive_after_ms(),
+    };
+    let page = servers::page(&ctx.db, &filter, req).await?;
+    let uuids: Vec<ServerId> = page.items.iter().map(|r| r.uuid).collect();
+    let mut devs: BTreeMap<ServerId, Vec<devices::DeviceRecord>> = BTreeMap::new();
+    for d in devices::for_servers(&ctx.db, &uuids).await? {
+        devs.entry(d.server_uuid).or_default().push(d);
     }
-    Ok((out, total))
+    let mut on: BTreeMap<ServerId, Vec<Vm>> = BTreeMap::new();
+    for vm in vms::on_servers(&ctx.db, &uuids).await? {
+        if let Some(s) = vm.server_uuid {
+            on.entry(s).or_default().push(vm);
+        }
+    }
+    let kinds = if page.items.is_empty() {
+        BTreeMap::new()
+    } else {
+        variant_kinds(ctx).await?
+    };
+    Ok(page.map(|rec| {
+        let d = devs.remove(&rec.uuid).unwrap_or_default();
+        let v = on.remove(&rec.uuid).unwrap_or_default();
+        assemble(ctx, rec, &d, v, &kinds)
+    }))
+}
+
+/// One page of the fleet's assignable devices (see `devices::page` for the order).
+pub async fn list_devices(
+    ctx: &Ctx,
+    caller: &Caller,
+    filter: &devices::DeviceFilter,
+    req: &PageReq<DeviceKey>,
+) -> ApiResult<Page<DeviceRow, DeviceKey>> {
+    caller.require_staff()?;
+    let page = devices::page(&ctx.db, filter, req).await?;
+    Ok(page.map(|l| {
+        let d = l.device;
+        DeviceRow {
+            address: d.pci.address(),
+            id: d.pci.id,
+            server_uuid: d.server_uuid,
+            hostname: l.hostname,
+            variant: d.variant,
+            state: d.state,
+            used_by: d.used_by,
+            numa_node: d.pci.numa_node,
+            driver: d.pci.driver,
+            vendor: d.pci.vendor,
+            device: d.pci.device,
+            taint: d.taint,
+        }
+    }))
 }
 
 pub async fn update(
@@ -187,10 +254,11 @@ pub async fn device_events(
     caller: &Caller,
     uuid: ServerId,
     device: Option<&str>,
+    last: Option<i64>,
 ) -> ApiResult<Vec<passage_model::api::DeviceEventRecord>> {
     caller.require_staff()?;
     servers::get(&ctx.db, uuid).await?;
-    Ok(store::events::device_events(&ctx.db, uuid, device).await?)
+    Ok(store::events::device_events(&ctx.db, uuid, device, last).await?)
 }
 
 pub async fn scrub_reports(

@@ -5,10 +5,11 @@ use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
 use crate::placement;
+use crate::store::page::{Page, PageReq, TimeKey};
 use crate::store::{self, StoreError, accounts, devices, jobs, vms};
 use crate::workflows;
-use passage_model::api::{CreateVm, Job, Role, Vm, VmState};
-use passage_model::{DevicePath, ErrorCode, JobId, VmId};
+use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
+use passage_model::{DevicePath, ErrorCode, JobId, PackageId, VmId};
 use std::collections::BTreeMap;
 
 pub const MAX_ALIAS_LEN: usize = 64;
@@ -202,6 +203,53 @@ async fn place_and_reserve(
 /// Servers that fit come from the free-device index (fewest free first for pack, most
 /// for spread); servers that tie are tried in random order, so concurrent requests spread
 /// over them instead of all racing for the same devices.
+/// Could the caller get `package` right now? The same placement as a creation, without
+/// reserving anything, plus the caller's quota.
+pub async fn availability(
+    ctx: &Ctx,
+    caller: &Caller,
+    package: PackageId,
+) -> ApiResult<passage_model::api::PackageAvailability> {
+    let package = catalog::get_package(ctx, package).await?;
+    let wanted: u32 = package.devices.values().sum();
+    let quota_ok = match caller.account.gpu_quota {
+        None => true,
+        Some(q) => {
+            let held = accounts::gpu_held(&ctx.db, caller.account.uuid).await?;
+            held + i64::from(wanted) <= i64::from(q)
+        }
+    };
+    let capacity_ok = if package.devices.is_empty() {
+        any_running_server(ctx).await?.is_some()
+    } else {
+        let variants: Vec<String> = package.devices.keys().cloned().collect();
+        let policy = package.placement.unwrap_or(ctx.cfg.placement);
+        match hinted_choice(ctx, &package.devices, &variants, &[], policy).await? {
+            Some(_) => true,
+            None => {
+                let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+                placement::choose(&cands, &package.devices, &[], policy).is_some()
+            }
+        }
+    };
+    let message = if !quota_ok {
+        Some(format!(
+            "needs {wanted} device(s); your GPU quota is {}",
+            caller.account.gpu_quota.unwrap_or(0)
+        ))
+    } else if !capacity_ok {
+        Some(insufficient(&package.devices).message)
+    } else {
+        None
+    };
+    Ok(passage_model::api::PackageAvailability {
+        package: package.uuid,
+        capacity_ok,
+        quota_ok,
+        message,
+    })
+}
+
 async fn hinted_choice(
     ctx: &Ctx,
     request: &BTreeMap<String, u32>,
@@ -342,17 +390,20 @@ pub async fn list(
     ctx: &Ctx,
     caller: &Caller,
     mut filter: vms::VmFilter,
-    limit: i64,
-    offset: i64,
-) -> ApiResult<(Vec<Vm>, i64)> {
+    req: &PageReq<TimeKey>,
+) -> ApiResult<Page<Vm, TimeKey>> {
     if !caller.account.role.sees_all() {
         if filter.owner.is_some_and(|o| o != caller.account.uuid) {
             // Another tenant's VMs: none that this caller can see.
-            return Ok((Vec::new(), 0));
+            return Ok(Page {
+                items: Vec::new(),
+                total: 0,
+                next: None,
+            });
         }
         filter.owner = Some(caller.account.uuid);
     }
-    Ok(vms::list(&ctx.db, &filter, limit, offset).await?)
+    Ok(vms::list(&ctx.db, &filter, req).await?)
 }
 
 pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
@@ -384,17 +435,16 @@ pub async fn job(ctx: &Ctx, caller: &Caller, uuid: JobId) -> ApiResult<Job> {
     Ok(rec.view)
 }
 
+/// One page of jobs, newest first: a tenant's own (those on its VMs), or all for staff.
 pub async fn list_jobs(
     ctx: &Ctx,
     caller: &Caller,
-    limit: i64,
-    offset: i64,
-) -> ApiResult<(Vec<Job>, i64)> {
-    let owner = (!caller.account.role.sees_all()).then_some(caller.account.uuid);
-    let (ids, total) = jobs::list(&ctx.db, owner, limit, offset).await?;
-    let mut out = Vec::with_capacity(ids.len());
-    for id in ids {
-        out.push(jobs::get(&ctx.db, id).await?.view);
-    }
-    Ok((out, total))
+    state: Option<JobState>,
+    req: &PageReq<TimeKey>,
+) -> ApiResult<Page<Job, TimeKey>> {
+    let filter = jobs::JobFilter {
+        owner: (!caller.account.role.sees_all()).then_some(caller.account.uuid),
+        state,
+    };
+    Ok(jobs::list(&ctx.db, &filter, req).await?)
 }

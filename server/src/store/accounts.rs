@@ -276,3 +276,14 @@ pub async fn delete_login_tokens(db: &Db, account: AccountId) -> StoreResult<()>
     .map(|r| r.rows_affected()))?;
     Ok(())
 }
+
+/// Devices the account holds now (what its GPU quota is charged with).
+pub async fn gpu_held(db: &Db, uuid: AccountId) -> StoreResult<i64> {
+    let n: Option<i64> = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT gpu_held FROM accounts WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    n.ok_or(StoreError::NotFound("account"))
+}

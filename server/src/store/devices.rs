@@ -2,6 +2,7 @@
 //! through `DeviceTx::move_devices`: the pure state machine decides, a conditional
 //! `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
 
+use super::page::{self, DeviceKey, Page, PageReq, Start, Where};
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
 use passage_model::state::transition;
@@ -86,6 +87,118 @@ pub async fn for_server(db: &Db, server: ServerId) -> StoreResult<Vec<DeviceReco
     .fetch_all(p)
     .await)?;
     records(rows)
+}
+
+/// The devices of several servers at once (one page of the server list): by server, then
+/// by address.
+pub async fn for_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<DeviceRecord>> {
+    if servers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "SELECT {COLS} FROM devices WHERE server_uuid IN ({}) ORDER BY server_uuid, bdf",
+        page::marks(1, servers.len())
+    );
+    let args: Vec<page::Arg> = servers
+        .iter()
+        .map(|s| page::Arg::Text(s.to_string()))
+        .collect();
+    records(page::fetch(db, &sql, &args).await?)
+}
+
+/// Which assignable devices the fleet-wide list shows.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceFilter {
+    pub state: Option<DeviceState>,
+    pub variant: Option<String>,
+    pub server: Option<ServerId>,
+}
+
+/// An assignable device with the hostname of its server.
+#[derive(Clone, Debug)]
+pub struct ListedDevice {
+    pub hostname: String,
+    pub device: DeviceRecord,
+}
+
+#[derive(sqlx::FromRow)]
+struct ListedRow {
+    #[sqlx(flatten)]
+    device: DeviceRow,
+    hostname: String,
+}
+
+/// One page of the assignable devices (those matching a variant) of every server, in the
+/// order (server hostname, server uuid, device id), ascending: a total order, since a
+/// device id is unique within its server.
+pub async fn page(
+    db: &Db,
+    f: &DeviceFilter,
+    req: &PageReq<DeviceKey>,
+) -> StoreResult<Page<ListedDevice, DeviceKey>> {
+    let mut w = Where::default();
+    w.and("d.variant IS NOT NULL");
+    if let Some(st) = f.state {
+        let a = w.text(st.as_str());
+        w.and(format!("d.state = {a}"));
+    }
+    if let Some(v) = &f.variant {
+        let a = w.text(v.clone());
+        w.and(format!("d.variant = {a}"));
+    }
+    if let Some(sv) = f.server {
+        let a = w.text(sv.to_string());
+        w.and(format!("d.server_uuid = {a}"));
+    }
+    const FROM: &str = "devices d JOIN servers s ON s.uuid = d.server_uuid";
+    let total = page::count(
+        db,
+        &format!("SELECT COUNT(*) FROM {FROM}{}", w.sql()),
+        &w.args,
+    )
+    .await?;
+    let offset = match &req.start {
+        Start::Offset(n) => *n,
+        Start::After(k) => {
+            let h = w.text(k.hostname.clone());
+            let u = w.text(k.server_uuid.clone());
+            let i = w.text(k.id.clone());
+            // The first condition is implied by the second; it lets Postgres start its
+            // scan of servers by hostname at the cursor instead of filtering from the top.
+            w.and(format!("s.hostname >= {h}"));
+            w.and(format!(
+                "(s.hostname, d.server_uuid, d.id) > ({h}, {u}, {i})"
+            ));
+            0
+        }
+    };
+    let lim = w.int(req.limit.saturating_add(1));
+    let off = w.int(offset);
+    let cols: Vec<String> = COLS.split(',').map(|c| format!("d.{}", c.trim())).collect();
+    let sql = format!(
+        "SELECT {}, s.hostname FROM {FROM}{} ORDER BY s.hostname, d.server_uuid, d.id \
+         LIMIT {lim} OFFSET {off}",
+        cols.join(", "),
+        w.sql()
+    );
+    let rows: Vec<ListedRow> = page::fetch(db, &sql, &w.args).await?;
+    let (rows, more) = page::split(rows, req.limit);
+    let next = if more {
+        rows.last()
+            .map(|r| DeviceKey::new(&r.hostname, r.device.server_uuid.as_str(), &r.device.id))
+    } else {
+        None
+    };
+    let items = rows
+        .into_iter()
+        .map(|r| {
+            Ok(ListedDevice {
+                hostname: r.hostname,
+                device: r.device.into_record()?,
+            })
+        })
+        .collect::<StoreResult<_>>()?;
+    Ok(Page { items, total, next })
 }
 
 pub async fn held_by(db: &Db, vm: VmId) -> StoreResult<Vec<DeviceRecord>> {

@@ -10,17 +10,22 @@ pub async fn device_events(
     db: &Db,
     server: ServerId,
     device: Option<&str>,
+    last: Option<i64>,
 ) -> StoreResult<Vec<DeviceEventRecord>> {
-    let rows: Vec<(String, String, String, String, String, i64)> = on_read!(db, |p| {
+    // Newest first so `last` can cut; turned back to oldest first below.
+    let mut rows: Vec<(String, String, String, String, String, i64)> = on_read!(db, |p| {
         sqlx::query_as(
             "SELECT server_uuid, device, from_state, to_state, reason, at FROM device_events \
-             WHERE server_uuid = $1 AND (CAST($2 AS TEXT) IS NULL OR device = $2) ORDER BY seq",
+             WHERE server_uuid = $1 AND (CAST($2 AS TEXT) IS NULL OR device = $2) \
+             ORDER BY seq DESC LIMIT $3",
         )
         .bind(server.to_string())
         .bind(device)
+        .bind(last.unwrap_or(i64::MAX))
         .fetch_all(p)
         .await
     })?;
+    rows.reverse();
     rows.into_iter()
         .map(|(s, d, f, t, reason, at)| {
             Ok(DeviceEventRecord {

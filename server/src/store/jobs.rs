@@ -1,9 +1,11 @@
 //! Persisted jobs and their steps: the saga log a restarted server resumes from.
 
+use super::page::{self, Page, PageReq, TimeKey, Where};
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Job, JobState, JobStep, StepState};
 use passage_model::{AccountId, JobId, VmId};
+use std::collections::HashMap;
 
 pub trait JobTx {
     fn insert_job(
@@ -104,22 +106,10 @@ pub struct JobRecord {
     pub payload: Option<String>,
 }
 
-pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
-    let row: Option<JobRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at \
-         FROM jobs WHERE uuid = $1"
-    )
-    .bind(job.to_string())
-    .fetch_optional(p)
-    .await)?;
-    let row = row.ok_or(StoreError::NotFound("job"))?;
-    let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT name, state, started_at, ended_at, error FROM job_steps \
-         WHERE job_uuid = $1 ORDER BY idx"
-    )
-    .bind(job.to_string())
-    .fetch_all(p)
-    .await)?;
+const JOB_COLS: &str =
+    "uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at";
+
+fn record(row: JobRow, steps: Vec<StepRow>) -> StoreResult<JobRecord> {
     let owner = row
         .owner_uuid
         .as_deref()
@@ -155,6 +145,24 @@ pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
         owner,
         payload: row.payload,
     })
+}
+
+pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
+    let row: Option<JobRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {JOB_COLS} FROM jobs WHERE uuid = $1"
+    ))
+    .bind(job.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let row = row.ok_or(StoreError::NotFound("job"))?;
+    let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT name, state, started_at, ended_at, error FROM job_steps \
+         WHERE job_uuid = $1 ORDER BY idx"
+    )
+    .bind(job.to_string())
+    .fetch_all(p)
+    .await)?;
+    record(row, steps)
 }
 
 pub async fn set_state(
@@ -213,34 +221,70 @@ pub async fn step_ended(
     Ok(())
 }
 
+/// Which jobs a page lists.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct JobFilter {
+    /// Only the jobs on this account's VMs.
+    pub owner: Option<AccountId>,
+    pub state: Option<JobState>,
+}
+
+#[derive(sqlx::FromRow)]
+struct StepOfJob {
+    job_uuid: String,
+    #[sqlx(flatten)]
+    step: StepRow,
+}
+
+/// One page of jobs, newest first, with their steps (two queries for the whole page).
 pub async fn list(
     db: &Db,
-    owner: Option<AccountId>,
-    limit: i64,
-    offset: i64,
-) -> StoreResult<(Vec<JobId>, i64)> {
-    let owner_s = owner.map(|o| o.to_string());
-    let rows: Vec<String> = on_read!(db, |p| sqlx::query_scalar(
-        "SELECT uuid FROM jobs WHERE (CAST($1 AS TEXT) IS NULL OR owner_uuid = $1) \
-         ORDER BY created_at DESC, uuid DESC LIMIT $2 OFFSET $3"
-    )
-    .bind(&owner_s)
-    .bind(limit)
-    .bind(offset)
-    .fetch_all(p)
-    .await)?;
-    let total: i64 = on_read!(db, |p| sqlx::query_scalar(
-        "SELECT COUNT(*) FROM jobs WHERE (CAST($1 AS TEXT) IS NULL OR owner_uuid = $1)"
-    )
-    .bind(&owner_s)
-    .fetch_one(p)
-    .await)?;
-    Ok((
-        rows.iter()
-            .map(|u| parse_uuid(u, "job"))
-            .collect::<StoreResult<_>>()?,
-        total,
-    ))
+    f: &JobFilter,
+    req: &PageReq<TimeKey>,
+) -> StoreResult<Page<Job, TimeKey>> {
+    let mut w = Where::default();
+    if let Some(o) = f.owner {
+        let a = w.text(o.to_string());
+        w.and(format!("owner_uuid = {a}"));
+    }
+    if let Some(st) = f.state {
+        let a = w.text(st.as_str());
+        w.and(format!("state = {a}"));
+    }
+    let p = page::newest_first(db, JOB_COLS, "jobs", w, req, |r: &JobRow| {
+        TimeKey::new(r.created_at, &r.uuid)
+    })
+    .await?;
+    let mut steps: HashMap<String, Vec<StepRow>> = HashMap::new();
+    if !p.items.is_empty() {
+        let sql = format!(
+            "SELECT job_uuid, name, state, started_at, ended_at, error FROM job_steps \
+             WHERE job_uuid IN ({}) ORDER BY job_uuid, idx",
+            page::marks(1, p.items.len())
+        );
+        let args: Vec<page::Arg> = p
+            .items
+            .iter()
+            .map(|r| page::Arg::Text(r.uuid.clone()))
+            .collect();
+        let rows: Vec<StepOfJob> = page::fetch(db, &sql, &args).await?;
+        for r in rows {
+            steps.entry(r.job_uuid).or_default().push(r.step);
+        }
+    }
+    let items = p
+        .items
+        .into_iter()
+        .map(|row| {
+            let s = steps.remove(&row.uuid).unwrap_or_default();
+            record(row, s).map(|r| r.view)
+        })
+        .collect::<StoreResult<_>>()?;
+    Ok(Page {
+        items,
+        total: p.total,
+        next: p.next,
+    })
 }
 
 /// Takes (or renews) the lease on an unfinished job: free, already ours, or expired.

@@ -9,6 +9,7 @@ pub mod events;
 pub mod jobs;
 pub mod ops;
 pub mod packages;
+pub mod page;
 pub mod servers;
 pub mod tasks;
 pub mod variants;

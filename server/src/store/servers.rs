@@ -1,5 +1,6 @@
 //! Compute nodes: join tokens, registration, heartbeats.
 
+use super::page::{self, Page, PageReq, TimeKey, Where};
 use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use chrono::{DateTime, Utc};
@@ -186,6 +187,52 @@ pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRe
             .collect::<StoreResult<_>>()?,
         total,
     ))
+}
+
+/// Which servers a page lists, by status (derived from the last heartbeat as
+/// `services::servers::status` does).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServerFilter {
+    pub status: Option<passage_model::api::ServerStatus>,
+    /// The oldest heartbeat of a running server (ms since the epoch).
+    pub alive_after_ms: i64,
+}
+
+const SERVER_COLS: &str = "uuid, hostname, last_heartbeat, created_at, disabled";
+
+/// One page of servers, newest first.
+pub async fn page(
+    db: &Db,
+    f: &ServerFilter,
+    req: &PageReq<TimeKey>,
+) -> StoreResult<Page<ServerRecord, TimeKey>> {
+    use passage_model::api::ServerStatus;
+    let mut w = Where::default();
+    match f.status {
+        None => {}
+        Some(ServerStatus::Unknown) => w.and("last_heartbeat IS NULL"),
+        Some(ServerStatus::Running) => {
+            let t = w.int(f.alive_after_ms);
+            w.and(format!("last_heartbeat >= {t}"));
+        }
+        Some(ServerStatus::Offline) => {
+            let t = w.int(f.alive_after_ms);
+            w.and(format!("last_heartbeat < {t}"));
+        }
+    }
+    let p = page::newest_first(db, SERVER_COLS, "servers", w, req, |r: &ServerRow| {
+        TimeKey::new(r.created_at, &r.uuid)
+    })
+    .await?;
+    Ok(Page {
+        items: p
+            .items
+            .into_iter()
+            .map(ServerRow::into_record)
+            .collect::<StoreResult<_>>()?,
+        total: p.total,
+        next: p.next,
+    })
 }
 
 pub async fn set_hostname(db: &Db, uuid: ServerId, hostname: &str) -> StoreResult<()> {

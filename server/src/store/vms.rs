@@ -3,6 +3,7 @@
 
 use super::devices::DeviceTx;
 use super::jobs::JobTx;
+use super::page::{self, Page, PageReq, TimeKey, Where};
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
@@ -164,46 +165,44 @@ pub struct VmFilter {
     pub assigned_device: Option<String>,
 }
 
-pub async fn list(db: &Db, f: &VmFilter, limit: i64, offset: i64) -> StoreResult<(Vec<Vm>, i64)> {
-    let owner = f.owner.map(|o| o.to_string());
-    let state = f.state.map(|s| s.as_str());
-    let server = f.server.map(|s| s.to_string());
-    // Device paths never contain quotes or LIKE wildcards except '_', which only widens
-    // the match; the exact check below removes any false hit.
-    let device_like = f.assigned_device.as_ref().map(|d| format!("%\"{d}\"%"));
-    let cond = "(CAST($1 AS TEXT) IS NULL OR owner_uuid = $1) \
-        AND (CAST($2 AS TEXT) IS NULL OR state = $2) \
-        AND (CAST($3 AS TEXT) IS NULL OR server_uuid = $3) \
-        AND (CAST($4 AS TEXT) IS NULL OR assigned_devices LIKE $4)";
-    let rows: Vec<VmRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM vms WHERE {cond} ORDER BY created_at DESC, uuid DESC \
-         LIMIT $5 OFFSET $6"
-    ))
-    .bind(&owner)
-    .bind(state)
-    .bind(&server)
-    .bind(&device_like)
-    .bind(limit)
-    .bind(offset)
-    .fetch_all(p)
-    .await)?;
-    let total: i64 = on_read!(db, |p| sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM vms WHERE {cond}"
-    ))
-    .bind(&owner)
-    .bind(state)
-    .bind(&server)
-    .bind(&device_like)
-    .fetch_one(p)
-    .await)?;
-    let mut vms: Vec<Vm> = rows
-        .into_iter()
-        .map(VmRow::into_view)
-        .collect::<StoreResult<_>>()?;
-    if let Some(d) = &f.assigned_device {
-        vms.retain(|v| v.assigned_devices.iter().any(|a| a.to_string() == *d));
+/// One page of VMs, newest first, filtered in SQL.
+pub async fn list(db: &Db, f: &VmFilter, req: &PageReq<TimeKey>) -> StoreResult<Page<Vm, TimeKey>> {
+    let mut w = Where::default();
+    if let Some(o) = f.owner {
+        let a = w.text(o.to_string());
+        w.and(format!("owner_uuid = {a}"));
     }
-    Ok((vms, total))
+    if let Some(st) = f.state {
+        let a = w.text(st.as_str());
+        w.and(format!("state = {a}"));
+    }
+    if let Some(sv) = f.server {
+        let a = w.text(sv.to_string());
+        w.and(format!("server_uuid = {a}"));
+    }
+    if let Some(d) = &f.assigned_device {
+        // One whole element of the JSON array of paths: quoted, with LIKE's wildcards
+        // escaped (a device path has none, but the store does not rely on it).
+        let escaped = d
+            .replace('\\', "\\\\")
+            .replace('%', "\\%")
+            .replace('_', "\\_");
+        let a = w.text(format!("%\"{escaped}\"%"));
+        w.and(format!("assigned_devices LIKE {a} ESCAPE '\\'"));
+    }
+    let p = page::newest_first(db, COLS, "vms", w, req, |r: &VmRow| {
+        TimeKey::new(r.created_at, &r.uuid)
+    })
+    .await?;
+    Ok(Page {
+        items: p
+            .items
+            .into_iter()
+            .map(VmRow::into_view)
+            .collect::<StoreResult<_>>()?,
+        total: p.total,
+        next: p.next,
+    })
 }
 
 /// Moves a VM from one of `from` to `to`; false if it was in none of them.
@@ -264,6 +263,24 @@ pub async fn on_server(db: &Db, server: ServerId) -> StoreResult<Vec<Vm>> {
     .bind(server.to_string())
     .fetch_all(p)
     .await)?;
+    rows.into_iter().map(VmRow::into_view).collect()
+}
+
+/// The VMs of several servers at once (one page of the server list), by creation.
+pub async fn on_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<Vm>> {
+    if servers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "SELECT {COLS} FROM vms WHERE server_uuid IN ({}) \
+         AND state NOT IN ('destroyed', 'failed') ORDER BY created_at",
+        page::marks(1, servers.len())
+    );
+    let args: Vec<page::Arg> = servers
+        .iter()
+        .map(|s| page::Arg::Text(s.to_string()))
+        .collect();
+    let rows: Vec<VmRow> = page::fetch(db, &sql, &args).await?;
     rows.into_iter().map(VmRow::into_view).collect()
 }
 

@@ -1,0 +1,79 @@
+//! Pages for signed-in people only, some for operators only.
+
+use crate::app::Session;
+use crate::components::widgets::ErrorBox;
+use leptos::prelude::*;
+use leptos_router::components::Redirect;
+use leptos_router::hooks::use_location;
+
+/// Who may see a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Audience {
+    Anyone,
+    Staff,
+    Tenant,
+}
+
+/// Renders `children` when the session may see the page; sends a signed-out person to
+/// the login page (and back afterwards) and answers anyone else with a 403 page.
+#[component]
+pub fn Guard(audience: Audience, children: ChildrenFn) -> impl IntoView {
+    let session = expect_context::<Session>();
+    let location = use_location();
+    let children = StoredValue::new(children);
+    view! {
+        <Suspense fallback=|| view! { <p class="loading">"Loading…"</p> }>
+            {move || Suspend::new(async move {
+                match session.await {
+                    Ok(Some(me)) => {
+                        let ok = match audience {
+                            Audience::Anyone => true,
+                            Audience::Staff => me.is_staff(),
+                            Audience::Tenant => !me.is_staff(),
+                        };
+                        if ok {
+                            children.with_value(|c| c()).into_any()
+                        } else {
+                            view! { <Forbidden/> }.into_any()
+                        }
+                    }
+                    Ok(None) => {
+                        let here = format!(
+                            "{}{}",
+                            location.pathname.get_untracked(),
+                            location.search.get_untracked()
+                        );
+                        let to = format!("/login?next={}", encode(&here));
+                        view! { <Redirect path=to/> }.into_any()
+                    }
+                    Err(e) => view! { <ErrorBox error=e/> }.into_any(),
+                }
+            })}
+        </Suspense>
+    }
+}
+
+#[component]
+pub fn Forbidden() -> impl IntoView {
+    #[cfg(feature = "ssr")]
+    crate::backend::set_status(403);
+    view! {
+        <section class="problem" aria-labelledby="forbidden-title">
+            <h1 id="forbidden-title">"Not allowed"</h1>
+            <p>"Your account may not open this page."</p>
+            <p><a href="/">"Go to your start page"</a></p>
+        </section>
+    }
+}
+
+fn encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,5 @@
+//! Pieces the pages share.
+
+pub mod guard;
+pub mod layout;
+pub mod widgets;

@@ -1,0 +1,46 @@
+//! Small display helpers shared by the pages.
+
+use chrono::{DateTime, Utc};
+
+/// "2026-11-22 05:14:03 UTC": exact, sortable, the same on server and browser (no
+/// time-zone guess during hydration).
+pub fn time(t: &DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+pub fn opt_time(t: &Option<DateTime<Utc>>) -> String {
+    t.as_ref().map(time).unwrap_or_else(|| "never".to_string())
+}
+
+/// A step's duration, "1.234 s", or empty while it has not both started and ended.
+pub fn duration(start: &Option<DateTime<Utc>>, end: &Option<DateTime<Utc>>) -> String {
+    match (start, end) {
+        (Some(s), Some(e)) => {
+            let ms = (*e - *s).num_milliseconds().max(0);
+            format!("{}.{:03} s", ms / 1000, ms % 1000)
+        }
+        (Some(_), None) => "running".to_string(),
+        _ => String::new(),
+    }
+}
+
+/// The PCI address at the end of a device path: `/devices/pci0000:3a/0000:3b:00.0` → `0000:3b:00.0`.
+pub fn bdf(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+pub fn short_uuid(u: &str) -> &str {
+    u.get(..8).unwrap_or(u)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bdf_is_the_last_component() {
+        assert_eq!(
+            super::bdf("/devices/pci0000:3a/0000:3b:00.0"),
+            "0000:3b:00.0"
+        );
+        assert_eq!(super::bdf("x"), "x");
+    }
+}

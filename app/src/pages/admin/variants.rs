@@ -1,0 +1,139 @@
+use crate::components::guard::{Audience, Guard};
+use crate::components::widgets::{CsrfField, ErrorBox, FieldError, FormStatus};
+use crate::rpc::{DeleteVariant, SaveVariant, list_variants};
+use leptos::prelude::*;
+use leptos_meta::Title;
+use leptos_router::hooks::use_query_map;
+use passage_model::Variant;
+
+#[component]
+pub fn VariantsPage() -> impl IntoView {
+    let save = ServerAction::<SaveVariant>::new();
+    let delete = ServerAction::<DeleteVariant>::new();
+    let data = Resource::new(
+        move || (save.version().get(), delete.version().get()),
+        |_| list_variants(),
+    );
+    let q = use_query_map();
+    let editing = move || q.read().get("edit");
+    view! {
+        <Title text="Variants · Passage"/>
+        <Guard audience=Audience::Staff>
+            <h1>"Device variants"</h1>
+            <p>"A variant names a kind of device by its PCI ids; packages ask for variants."</p>
+            <Transition fallback=|| view! { <p class="loading">"Loading…"</p> }>
+                {move || Suspend::new(async move {
+                    match data.await {
+                        Err(e) => view! { <ErrorBox error=e/> }.into_any(),
+                        Ok(rows) => {
+                            let edit = editing().and_then(|n| rows.iter().find(|r| r.variant.name == n).map(|r| r.variant.clone()));
+                            view! {
+                                <table data-testid="variants">
+                                    <thead>
+                                        <tr>
+                                            <th scope="col">"Name"</th>
+                                            <th scope="col">"Type"</th>
+                                            <th scope="col">"Vendor:device"</th>
+                                            <th scope="col">"Subsystem"</th>
+                                            <th scope="col">"Matches"</th>
+                                            <th scope="col">"Description"</th>
+                                            <th scope="col"><span class="sr-only">"Actions"</span></th>
+                                        </tr>
+                                    </thead>
+                                    <tbody>
+                                        {rows.into_iter().map(|r| {
+                                            let v = r.variant;
+                                            let name = v.name.clone();
+                                            let sub = match (&v.subvendor, &v.subsystem) {
+                                                (None, None) => "any".to_string(),
+                                                (a, b) => format!(
+                                                    "{}:{}",
+                                                    a.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into()),
+                                                    b.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into())
+                                                ),
+                                            };
+                                            let hidden = name.clone();
+                                            let label = format!("Delete {name}");
+                                            view! {
+                                                <tr data-variant=name.clone()>
+                                                    <th scope="row">{name.clone()}</th>
+                                                    <td>{v.kind.as_str()}</td>
+                                                    <td><code>{format!("{}:{}", v.vendor, v.device)}</code></td>
+                                                    <td><code>{sub}</code></td>
+                                                    <td data-testid="matches">{r.matches} " devices"</td>
+                                                    <td>{v.description.clone().unwrap_or_default()}</td>
+                                                    <td class="actions">
+                                                        <a href=format!("/admin/variants?edit={name}")>"Edit " <span class="sr-only">{name.clone()}</span></a>
+                                                        <ActionForm action=delete>
+                                                            <CsrfField/>
+                                                            <input type="hidden" name="name" value=hidden/>
+                                                            <button type="submit" class="danger">{label}</button>
+                                                        </ActionForm>
+                                                    </td>
+                                                </tr>
+                                            }
+                                        }).collect_view()}
+                                    </tbody>
+                                </table>
+                                {move || delete.value().get().and_then(|r| r.err()).map(|e| view! { <ErrorBox error=e/> })}
+                                <VariantForm action=save existing=edit/>
+                            }.into_any()
+                        }
+                    }
+                })}
+            </Transition>
+        </Guard>
+    }
+}
+
+#[component]
+fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> impl IntoView {
+    let result = Signal::derive(move || action.value().get());
+    let editing = existing.is_some();
+    let text =
+        |f: fn(&Variant) -> Option<String>| existing.as_ref().and_then(f).unwrap_or_default();
+    let name = text(|v| Some(v.name.clone()));
+    let vendor = text(|v| Some(v.vendor.to_string()));
+    let device = text(|v| Some(v.device.to_string()));
+    let subvendor = text(|v| v.subvendor.as_ref().map(|h| h.to_string()));
+    let subsystem = text(|v| v.subsystem.as_ref().map(|h| h.to_string()));
+    let description = text(|v| v.description.clone());
+    let kind = existing.as_ref().map(|v| v.kind.as_str()).unwrap_or("gpu");
+    let field = move |id: &'static str, label: &'static str, value: String, hint: &'static str| {
+        view! {
+            <div class="field">
+                <label for=format!("v-{id}")>{label}</label>
+                <input id=format!("v-{id}") name=id type="text" value=value placeholder=hint
+                    aria-describedby=format!("{id}-error")/>
+                <FieldError result=result field=id/>
+            </div>
+        }
+    };
+    view! {
+        <section class="card" aria-labelledby="variant-form-h">
+            <h2 id="variant-form-h">{if editing { format!("Edit variant {name}") } else { "New variant".to_string() }}</h2>
+            <ActionForm action=action>
+                <CsrfField/>
+                <input type="hidden" name="original" value=if editing { name.clone() } else { String::new() }/>
+                {field("name", "Name", name.clone(), "NVIDIA_H100")}
+                <div class="field">
+                    <label for="v-kind">"Type"</label>
+                    <select id="v-kind" name="kind">
+                        {["gpu", "fpga", "nic", "nvme", "other"].into_iter().map(|k| view! {
+                            <option value=k selected=kind == k>{k}</option>
+                        }).collect_view()}
+                    </select>
+                    <FieldError result=result field="type"/>
+                </div>
+                {field("vendor", "Vendor id (hex)", vendor, "10de")}
+                {field("device", "Device id (hex)", device, "2330")}
+                {field("subvendor", "Subsystem vendor (optional)", subvendor, "any")}
+                {field("subsystem", "Subsystem id (optional)", subsystem, "any")}
+                {field("description", "Description", description, "")}
+                <FormStatus result=result ok="Saved."/>
+                <button type="submit">{if editing { "Save variant" } else { "Create variant" }}</button>
+                {editing.then(|| view! { " " <a href="/admin/variants">"Cancel"</a> })}
+            </ActionForm>
+        </section>
+    }
+}

@@ -1,0 +1,75 @@
+use crate::components::guard::{Audience, Guard};
+use crate::components::widgets::{CsrfField, ErrorBox, FieldError, FormStatus};
+use crate::rpc::{CreateInstance, offers};
+use leptos::prelude::*;
+use leptos_meta::Title;
+
+#[component]
+pub fn CreatePage() -> impl IntoView {
+    let create = ServerAction::<CreateInstance>::new();
+    let data = Resource::new(move || create.version().get(), |_| offers());
+    let result = Signal::derive(move || create.value().get());
+    view! {
+        <Title text="Create instance · Passage"/>
+        <Guard audience=Audience::Anyone>
+            <h1>"Create instance"</h1>
+            <ActionForm action=create>
+                <CsrfField/>
+                <div class="field">
+                    <label for="alias">"Name"</label>
+                    <input id="alias" name="alias" type="text" required maxlength="64"
+                        placeholder="training-1" aria-describedby="alias-hint alias-error"/>
+                    <span id="alias-hint" class="muted">"Letters, digits, '.', '_' and '-'."</span>
+                    <FieldError result=result field="alias"/>
+                </div>
+                <fieldset aria-describedby="package-error">
+                    <legend>"Package"</legend>
+                    <Transition fallback=|| view! { <p class="loading">"Loading packages…"</p> }>
+                        {move || Suspend::new(async move {
+                            match data.await {
+                                Err(e) => view! { <ErrorBox error=e/> }.into_any(),
+                                Ok(list) if list.is_empty() => view! {
+                                    <p>"No packages are offered yet. Ask your operator."</p>
+                                }.into_any(),
+                                Ok(list) => list.into_iter().map(|o| {
+                                    let p = o.package;
+                                    let a = o.availability;
+                                    let id = format!("pkg-{}", p.uuid);
+                                    let devices = p.devices.iter().map(|(v, n)| format!("{n} × {v}")).collect::<Vec<_>>().join(", ");
+                                    let verdict = if !a.quota_ok {
+                                        "over your GPU quota"
+                                    } else if !a.capacity_ok {
+                                        "no capacity right now"
+                                    } else {
+                                        "available now"
+                                    };
+                                    let ok = a.quota_ok && a.capacity_ok;
+                                    view! {
+                                        <div class="offer" data-package=p.name.clone()>
+                                            <input type="radio" name="package" id=id.clone() value=p.name.clone()/>
+                                            <label for=id>
+                                                <strong>{p.name.clone()}</strong>
+                                                " · " {p.vcpus} " vCPUs · " {p.memory_mib / 1024} " GiB memory · "
+                                                {if devices.is_empty() { "no devices".to_string() } else { devices }}
+                                                " · "
+                                                <span class=if ok { "avail yes" } else { "avail no" } data-testid="availability">
+                                                    {if ok { "✔ " } else { "✘ " }}{verdict}
+                                                </span>
+                                                {a.message.clone().map(|m| view! { <span class="muted">" (" {m} ")"</span> })}
+                                            </label>
+                                        </div>
+                                    }
+                                }).collect_view().into_any(),
+                            }
+                        })}
+                    </Transition>
+                    <FieldError result=result field="package"/>
+                </fieldset>
+                <FormStatus result=result ok=""/>
+                <button type="submit" disabled=move || create.pending().get()>
+                    {move || if create.pending().get() { "Creating…" } else { "Create instance" }}
+                </button>
+            </ActionForm>
+        </Guard>
+    }
+}

@@ -1,0 +1,3 @@
+pub mod create;
+pub mod detail;
+pub mod instances;

@@ -1,0 +1,118 @@
+import { test, expect } from '@playwright/test';
+import { ADMIN_PASSWORD, GPUS, NODES, PACKAGE, VARIANT, hydrated, signIn, watchConsole } from './helpers';
+
+test('operator: sign in, variant, package, tenant, servers and devices with correct counts', async ({ page }) => {
+  const problems = watchConsole(page);
+  const total = NODES() * GPUS();
+
+  // A wrong password is said plainly and nobody is signed in.
+  await page.goto('/login');
+  await hydrated(page);
+  await page.locator('#login').fill('admin');
+  await page.locator('#password').fill('not-the-password');
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await expect(page.locator('#password-error')).toHaveText('Wrong login or password.');
+
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await expect(page).toHaveURL(/\/admin$/);
+  await expect(page.getByRole('heading', { name: 'Fleet overview' })).toBeVisible();
+  await expect(page.getByTestId('servers-up')).toHaveText(String(NODES()));
+
+  // Variant: matches every GPU of the fake nodes.
+  await page.getByRole('link', { name: 'Variants' }).click();
+  await expect(page.getByRole('heading', { name: 'Device variants' })).toBeVisible();
+  await hydrated(page);
+  await page.locator('#v-name').fill(VARIANT);
+  await page.locator('#v-vendor').fill('10de');
+  await page.locator('#v-device').fill('2330');
+  await page.locator('#v-description').fill('H100 SXM 80GB');
+  await page.getByRole('button', { name: 'Create variant' }).click();
+  const row = page.locator(`tr[data-variant="${VARIANT}"]`);
+  await expect(row).toBeVisible();
+  await expect(row.getByTestId('matches')).toHaveText(`${total} devices`);
+
+  // Package with one of them.
+  await page.getByRole('link', { name: 'Packages' }).click();
+  await expect(page.getByRole('heading', { name: 'Packages' })).toBeVisible();
+  await hydrated(page);
+  await page.locator('#p-name').fill(PACKAGE);
+  await page.locator('#p-variant').selectOption(VARIANT);
+  await page.locator('#p-count').fill('1');
+  await page.getByRole('button', { name: 'Create package' }).click();
+  await expect(page.locator(`tr[data-package="${PACKAGE}"]`)).toContainText(`1 × ${VARIANT}`);
+
+  // A tenant with a GPU quota.
+  await page.getByRole('link', { name: 'Accounts' }).click();
+  await hydrated(page);
+  await page.locator('#a-login').fill('alice');
+  await page.locator('#a-password').fill('alice-password-1');
+  await page.locator('#a-quota').fill('2');
+  await page.getByRole('button', { name: 'Create account' }).click();
+  const alice = page.locator('tr[data-login="alice"]');
+  await expect(alice).toBeVisible();
+  await expect(alice.getByRole('textbox')).toHaveValue('2');
+
+  // Servers: each node with its GPUs, all unassigned.
+  await page.getByRole('link', { name: 'Servers' }).click();
+  const servers = page.getByTestId('servers').locator('tbody tr');
+  await expect(servers).toHaveCount(NODES());
+  for (let k = 1; k <= NODES(); k++) {
+    const r = page.locator(`tr[data-hostname="e2e-node-${k}"]`);
+    await expect(r.locator('td[data-state="total"]')).toHaveText(String(GPUS()));
+    await expect(r.locator('td[data-state="unassigned"]')).toHaveText(String(GPUS()));
+    await expect(r).toContainText('running');
+  }
+
+  // A server's own page lists its devices with BDF, variant, state, NUMA node, driver.
+  await page.getByRole('link', { name: 'e2e-node-1' }).click();
+  await expect(page.getByRole('heading', { name: 'Server e2e-node-1' })).toBeVisible();
+  await expect(page.getByTestId('devices').locator('tbody tr')).toHaveCount(GPUS());
+  await expect(page.getByTestId('devices').locator('tbody tr').first()).toContainText(VARIANT);
+
+  // Devices: filtered in SQL by state.
+  await page.goto('/admin/devices?state=unassigned');
+  await expect(page.getByTestId('devices').locator('tbody tr')).toHaveCount(total);
+  await expect(page.locator('.pager')).toContainText(`Showing ${total} of ${total}`);
+  await page.goto('/admin/devices?state=used');
+  await expect(page.getByTestId('devices').locator('tbody tr')).toHaveCount(0);
+
+  // Overview capacity table agrees.
+  await page.goto('/admin');
+  const cap = page.getByTestId('capacity').locator(`tr[data-variant="${VARIANT}"]`);
+  await expect(cap.locator('td[data-state="total"]')).toHaveText(String(total));
+  await expect(cap.locator('td[data-state="unassigned"]')).toHaveText(String(total));
+
+  // Join token: the command to add a node.
+  await page.goto('/admin/servers');
+  await hydrated(page);
+  await page.getByText('Add a server').click();
+  await page.getByRole('button', { name: 'Create join token' }).click();
+  await expect(page.getByTestId('join-command')).toContainText('node-agent run --server http://');
+
+  expect(problems).toEqual([]);
+});
+
+test('operator: bad variant input shows an inline error and saves nothing', async ({ page }) => {
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await page.goto('/admin/variants');
+  await hydrated(page);
+  await page.locator('#v-name').fill('BROKEN_VARIANT');
+  await page.locator('#v-vendor').fill('zzzz');
+  await page.locator('#v-device').fill('2330');
+  await page.getByRole('button', { name: 'Create variant' }).click();
+  await expect(page.locator('#vendor-error')).not.toBeEmpty();
+  await expect(page.locator('#vendor-error')).toContainText(/hex|vendor/i);
+  await page.reload();
+  await expect(page.getByTestId('variants')).toBeVisible();
+  await expect(page.locator('tr[data-variant="BROKEN_VARIANT"]')).toHaveCount(0);
+
+  // A package with a non-number vCPU count: the field says so, nothing is created.
+  await page.goto('/admin/packages');
+  await hydrated(page);
+  await page.locator('#p-name').fill('broken-package');
+  await page.locator('#p-vcpus').fill('many');
+  await page.getByRole('button', { name: 'Create package' }).click();
+  await expect(page.locator('#vcpus-error')).toContainText('whole number');
+  await page.reload();
+  await expect(page.locator('tr[data-package="broken-package"]')).toHaveCount(0);
+});

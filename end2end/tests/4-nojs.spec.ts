@@ -1,0 +1,43 @@
+import { test, expect } from '@playwright/test';
+import { PACKAGE, ensureCatalog, newTenant } from './helpers';
+
+test.use({ javaScriptEnabled: false });
+
+test.beforeAll(async () => {
+  await ensureCatalog();
+});
+
+test('without JavaScript: sign in, create an instance, destroy it', async ({ page }) => {
+  const t = await newTenant('nojs', 2);
+  await page.goto('/login');
+  // A wrong password comes back as an inline error, through the page's URL.
+  await page.locator('#login').fill(t.login);
+  await page.locator('#password').fill('wrong-password');
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await expect(page.locator('#password-error')).toHaveText('Wrong login or password.');
+
+  await page.locator('#login').fill(t.login);
+  await page.locator('#password').fill(t.password);
+  await page.getByRole('button', { name: 'Sign in' }).click();
+  await expect(page).toHaveURL(/\/instances$/);
+  await expect(page.getByRole('button', { name: 'Sign out' })).toBeVisible();
+
+  await page.goto('/instances/new');
+  await page.locator('#alias').fill('plain-1');
+  await page.locator(`.offer[data-package="${PACKAGE}"]`).getByRole('radio').check();
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page).toHaveURL(/\/instances\/[0-9a-f-]{36}$/);
+  await expect(page.getByRole('heading', { name: 'Instance plain-1' })).toBeVisible();
+  // No live updates without JavaScript: reload until it runs.
+  await expect(async () => {
+    await page.reload();
+    await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 1000 });
+  }).toPass({ timeout: 60_000 });
+
+  await page.getByRole('link', { name: 'Destroy instance' }).click();
+  await page.getByRole('button', { name: 'Yes, destroy plain-1' }).click();
+  await expect(async () => {
+    await page.reload();
+    await expect(page.getByTestId('vm-state')).toHaveText(/destroying|destroyed/, { timeout: 1000 });
+  }).toPass({ timeout: 60_000 });
+});

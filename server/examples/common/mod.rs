@@ -1,0 +1,180 @@
+//! What the benchmarks share: a real `server` process on a temporary database, a
+//! synthetic fleet registered through the agent API, percentiles.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx]
+}
+
+pub fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// A synthetic GPU server: `gpus` H100s split over two NUMA nodes, each behind its own
+/// root port.
+pub fn inventory(gpus: usize) -> Value {
+    let devices: Vec<Value> = (0..gpus)
+        .map(|g| {
+            let numa = u32::from(g >= gpus / 2);
+            json!({
+                "id": format!("/devices/pci0000:{:02x}/0000:{:02x}:01.0/0000:{:02x}:00.0", g * 16, g * 16, g * 16 + 1),
+                "vendor": "10de", "device": "2330", "subvendor": "10de", "subsystem": "16c1",
+                "revision": "a1", "class": "030200", "driver": "nvidia",
+                "numa_node": numa, "iommu_group": g
+            })
+        })
+        .collect();
+    json!({ "devices": devices })
+}
+
+pub async fn post(
+    http: &reqwest::Client,
+    url: &str,
+    token: Option<&str>,
+    body: Value,
+) -> (u16, Value) {
+    let mut rb = http.post(url).json(&body);
+    if let Some(t) = token {
+        rb = rb.bearer_auth(t);
+    }
+    let r = rb.send().await.unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+/// A database URL for `backend`: a file in `dir`, or a new Postgres database.
+pub async fn database(backend: &str, dir: &std::path::Path) -> String {
+    match backend {
+        "sqlite" => format!("sqlite://{}", dir.join("bench.db").display()),
+        "postgres" => {
+            let admin = std::env::var("PASSAGE_TEST_PG_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+            let name = format!("passage_bench_{}", uuid::Uuid::new_v4().simple());
+            let pool = sqlx::PgPool::connect(&admin).await.unwrap();
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+            let base = admin.rsplit_once('/').map(|(b, _)| b.to_string()).unwrap();
+            format!("{base}/{name}")
+        }
+        other => panic!("--backend sqlite|postgres, not {other}"),
+    }
+}
+
+pub const ADMIN_PASSWORD: &str = "bench-admin-password";
+
+/// Starts `server_bin` on a free port; answers the child and its base URL. Nodes stay
+/// "running" for an hour without heartbeats, and job steps wait an hour for agents that
+/// never answer, so only the measured requests load the server.
+pub fn start_server(server_bin: &str, db: &str) -> (Child, String) {
+    let mut child = Command::new(server_bin)
+        .args(["--listen", "127.0.0.1:0", "--database", db])
+        .args([
+            "--heartbeat-timeout-secs",
+            "3600",
+            "--job-concurrency",
+            "64",
+        ])
+        .args(["--task-timeout-secs", "3600"])
+        .env("PASSAGE_ADMIN_PASSWORD", ADMIN_PASSWORD)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let base = loop {
+        let l = lines.next().expect("server exited").unwrap();
+        if let Some(u) = l.strip_prefix("Passage listening on ") {
+            break u.trim().to_string();
+        }
+    };
+    // Keep reading, so the server never writes into a closed pipe.
+    std::thread::spawn(move || for _ in lines {});
+    (child, base)
+}
+
+/// Logs in as the operator and creates variant `H100` and package `gpu-1x`; answers the
+/// operator's token.
+pub async fn catalog(http: &reqwest::Client, base: &str) -> String {
+    let (_, login) = post(
+        http,
+        &format!("{base}/v1/auth/login"),
+        None,
+        json!({"login":"admin","password":ADMIN_PASSWORD}),
+    )
+    .await;
+    let op = login["token"].as_str().unwrap().to_string();
+    post(
+        http,
+        &format!("{base}/v1/variants"),
+        Some(&op),
+        json!({"name":"H100","type":"gpu","vendor":"10de","device":"2330"}),
+    )
+    .await;
+    post(
+        http,
+        &format!("{base}/v1/packages"),
+        Some(&op),
+        json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"devices":{"H100":1}}),
+    )
+    .await;
+    op
+}
+
+/// Every node registers and reports its GPUs, as an agent would.
+pub async fn fleet(http: &reqwest::Client, base: &str, op: &str, servers: usize, gpus: usize) {
+    let inv = inventory(gpus);
+    let mut joins = Vec::new();
+    let sem = Arc::new(tokio::sync::Semaphore::new(16));
+    for i in 0..servers {
+        let (http, base, op, inv, sem) = (
+            http.clone(),
+            base.to_string(),
+            op.to_string(),
+            inv.clone(),
+            sem.clone(),
+        );
+        joins.push(tokio::spawn(async move {
+            let _p = sem.acquire().await.unwrap();
+            let (_, jt) = post(
+                &http,
+                &format!("{base}/v1/servers/join-tokens"),
+                Some(&op),
+                json!({}),
+            )
+            .await;
+            let (_, reg) = post(
+                &http,
+                &format!("{base}/agent/v1/register"),
+                None,
+                json!({
+                "join_token": jt["token"], "hostname": format!("cn-{i}"),
+                "agent_version": "bench", "protocol_version": 1}),
+            )
+            .await;
+            let cred = reg["credential"].as_str().unwrap().to_string();
+            let r = http
+                .put(format!("{base}/agent/v1/inventory"))
+                .bearer_auth(&cred)
+                .json(&inv)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 204);
+        }));
+    }
+    for j in joins {
+        j.await.unwrap();
+    }
+}

@@ -1,0 +1,116 @@
+//! Serves the portal (the `passage-app` crate) at `/`: its pages, its server functions
+//! and its static files (the WebAssembly bundle and the stylesheet under `/pkg`).
+//!
+//! The portal reaches the control plane through [`InProcessApi`]: its requests go to
+//! the same `/v1` router that answers HTTP clients, without a socket, so every rule of
+//! the API (roles, validation, audit) applies to the portal too.
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::OriginalUri;
+use axum::http::{Request, Response, StatusCode};
+use leptos::prelude::*;
+use leptos_axum::{LeptosRoutes, generate_route_list};
+use passage_app::backend::{Backend, BackendHandle};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use tower::ServiceExt;
+
+/// API answers larger than this are cut off rather than buffered (a page of 1,000
+/// servers with their devices is well under it).
+const MAX_API_ANSWER: usize = 32 * 1024 * 1024;
+
+/// The `/v1` router, called in-process.
+pub struct InProcessApi {
+    v1: Router,
+}
+
+impl Backend for InProcessApi {
+    fn call(
+        &self,
+        req: Request<Vec<u8>>,
+    ) -> Pin<Box<dyn Future<Output = Response<Vec<u8>>> + Send + 'static>> {
+        let v1 = self.v1.clone();
+        Box::pin(async move {
+            let (mut parts, body) = req.into_parts();
+            // The router is nested at /v1 for HTTP clients; in-process it gets the path
+            // below it, and the audit log still sees the full one.
+            let full = parts.uri.clone();
+            let inner = full
+                .path_and_query()
+                .map(|pq| pq.as_str())
+                .unwrap_or("/")
+                .strip_prefix("/v1")
+                .unwrap_or("/")
+                .to_string();
+            parts.uri = inner.parse().unwrap_or_default();
+            parts.extensions.insert(OriginalUri(full));
+            let req = Request::from_parts(parts, Body::from(body));
+            let res = match v1.oneshot(req).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            };
+            let (parts, body) = res.into_parts();
+            match axum::body::to_bytes(body, MAX_API_ANSWER).await {
+                Ok(b) => Response::from_parts(parts, b.to_vec()),
+                Err(_) => {
+                    let mut r = Response::new(
+                        br#"{"code":"InternalError","message":"the answer was too large"}"#
+                            .to_vec(),
+                    );
+                    *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                    r
+                }
+            }
+        })
+    }
+}
+
+/// Where the built bundle is: `PASSAGE_SITE_ROOT`, else `site/` beside the target
+/// directory the `server` binary was built in (where `cargo xtask` writes it), else
+/// `target/site`.
+pub fn site_root() -> PathBuf {
+    if let Some(p) = std::env::var_os("PASSAGE_SITE_ROOT") {
+        return PathBuf::from(p);
+    }
+    let beside_exe = std::env::current_exe().ok().and_then(|exe| {
+        // target/debug/server → target/site; target/debug/deps/test-… → target/site
+        exe.ancestors()
+            .skip(1)
+            .take(3)
+            .map(|d| d.join("site"))
+            .find(|d| d.join("pkg").is_dir())
+    });
+    beside_exe.unwrap_or_else(|| PathBuf::from("target/site"))
+}
+
+/// The portal's routes, ready to merge into the main router.
+pub fn router(v1: Router) -> Router {
+    let site = site_root();
+    let options = LeptosOptions::builder()
+        .output_name("passage")
+        .site_root(site.to_string_lossy().to_string())
+        .site_pkg_dir("pkg")
+        .build();
+    let backend = BackendHandle(Arc::new(InProcessApi { v1 }));
+    let routes = generate_route_list(passage_app::App);
+    let context = move || provide_context(backend.clone());
+    let shell_options = options.clone();
+    // Any other path renders the app's own not-found page (with status 404).
+    let not_found = leptos_axum::render_app_async_with_context(context.clone(), {
+        let options = options.clone();
+        move || passage_app::shell(options.clone())
+    });
+    let pkg = tower_http::services::ServeDir::new(site.join("pkg"));
+    let favicon = tower_http::services::ServeFile::new(site.join("favicon.ico"));
+    Router::new()
+        .leptos_routes_with_context(&options, routes, context, move || {
+            passage_app::shell(shell_options.clone())
+        })
+        .nest_service("/pkg", pkg)
+        .route_service("/favicon.ico", favicon)
+        .fallback(move |req: Request<Body>| not_found(req))
+        .with_state(options)
+}
