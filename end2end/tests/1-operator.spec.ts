@@ -31,6 +31,16 @@ test('operator: sign in, variant, package, tenant, servers and devices with corr
   await expect(row).toBeVisible();
   await expect(row.getByTestId('matches')).toHaveText(`${total} devices`);
 
+  // Edit it in place: the new description shows, the match count stays.
+  await row.getByRole('link', { name: `Edit ${VARIANT}` }).click();
+  await expect(page.getByRole('heading', { name: `Edit variant ${VARIANT}` })).toBeVisible();
+  await hydrated(page);
+  await page.locator('#v-description').fill('H100 SXM5 80GB');
+  await page.getByRole('button', { name: 'Save variant' }).click();
+  await expect(page.getByRole('heading', { name: 'New variant' })).toBeVisible();
+  await expect(row).toContainText('H100 SXM5 80GB');
+  await expect(row.getByTestId('matches')).toHaveText(`${total} devices`);
+
   // Package with one of them.
   await page.getByRole('link', { name: 'Packages' }).click();
   await expect(page.getByRole('heading', { name: 'Packages' })).toBeVisible();
@@ -40,6 +50,13 @@ test('operator: sign in, variant, package, tenant, servers and devices with corr
   await page.locator('#p-count').fill('1');
   await page.getByRole('button', { name: 'Create package' }).click();
   await expect(page.locator(`tr[data-package="${PACKAGE}"]`)).toContainText(`1 × ${VARIANT}`);
+
+  // A package can be deleted again.
+  await page.locator('#p-name').fill('short-lived');
+  await page.getByRole('button', { name: 'Create package' }).click();
+  await expect(page.locator('tr[data-package="short-lived"]')).toBeVisible();
+  await page.getByRole('button', { name: 'Delete short-lived' }).click();
+  await expect(page.locator('tr[data-package="short-lived"]')).toHaveCount(0);
 
   // A tenant with a GPU quota.
   await page.getByRole('link', { name: 'Accounts' }).click();
@@ -51,6 +68,11 @@ test('operator: sign in, variant, package, tenant, servers and devices with corr
   const alice = page.locator('tr[data-login="alice"]');
   await expect(alice).toBeVisible();
   await expect(alice.getByRole('textbox')).toHaveValue('2');
+  await alice.getByRole('textbox').fill('3');
+  await alice.getByRole('button', { name: 'Set quota of alice' }).click();
+  await expect(page.getByText('Quota saved.')).toBeVisible();
+  await page.reload();
+  await expect(page.locator('tr[data-login="alice"]').getByRole('textbox')).toHaveValue('3');
 
   // Servers: each node with its GPUs, all unassigned.
   await page.getByRole('link', { name: 'Servers' }).click();

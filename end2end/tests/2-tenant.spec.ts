@@ -36,6 +36,17 @@ test('tenant: create from a package, see it run with a device, destroy it; the o
   const serverLink = op.page.locator(`tr[data-device="${device}"] td a`).first();
   const serverHref = (await serverLink.getAttribute('href')) as string;
 
+  // The operator's VM list, filtered by owner and state, and the job with its steps.
+  await op.page.goto(`/admin/vms?owner=${t.uuid}&state=running`);
+  await expect(op.page.getByTestId('vms').locator('tbody tr')).toHaveCount(1);
+  await expect(op.page.getByTestId('vms')).toContainText('train-1');
+  await op.page.goto(`/admin/vms?owner=${t.uuid}&state=failed`);
+  await expect(op.page.getByTestId('vms').locator('tbody tr')).toHaveCount(0);
+  await op.page.goto('/admin/jobs?state=succeeded');
+  const job = op.page.locator('article.job').filter({ hasText: 'provision' }).first();
+  await expect(job.locator('li[data-step]')).not.toHaveCount(0);
+  await expect(job.locator('li[data-step]').first()).toContainText(/\d+\.\d{3} s/);
+
   // Destroy, with confirmation.
   await page.getByRole('link', { name: 'Destroy instance' }).click();
   await expect(page.getByRole('heading', { name: 'Destroy train-1?' })).toBeVisible();
