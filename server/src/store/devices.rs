@@ -137,6 +137,7 @@ pub async fn page(
     req: &PageReq<DeviceKey>,
 ) -> StoreResult<Page<ListedDevice, DeviceKey>> {
     let mut w = Where::default();
+    w.and("d.server_uuid = s.uuid");
     w.and("d.variant IS NOT NULL");
     if let Some(st) = f.state {
         let a = w.text(st.as_str());
@@ -150,7 +151,10 @@ pub async fn page(
         let a = w.text(sv.to_string());
         w.and(format!("d.server_uuid = {a}"));
     }
-    const FROM: &str = "devices d JOIN servers s ON s.uuid = d.server_uuid";
+    // SQLite keeps a CROSS JOIN's order: servers by their (hostname, uuid) index outside,
+    // each one's devices by index inside, so the rows come sorted and a page stops after
+    // `limit` instead of sorting the whole fleet. Postgres plans it as any join.
+    const FROM: &str = "servers s CROSS JOIN devices d";
     let total = page::count(
         db,
         &format!("SELECT COUNT(*) FROM {FROM}{}", w.sql()),
