@@ -252,31 +252,7 @@ pub async fn delete(path: &str) -> PortalResult<()> {
     call(Method::DELETE, path, None).await.map(|_| ())
 }
 
-/// Query-string encoding for the API calls the pages build.
-pub fn query(pairs: &[(&str, Option<&str>)]) -> String {
-    let mut out = String::new();
-    for (k, v) in pairs {
-        if let Some(v) = v.filter(|v| !v.is_empty()) {
-            out.push(if out.is_empty() { '?' } else { '&' });
-            out.push_str(k);
-            out.push('=');
-            out.push_str(&urlencode(v));
-        }
-    }
-    out
-}
-
-fn urlencode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
+pub use crate::fmt::query;
 
 /// A path segment that came from a URL or a form, checked before it goes into an API path.
 pub fn segment(s: &str) -> PortalResult<&str> {

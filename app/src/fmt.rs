@@ -29,12 +29,48 @@ pub fn bdf(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+pub fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `?k=v&…` of the pairs that have a non-empty value; empty when none do.
+pub fn query(pairs: &[(&str, Option<&str>)]) -> String {
+    let mut out = String::new();
+    for (k, v) in pairs {
+        if let Some(v) = v.filter(|v| !v.is_empty()) {
+            out.push(if out.is_empty() { '?' } else { '&' });
+            out.push_str(k);
+            out.push('=');
+            out.push_str(&urlencode(v));
+        }
+    }
+    out
+}
+
 pub fn short_uuid(u: &str) -> &str {
     u.get(..8).unwrap_or(u)
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn query_skips_empty_values_and_encodes() {
+        assert_eq!(super::query(&[("a", None), ("b", Some(""))]), "");
+        assert_eq!(
+            super::query(&[("a", Some("x y")), ("b", Some("c~d&e"))]),
+            "?a=x%20y&b=c~d%26e"
+        );
+    }
+
     #[test]
     fn bdf_is_the_last_component() {
         assert_eq!(

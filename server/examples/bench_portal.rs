@@ -112,7 +112,10 @@ async fn main() {
                 "/v1/devices" => "/admin/devices",
                 _ => "/admin/vms",
             };
-            targets.push(format!("{page}?after={}", urlencode(c)));
+            targets.push(format!(
+                "{page}?{}",
+                serde_urlencoded::to_string([("after", c)]).unwrap()
+            ));
         }
     }
 
@@ -183,16 +186,4 @@ async fn main() {
     }
     let _ = child.kill();
     let _ = child.wait();
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }

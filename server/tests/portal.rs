@@ -45,7 +45,7 @@ async fn signed_out_visitors_are_sent_to_sign_in() {
     assert_eq!(h["location"], "/login");
     let (st, h, _) = page(&s, "/admin/servers", None).await;
     assert_eq!(st, 302);
-    assert_eq!(h["location"], "/login?next=/admin/servers");
+    assert_eq!(h["location"], "/login?next=%2Fadmin%2Fservers");
     let (st, _, _) = page(&s, "/no/such/page", None).await;
     assert_eq!(st, 404);
 }

@@ -43,7 +43,7 @@ pub fn Guard(audience: Audience, children: ChildrenFn) -> impl IntoView {
                             location.pathname.get_untracked(),
                             location.search.get_untracked()
                         );
-                        let to = format!("/login?next={}", encode(&here));
+                        let to = format!("/login?next={}", crate::fmt::urlencode(&here));
                         view! { <Redirect path=to/> }.into_any()
                     }
                     Err(e) => view! { <ErrorBox error=e/> }.into_any(),
@@ -64,16 +64,4 @@ pub fn Forbidden() -> impl IntoView {
             <p><a href="/">"Go to your start page"</a></p>
         </section>
     }
-}
-
-fn encode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }

@@ -80,6 +80,14 @@ pub fn FieldError(
     }
 }
 
+/// A VM by the start of its uuid, linking to its page.
+#[component]
+pub fn VmLink(uuid: passage_model::VmId) -> impl IntoView {
+    let v = uuid.to_string();
+    let short = crate::fmt::short_uuid(&v).to_string();
+    view! { <a href=format!("/instances/{v}")>{short}</a> }
+}
+
 /// A state, as a word and a colour (never the colour alone).
 #[component]
 pub fn Badge(#[prop(into)] state: String) -> impl IntoView {
@@ -103,7 +111,7 @@ pub fn Pager(
 ) -> impl IntoView {
     let href = next.map(|n| {
         let sep = if base.contains('?') { '&' } else { '?' };
-        format!("{base}{sep}{cursor_param}={}", urlencode(&n))
+        format!("{base}{sep}{cursor_param}={}", crate::fmt::urlencode(&n))
     });
     view! {
         <nav class="pager" aria-label="Pages">
@@ -111,18 +119,6 @@ pub fn Pager(
             {href.map(|h| view! { <a href=h rel="next">"Next page →"</a> })}
         </nav>
     }
-}
-
-pub fn urlencode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// Reloads `resource` every `ms` milliseconds while the page is open in a browser with

@@ -1,5 +1,5 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, ErrorBox, Pager, poll};
+use crate::components::widgets::{Badge, ErrorBox, Pager, VmLink, poll};
 use crate::fmt;
 use crate::pages::admin::overview::STATES;
 use crate::rpc::list_devices;
@@ -17,17 +17,13 @@ pub fn DevicesPage() -> impl IntoView {
     );
     poll(data, 2000);
     let base = move || {
-        let mut pairs = Vec::new();
-        for k in ["state", "variant", "server"] {
-            if let Some(v) = get(k) {
-                pairs.push(format!("{k}={}", crate::components::widgets::urlencode(&v)));
-            }
-        }
-        if pairs.is_empty() {
-            "/admin/devices".to_string()
-        } else {
-            format!("/admin/devices?{}", pairs.join("&"))
-        }
+        let (state, variant, server) = (get("state"), get("variant"), get("server"));
+        let q = fmt::query(&[
+            ("state", state.as_deref()),
+            ("variant", variant.as_deref()),
+            ("server", server.as_deref()),
+        ]);
+        format!("/admin/devices{q}")
     };
     view! {
         <Title text="Devices · Passage"/>
@@ -75,10 +71,7 @@ pub fn DevicesPage() -> impl IntoView {
                                                     <td><code title=id.clone()>{d.address.to_string()}</code></td>
                                                     <td>{d.variant.clone().unwrap_or_default()}</td>
                                                     <td><Badge state=d.state.as_str()/></td>
-                                                    <td>{d.used_by.map(|v| {
-                                                        let v = v.to_string();
-                                                        view! { <a href=format!("/instances/{v}")>{fmt::short_uuid(&v).to_string()}</a> }
-                                                    })}</td>
+                                                    <td>{d.used_by.map(|v| view! { <VmLink uuid=v/> })}</td>
                                                     <td>{d.numa_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into())}</td>
                                                     <td><code>{d.driver.clone().unwrap_or_else(|| "-".into())}</code></td>
                                                 </tr>

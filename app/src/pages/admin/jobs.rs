@@ -1,5 +1,5 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, ErrorBox, Pager, poll};
+use crate::components::widgets::{Badge, ErrorBox, Pager, VmLink, poll};
 use crate::fmt;
 use crate::rpc::list_jobs;
 use leptos::prelude::*;
@@ -62,10 +62,7 @@ pub fn JobCard(job: Job) -> impl IntoView {
         <article class="job card" data-job=uuid>
             <h3>
                 {job.name.clone()} " " <Badge state=job.state.as_str()/>
-                {job.vm_uuid.map(|v| {
-                    let v = v.to_string();
-                    view! { " · VM " <a href=format!("/instances/{v}")>{fmt::short_uuid(&v).to_string()}</a> }
-                })}
+                {job.vm_uuid.map(|v| view! { " · VM " <VmLink uuid=v/> })}
             </h3>
             <p class="muted">"Started " {fmt::time(&job.created_at)} {job.ended_at.map(|e| format!(", ended {}", fmt::time(&e)))}</p>
             {job.error.clone().map(|e| view! { <p class="error">{e}</p> })}

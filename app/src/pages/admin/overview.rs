@@ -1,5 +1,5 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, ErrorBox, poll};
+use crate::components::widgets::{Badge, ErrorBox, VmLink, poll};
 use crate::fmt;
 use crate::rpc::overview;
 use leptos::prelude::*;
@@ -73,10 +73,7 @@ pub fn OverviewPage() -> impl IntoView {
                                                 {o.failed_jobs.into_iter().map(|j| view! {
                                                     <tr>
                                                         <td>{j.name.clone()} " " <Badge state=j.state.as_str()/></td>
-                                                        <td>{j.vm_uuid.map(|v| {
-                                                            let v = v.to_string();
-                                                            view! { <a href=format!("/instances/{v}")>{fmt::short_uuid(&v).to_string()}</a> }
-                                                        })}</td>
+                                                        <td>{j.vm_uuid.map(|v| view! { <VmLink uuid=v/> })}</td>
                                                         <td>{fmt::time(&j.created_at)}</td>
                                                         <td>{j.error.clone().unwrap_or_default()}</td>
                                                     </tr>

@@ -1,5 +1,5 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, CsrfField, ErrorBox, Pager, poll};
+use crate::components::widgets::{Badge, CsrfField, ErrorBox, Pager, VmLink, poll};
 use crate::fmt;
 use crate::pages::admin::overview::STATES;
 use crate::rpc::{CreateJoinToken, get_server, list_servers, server_events};
@@ -156,10 +156,7 @@ pub fn ServerPage() -> impl IntoView {
                                                             view! { " " <span class="taint" title=title>"tainted: " {t}</span> }
                                                         })}
                                                     </td>
-                                                    <td>{d.used_by.map(|v| {
-                                                        let v = v.to_string();
-                                                        view! { <a href=format!("/instances/{v}")>{fmt::short_uuid(&v).to_string()}</a> }
-                                                    })}</td>
+                                                    <td>{d.used_by.map(|v| view! { <VmLink uuid=v/> })}</td>
                                                     <td>{d.numa_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into())}</td>
                                                     <td><code>{driver}</code></td>
                                                 </tr>

@@ -1,5 +1,6 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{ErrorBox, Pager, poll, urlencode};
+use crate::components::widgets::{ErrorBox, Pager, poll};
+use crate::fmt;
 use crate::pages::tenant::instances::VmTable;
 use crate::rpc::list_vms;
 use leptos::prelude::*;
@@ -25,15 +26,9 @@ pub fn VmsPage() -> impl IntoView {
     );
     poll(data, 3000);
     let base = move || {
-        let pairs: Vec<String> = ["state", "owner"]
-            .into_iter()
-            .filter_map(|k| get(k).map(|v| format!("{k}={}", urlencode(&v))))
-            .collect();
-        if pairs.is_empty() {
-            "/admin/vms".to_string()
-        } else {
-            format!("/admin/vms?{}", pairs.join("&"))
-        }
+        let (state, owner) = (get("state"), get("owner"));
+        let q = fmt::query(&[("state", state.as_deref()), ("owner", owner.as_deref())]);
+        format!("/admin/vms{q}")
     };
     view! {
         <Title text="VMs · Passage"/>
