@@ -170,17 +170,18 @@ pub struct ServerRow {
 
 impl ServerRow {
     pub fn from_server(s: &Server) -> Self {
-        let mut by_state = BTreeMap::new();
-        for d in &s.assignable_devices {
-            *by_state.entry(d.state.as_str().to_string()).or_insert(0) += 1;
-        }
+        let by_state: BTreeMap<String, u32> = s
+            .device_counts
+            .iter()
+            .map(|(st, n)| (st.as_str().to_string(), *n))
+            .collect();
         ServerRow {
             uuid: s.uuid.to_string(),
             hostname: s.hostname.clone(),
             status: format!("{:?}", s.status).to_lowercase(),
             disabled: s.disabled,
             last_heartbeat: s.last_heartbeat,
-            devices: u32::try_from(s.assignable_devices.len()).unwrap_or(u32::MAX),
+            devices: s.device_counts.values().sum(),
             by_state,
         }
     }
@@ -189,7 +190,11 @@ impl ServerRow {
 #[server(prefix = "/portal/fn")]
 pub async fn list_servers(after: Option<String>) -> Result<Page<ServerRow>, PortalError> {
     let limit = PAGE_SIZE.to_string();
-    let q = query(&[("limit", Some(&limit)), ("after", after.as_deref())]);
+    let q = query(&[
+        ("limit", Some(&limit)),
+        ("after", after.as_deref()),
+        ("brief", Some("true")),
+    ]);
     let p = be::list::<Server>(&format!("/servers{q}")).await?;
     Ok(Page {
         items: p.items.iter().map(ServerRow::from_server).collect(),

@@ -247,9 +247,18 @@ pub struct Server {
     pub created_at: DateTime<Utc>,
     /// Drained by an operator: no new placements; running VMs are untouched.
     pub disabled: bool,
-    pub sysinfo: Sysinfo,
-    pub assignable_devices: Vec<AssignableDevice>,
-    pub vms: BTreeMap<VmId, ServerVm>,
+    /// Every reported PCI function; absent from a `brief` list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sysinfo: Option<Sysinfo>,
+    /// How many of its assignable devices are in each state (states with none left out).
+    #[serde(default)]
+    pub device_counts: BTreeMap<DeviceState, u32>,
+    /// The devices that match a variant; absent from a `brief` list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignable_devices: Option<Vec<AssignableDevice>>,
+    /// The VMs on the server; absent from a `brief` list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vms: Option<BTreeMap<VmId, ServerVm>>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

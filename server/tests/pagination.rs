@@ -305,7 +305,36 @@ async fn servers_vms_and_jobs_page_by_cursor(b: Backend) {
     for srv in &whole {
         assert_eq!(srv["assignable_devices"].as_array().unwrap().len(), 2);
         assert_eq!(srv["assignable_devices"][0]["type"], "gpu");
+        assert!(srv["sysinfo"]["PCI Devices"].as_array().unwrap().len() > 2);
     }
+    // A brief page: the same servers and assignable devices, without inventory or VMs.
+    let brief = walks_like_one_page(s, &admin, "/v1/servers", &[("brief", "true")], uuid_of).await;
+    assert_eq!(field(&brief, "uuid"), field(&whole, "uuid"));
+    for (b, w) in brief.iter().zip(&whole) {
+        let mut by_state = serde_json::Map::new();
+        for d in w["assignable_devices"].as_array().unwrap() {
+            let st = d["state"].as_str().unwrap().to_string();
+            let n = by_state.get(&st).and_then(Value::as_u64).unwrap_or(0);
+            by_state.insert(st, json!(n + 1));
+        }
+        assert_eq!(b["device_counts"], Value::Object(by_state), "{b}");
+        assert_eq!(w["device_counts"], b["device_counts"]);
+        assert_eq!(
+            (&b["status"], &b["hostname"]),
+            (&w["status"], &w["hostname"])
+        );
+        for gone in ["sysinfo", "assignable_devices", "vms"] {
+            assert!(b.get(gone).is_none(), "{b}");
+        }
+    }
+    assert!(
+        brief
+            .iter()
+            .any(|b| b["device_counts"]["provisioning"] == 2),
+        "held devices are counted"
+    );
+    let l = list(s, &admin, "/v1/servers", &[("brief", "yes")]).await;
+    assert_invalid(&l, "brief");
 
     // VMs: all of them for an operator, a tenant's own for the tenant; filters and
     // cursors together.

@@ -259,7 +259,7 @@ pub async fn delete_package(
 
 // ---- servers ----
 
-#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("status" = Option<ServerStatus>, Query, description = "Only servers with this status")), responses((status = 200, description = "Compute nodes, newest first (then by uuid, descending)", body = [Server], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("status" = Option<ServerStatus>, Query, description = "Only servers with this status"), ("brief" = Option<bool>, Query, description = "true leaves out each server's sysinfo, assignable_devices and vms: device_counts is what a list screen needs")), responses((status = 200, description = "Compute nodes, newest first (then by uuid, descending)", body = [Server], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
 pub async fn list_servers(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -278,7 +278,19 @@ pub async fn list_servers(
             ));
         }
     };
-    Ok(paged(servers::list(&ctx, &caller, status, &req).await?))
+    let detail = match q.get("brief") {
+        None | Some("false") => servers::Detail::Full,
+        Some("true") => servers::Detail::Brief,
+        Some(s) => {
+            return Err(ApiError::invalid(
+                "brief",
+                format!("{s:?} is not true or false"),
+            ));
+        }
+    };
+    Ok(paged(
+        servers::list(&ctx, &caller, status, detail, &req).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/devices", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (not with after)"), ("after" = Option<String>, Query, pattern = "^[A-Za-z0-9._-]{1,253}~[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}~[A-Za-z0-9:./]{1,512}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came (not with offset)"), ("state" = Option<DeviceState>, Query, description = "Only devices in this state"), ("variant" = Option<String>, Query, max_length = 128, description = "Only devices of this variant"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only devices of this server")), responses((status = 200, description = "The assignable devices (those matching a variant) of every server, ordered by server hostname, then server uuid, then device id, ascending", body = [DeviceRow], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]

@@ -6,12 +6,12 @@ use crate::error::{ApiError, ApiResult};
 use crate::store::page::{DeviceKey, Page, PageReq, TimeKey};
 use crate::store::{self, devices, servers, variants, vms};
 use chrono::Utc;
-use passage_model::ServerId;
 use passage_model::api::{
     AssignableDevice, CreateJoinToken, DeviceRow, JoinToken, Server, ServerStatus, ServerVm,
     Sysinfo, SysinfoDevice, UpdateServer, Vm,
 };
 use passage_model::variant::DeviceType;
+use passage_model::{DeviceState, ServerId};
 use std::collections::BTreeMap;
 
 const DEFAULT_JOIN_TTL_SECS: u64 = 3600;
@@ -67,6 +67,10 @@ fn assemble(
             details: d.pci.details.clone(),
         })
         .collect();
+    let mut device_counts = BTreeMap::new();
+    for d in devs.iter().filter(|d| d.variant.is_some()) {
+        *device_counts.entry(d.state).or_insert(0u32) += 1;
+    }
     let assignable_devices = devs
         .iter()
         .filter_map(|d| {
@@ -104,9 +108,30 @@ fn assemble(
         last_heartbeat: rec.last_heartbeat,
         created_at: rec.created_at,
         disabled: rec.disabled,
-        sysinfo: Sysinfo { pci_devices },
-        assignable_devices,
-        vms,
+        sysinfo: Some(Sysinfo { pci_devices }),
+        device_counts,
+        assignable_devices: Some(assignable_devices),
+        vms: Some(vms),
+    }
+}
+
+/// A server as a list screen needs it: counts of its devices by state, no inventory.
+fn brief(
+    ctx: &Ctx,
+    rec: servers::ServerRecord,
+    device_counts: BTreeMap<DeviceState, u32>,
+) -> Server {
+    Server {
+        uuid: rec.uuid,
+        status: status(ctx, rec.last_heartbeat),
+        hostname: rec.hostname,
+        last_heartbeat: rec.last_heartbeat,
+        created_at: rec.created_at,
+        disabled: rec.disabled,
+        sysinfo: None,
+        device_counts,
+        assignable_devices: None,
+        vms: None,
     }
 }
 
@@ -117,11 +142,13 @@ pub async fn get(ctx: &Ctx, caller: &Caller, uuid: ServerId) -> ApiResult<Server
 }
 
 /// One page of servers, newest first: four queries whatever the page size (the servers,
-/// their devices, their VMs, the variants).
+/// their devices, their VMs, the variants). A `brief` page, for list screens, takes two:
+/// the servers and their device counts by state.
 pub async fn list(
     ctx: &Ctx,
     caller: &Caller,
     status: Option<ServerStatus>,
+    detail: Detail,
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Server, TimeKey>> {
     caller.require_staff()?;
@@ -131,6 +158,13 @@ pub async fn list(
     };
     let page = servers::page(&ctx.db, &filter, req).await?;
     let uuids: Vec<ServerId> = page.items.iter().map(|r| r.uuid).collect();
+    if detail == Detail::Brief {
+        let mut counts = devices::state_counts(&ctx.db, &uuids).await?;
+        return Ok(page.map(|rec| {
+            let c = counts.remove(&rec.uuid).unwrap_or_default();
+            brief(ctx, rec, c)
+        }));
+    }
     let mut devs: BTreeMap<ServerId, Vec<devices::DeviceRecord>> = BTreeMap::new();
     for d in devices::for_servers(&ctx.db, &uuids).await? {
         devs.entry(d.server_uuid).or_default().push(d);
@@ -151,6 +185,13 @@ pub async fn list(
         let v = on.remove(&rec.uuid).unwrap_or_default();
         assemble(ctx, rec, &d, v, &kinds)
     }))
+}
+
+/// How much of each server a list holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Detail {
+    Full,
+    Brief,
 }
 
 /// One page of the fleet's assignable devices (see `devices::page` for the order).

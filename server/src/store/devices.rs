@@ -8,7 +8,7 @@ use crate::{in_tx, on_read};
 use passage_model::state::transition;
 use passage_model::variant::classify;
 use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDevice, ServerId, Variant, VmId};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 #[derive(Clone, Debug)]
 pub struct DeviceRecord {
@@ -106,6 +106,34 @@ pub async fn for_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<Devic
     records(page::fetch(db, &sql, &args).await?)
 }
 
+/// How many assignable devices each of `servers` has in each state.
+pub async fn state_counts(
+    db: &Db,
+    servers: &[ServerId],
+) -> StoreResult<HashMap<ServerId, BTreeMap<DeviceState, u32>>> {
+    let mut out: HashMap<ServerId, BTreeMap<DeviceState, u32>> = HashMap::new();
+    if servers.is_empty() {
+        return Ok(out);
+    }
+    let sql = format!(
+        "SELECT server_uuid, state, COUNT(*) FROM devices WHERE server_uuid IN ({}) \
+         AND variant IS NOT NULL GROUP BY server_uuid, state",
+        page::marks(1, servers.len())
+    );
+    let args: Vec<page::Arg> = servers
+        .iter()
+        .map(|s| page::Arg::Text(s.to_string()))
+        .collect();
+    let rows: Vec<(String, String, i64)> = page::fetch(db, &sql, &args).await?;
+    for (server, state, n) in rows {
+        let state = DeviceState::parse(&state).ok_or_else(|| corrupt(&state))?;
+        out.entry(parse_uuid(&server, "server")?)
+            .or_default()
+            .insert(state, u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    Ok(out)
+}
+
 /// Which assignable devices the fleet-wide list shows.
 #[derive(Clone, Debug, Default)]
 pub struct DeviceFilter {
@@ -137,7 +165,6 @@ pub async fn page(
     req: &PageReq<DeviceKey>,
 ) -> StoreResult<Page<ListedDevice, DeviceKey>> {
     let mut w = Where::default();
-    w.and("d.server_uuid = s.uuid");
     w.and("d.variant IS NOT NULL");
     if let Some(st) = f.state {
         let a = w.text(st.as_str());
@@ -151,16 +178,19 @@ pub async fn page(
         let a = w.text(sv.to_string());
         w.and(format!("d.server_uuid = {a}"));
     }
+    // Every device has its server (a cascading foreign key), so the count needs no join:
+    // it stays within the devices' own indexes.
+    let total = page::count(
+        db,
+        &format!("SELECT COUNT(*) FROM devices d{}", w.sql()),
+        &w.args,
+    )
+    .await?;
     // SQLite keeps a CROSS JOIN's order: servers by their (hostname, uuid) index outside,
     // each one's devices by index inside, so the rows come sorted and a page stops after
     // `limit` instead of sorting the whole fleet. Postgres plans it as any join.
     const FROM: &str = "servers s CROSS JOIN devices d";
-    let total = page::count(
-        db,
-        &format!("SELECT COUNT(*) FROM {FROM}{}", w.sql()),
-        &w.args,
-    )
-    .await?;
+    w.and("d.server_uuid = s.uuid");
     let offset = match &req.start {
         Start::Offset(n) => *n,
         Start::After(k) => {

@@ -113,9 +113,9 @@ pub fn ServerPage() -> impl IntoView {
                         Err(e) => view! { <ErrorBox error=e/> }.into_any(),
                         Ok(s) => {
                             let status = format!("{:?}", s.status).to_lowercase();
-                            let drivers: std::collections::HashMap<String, String> = s
-                                .sysinfo
-                                .pci_devices
+                            let pci = s.sysinfo.as_ref().map(|i| i.pci_devices.as_slice()).unwrap_or_default();
+                            let functions = pci.len();
+                            let drivers: std::collections::HashMap<String, String> = pci
                                 .iter()
                                 .map(|d| (d.id.to_string(), d.driver.clone()))
                                 .collect();
@@ -125,7 +125,7 @@ pub fn ServerPage() -> impl IntoView {
                                     <dt>"Status"</dt><dd><Badge state=status/>{s.disabled.then(|| view! { " " <Badge state="drained"/> })}</dd>
                                     <dt>"UUID"</dt><dd><code>{s.uuid.to_string()}</code></dd>
                                     <dt>"Last heartbeat"</dt><dd>{fmt::opt_time(&s.last_heartbeat)}</dd>
-                                    <dt>"PCI functions"</dt><dd>{s.sysinfo.pci_devices.len()}</dd>
+                                    <dt>"PCI functions"</dt><dd>{functions}</dd>
                                 </dl>
                                 <h2>"Assignable devices"</h2>
                                 <table data-testid="devices">
@@ -141,7 +141,7 @@ pub fn ServerPage() -> impl IntoView {
                                         </tr>
                                     </thead>
                                     <tbody>
-                                        {s.assignable_devices.into_iter().map(|d| {
+                                        {s.assignable_devices.unwrap_or_default().into_iter().map(|d| {
                                             let id = d.id.to_string();
                                             let driver = drivers.get(&id).cloned().unwrap_or_else(|| "-".into());
                                             view! {
