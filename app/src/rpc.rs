@@ -57,13 +57,21 @@ pub async fn whoami() -> Result<Option<Me>, PortalError> {
             gpu_quota: a.gpu_quota,
             csrf: be::csrf_for(&token),
         })),
+        // The cookie's session has ended (idle, expired, revoked): say so once, at the
+        // login page, and drop the cookie.
         Err(e) if e.is_unauthorized() => {
             be::clear_session_cookie();
-            Ok(None)
+            Err(PortalError::new(
+                SESSION_ENDED,
+                "Your session has ended. Sign in again.",
+            ))
         }
         Err(e) => Err(e),
     }
 }
+
+/// `whoami`'s error code when the session cookie no longer names a live session.
+pub const SESSION_ENDED: &str = "SessionEnded";
 
 /// Where to go after signing in: only a path on this site.
 pub fn safe_next(next: Option<&str>) -> String {

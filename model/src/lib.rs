@@ -2,7 +2,10 @@
 //! the server, the node agent and the portal.
 
 pub mod api;
+pub mod decode;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ids;
 pub mod pci;
 pub mod protocol;

@@ -9,6 +9,7 @@
 //! hypervisor = "qemu"
 //! heartbeat_secs = 10
 //! hostname = "cn-7"
+//! ca_cert = "/etc/passage/ca.pem"
 //! # Scrub tools (see `FileConfig`); each defaults as described there.
 //! nvidia_smi = "/usr/bin/nvidia-smi"
 //! gpu_zero_helper = "/usr/lib/passage/passage-gpu-zero"
@@ -52,6 +53,9 @@ pub struct FileConfig {
     /// Where the `wipe_nvme_labels` scrub step finds the namespaces' block device nodes
     /// (`DIR/nvme0n1`). Default: `/dev` (on a generated tree, the tree's own stand-ins).
     pub dev_dir: Option<PathBuf>,
+    /// A PEM file of CA certificates to trust for an `https://` server, besides the
+    /// public roots.
+    pub ca_cert: Option<PathBuf>,
 }
 
 fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(

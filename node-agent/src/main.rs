@@ -54,6 +54,9 @@ enum Command {
     RotateCredential {
         #[arg(long, default_value = DEFAULT_STATE_DIR)]
         state_dir: PathBuf,
+        /// A PEM file of CA certificates to trust for an https:// server.
+        #[arg(long, env = "PASSAGE_CA_CERT")]
+        ca_cert: Option<PathBuf>,
     },
     /// Registers with the control plane, then heartbeats, reports inventory and runs tasks.
     Run {
@@ -81,6 +84,10 @@ enum Command {
         heartbeat_secs: Option<u64>,
         #[arg(long)]
         hostname: Option<String>,
+        /// A PEM file of CA certificates to trust for an https:// server, besides the
+        /// public roots (a datacenter's own CA, or the server's self-signed certificate).
+        #[arg(long, env = "PASSAGE_CA_CERT")]
+        ca_cert: Option<PathBuf>,
     },
 }
 
@@ -103,7 +110,9 @@ fn main() -> ExitCode {
             sysfs_root,
             iterations,
         } => bench_discovery(&sysfs_root, iterations),
-        Command::RotateCredential { state_dir } => rotate_credential(&state_dir),
+        Command::RotateCredential { state_dir, ca_cert } => {
+            rotate_credential(&state_dir, ca_cert.as_deref())
+        }
         Command::FakeSysfs {
             out,
             gpus,
@@ -139,6 +148,7 @@ fn main() -> ExitCode {
             hypervisor,
             heartbeat_secs,
             hostname,
+            ca_cert,
         } => {
             let file = match config.as_deref().map(FileConfig::load).transpose() {
                 Ok(f) => f.unwrap_or_default(),
@@ -193,6 +203,7 @@ fn main() -> ExitCode {
                 hostname: hostname
                     .or(file.hostname)
                     .unwrap_or_else(agent::system_hostname),
+                ca_cert: ca_cert.or(file.ca_cert),
             };
             let rt = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
@@ -283,7 +294,7 @@ fn bench_discovery(root: &std::path::Path, iterations: u32) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn rotate_credential(state_dir: &std::path::Path) -> ExitCode {
+fn rotate_credential(state_dir: &std::path::Path, ca_cert: Option<&std::path::Path>) -> ExitCode {
     let saved = match agent::credential::load(state_dir) {
         Ok(Some(c)) => c,
         Ok(None) => {
@@ -307,7 +318,7 @@ fn rotate_credential(state_dir: &std::path::Path) -> ExitCode {
         Err(e) => return fail(&e),
     };
     let answer = rt.block_on(async {
-        agent::client::AgentClient::new(&saved.server_url)
+        agent::client::AgentClient::with_ca(&saved.server_url, ca_cert)
             .map(|c| c.with_credential(saved.credential.clone()))?
             .rotate_credential()
             .await

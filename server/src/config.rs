@@ -10,8 +10,11 @@ pub struct Config {
     pub task_timeout: Duration,
     /// A task handed out but never answered is handed out again after this.
     pub task_redeliver_after: Duration,
-    /// Lifetime of a login token.
+    /// Lifetime of a login session however busy (the absolute timeout).
     pub token_ttl: Duration,
+    /// A login session unused for this long ends (the idle timeout). API tokens have
+    /// only their expiry.
+    pub session_idle: Duration,
     /// Dirty devices left this long without a scrub get one from the reconciler.
     pub scrub_grace: Duration,
     /// How often background reconcilers run.
@@ -26,6 +29,8 @@ pub struct Config {
     pub job_concurrency: usize,
     /// Failed-login throttling.
     pub login_limits: crate::services::login_guard::Limits,
+    /// Serve https with these files; plain http when `None`.
+    pub tls: Option<crate::tls::TlsFiles>,
     /// Placement policy for packages that do not name one.
     pub placement: crate::placement::Policy,
     /// Test only: stop every job just before this step (`provision.launch`, …), to prove
@@ -42,11 +47,13 @@ impl Default for Config {
             heartbeat_timeout: Duration::from_secs(30),
             task_timeout: Duration::from_secs(120),
             task_redeliver_after: Duration::from_secs(60),
-            token_ttl: Duration::from_secs(24 * 3600),
+            token_ttl: Duration::from_secs(12 * 3600),
+            session_idle: Duration::from_secs(30 * 60),
             scrub_grace: Duration::from_secs(10),
             reconcile_every: Duration::from_secs(2),
             job_lease: Duration::from_secs(30),
             pause_before: None,
+            tls: None,
             placement: crate::placement::Policy::Pack,
             login_limits: crate::services::login_guard::Limits::default(),
             job_concurrency: 256,

@@ -9,6 +9,7 @@ pub mod portal;
 pub mod services;
 pub mod sim;
 pub mod store;
+pub mod tls;
 pub mod workflows;
 
 use config::Config;
@@ -23,6 +24,16 @@ pub struct Running {
     /// The generated `admin` password, when this start created the account without one.
     pub admin_password: Option<String>,
     pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// Whether it speaks https.
+    pub tls: bool,
+}
+
+impl Running {
+    /// The base URL clients on this host reach it at.
+    pub fn url(&self) -> String {
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
 }
 
 /// Opens the database (migrating it), creates `admin` on an empty one, resumes unfinished
@@ -49,19 +60,40 @@ pub async fn start(
         .map_err(|e| anyhow::anyhow!("listening on {listen}: {e}"))?;
     let addr = listener.local_addr()?;
     let app = api::router(ctx.clone());
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-    });
+    let tls = ctx.cfg.tls.clone();
+    let server = match &tls {
+        None => tokio::spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+        }),
+        Some(files) => {
+            let config = tls::load(files).map_err(|e| anyhow::anyhow!("{e}"))?;
+            tls::reload_on_hangup(files.clone(), config.clone());
+            let handle = axum_server::Handle::new();
+            let stop = handle.clone();
+            tokio::spawn(async move {
+                shutdown_signal().await;
+                stop.graceful_shutdown(Some(std::time::Duration::from_secs(30)));
+            });
+            let server = axum_server::from_tcp_rustls(listener.into_std()?, config)?;
+            tokio::spawn(async move {
+                server
+                    .handle(handle)
+                    .serve(app.into_make_service_with_connect_info::<SocketAddr>())
+                    .await
+            })
+        }
+    };
     Ok(Running {
         ctx,
         addr,
         admin_password,
         server,
+        tls: tls.is_some(),
     })
 }
 

@@ -34,6 +34,19 @@ struct Args {
     /// another replica, or by this server after a restart).
     #[arg(long, default_value_t = 30)]
     job_lease_secs: u64,
+    /// A login session (portal or `POST /v1/auth/login`) unused for this long ends.
+    #[arg(long, default_value_t = 30 * 60)]
+    session_idle_secs: u64,
+    /// A login session ends this long after sign-in, however busy.
+    #[arg(long, default_value_t = 12 * 3600)]
+    session_max_secs: u64,
+    /// Serve https with this certificate chain (PEM), with --tls-key; SIGHUP reloads
+    /// both. Without it the server speaks plain http, for a TLS-terminating proxy in front.
+    #[arg(long, env = "PASSAGE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "PASSAGE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
     /// Placement policy for packages that name none: `pack` fills a server before the
     /// next, `spread` puts each VM where the most is free.
     #[arg(long, default_value = "pack", value_parser = ["pack", "spread"])]
@@ -88,6 +101,15 @@ async fn serve() -> std::process::ExitCode {
         task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
+        session_idle: Duration::from_secs(args.session_idle_secs.max(1)),
+        tls: match (&args.tls_cert, &args.tls_key) {
+            (Some(cert), Some(key)) => Some(passage_server::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => None,
+        },
+        token_ttl: Duration::from_secs(args.session_max_secs.max(1)),
         placement: passage_server::placement::Policy::parse(&args.placement).unwrap_or_default(),
         job_concurrency: args.job_concurrency.max(1),
         ..Config::default()
@@ -126,8 +148,9 @@ async fn serve() -> std::process::ExitCode {
             gpus: args.sim_gpus,
             model: args.sim_model,
             dir: args.sim_dir.clone(),
+            ca_cert: args.tls_cert.clone(),
         };
-        let base = format!("http://{}", running.addr);
+        let base = running.url();
         if let Err(e) = passage_server::sim::start(&running.ctx, &base, &spec).await {
             eprintln!("server: starting simulated nodes: {e:#}");
             return std::process::ExitCode::FAILURE;
@@ -140,7 +163,7 @@ async fn serve() -> std::process::ExitCode {
             args.sim_dir.display()
         );
     }
-    println!("Passage listening on http://{}", running.addr);
+    println!("Passage listening on {}", running.url());
     match running.server.await {
         Ok(Ok(())) => std::process::ExitCode::SUCCESS,
         Ok(Err(e)) => {

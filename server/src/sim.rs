@@ -19,6 +19,8 @@ pub struct SimSpec {
     /// Where the nodes keep their trees and state; kept across restarts so a node keeps
     /// its identity.
     pub dir: PathBuf,
+    /// Trusted by the nodes when the server speaks https (its own certificate file).
+    pub ca_cert: Option<PathBuf>,
 }
 
 /// Starts the simulated nodes; they register (or reconnect) on their own.
@@ -48,6 +50,7 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             hypervisor: HypervisorKind::Sim,
             heartbeat: Duration::from_secs(5),
             hostname: format!("sim-{i}"),
+            ca_cert: spec.ca_cert.clone(),
         };
         tokio::spawn(async move {
             if let Err(e) = node_agent::agent::run(cfg).await {

@@ -51,6 +51,33 @@ async fn signed_out_visitors_are_sent_to_sign_in() {
 }
 
 #[tokio::test]
+async fn an_ended_session_is_sent_to_sign_in_with_a_word_why() {
+    let mut cfg = fast_config();
+    cfg.session_idle = std::time::Duration::from_millis(1500);
+    let s = TestServer::start(Backend::Sqlite, cfg).await;
+    let tok = s.login("admin", ADMIN_PASSWORD).await;
+    let (st, _, _) = page(&s, "/admin/servers", Some(&tok)).await;
+    assert_eq!(st, 200);
+    tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
+    let (st, h, _) = page(&s, "/admin/servers", Some(&tok)).await;
+    assert_eq!(st, 302);
+    assert_eq!(
+        h["location"], "/login?next=%2Fadmin%2Fservers&ended=1",
+        "back here after signing in again"
+    );
+    let cleared = h
+        .get_all("set-cookie")
+        .iter()
+        .any(|c| c.to_str().unwrap().starts_with("passage_session=;"));
+    assert!(cleared, "the dead cookie is dropped: {h:?}");
+    let (st, _, html) = page(&s, "/login?next=%2Fadmin%2Fservers&ended=1", None).await;
+    assert_eq!(st, 200);
+    assert!(html.contains("Your session has ended. Sign in again."));
+    let (_, _, html) = page(&s, "/login", None).await;
+    assert!(!html.contains("Your session has ended"));
+}
+
+#[tokio::test]
 async fn inline_scripts_run_only_by_this_responses_nonce() {
     let s = TestServer::start(Backend::Sqlite, fast_config()).await;
     let (st, h, html) = page(&s, "/login", None).await;

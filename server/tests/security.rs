@@ -1,5 +1,5 @@
 //! Tenancy and hardening: the BOLA matrix, login throttling, sessions ended by a password
-//! change, security headers.
+//! change, by idling and at their limit, security headers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -308,6 +308,58 @@ async fn password_change_ends_sessions(b: Backend) {
 both!(
     password_change_ends_sessions_on,
     password_change_ends_sessions
+);
+
+async fn sessions_end_when_idle_and_at_their_limit(b: Backend) {
+    use std::time::{Duration, Instant};
+    let mut cfg = fast_config();
+    cfg.session_idle = Duration::from_secs(2);
+    cfg.token_ttl = Duration::from_secs(5);
+    let s = TestServer::start(b, cfg).await;
+    let (_, tenant) = s.tenant("pat").await;
+    let signed_in = Instant::now();
+    let (_, api) = s
+        .call(
+            "POST",
+            "/v1/tokens",
+            Some(&tenant),
+            Some(json!({"name":"ci"})),
+        )
+        .await;
+    let api = api["token"].as_str().unwrap().to_string();
+    let me = |t: String| {
+        let s = &s;
+        async move { s.call("GET", "/v1/auth/me", Some(&t), None).await.0 }
+    };
+    // In use, a session outlives its idle timeout many times over...
+    while signed_in.elapsed() < Duration::from_millis(3500) {
+        assert_eq!(me(tenant.clone()).await, 200, "a busy session lives on");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // ...but not its absolute limit, however busy.
+    let ended = loop {
+        if me(tenant.clone()).await == 401 {
+            break signed_in.elapsed();
+        }
+        assert!(signed_in.elapsed() < Duration::from_secs(10), "never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        ended >= Duration::from_millis(4800),
+        "ended early: {ended:?}"
+    );
+    // Idle: a fresh session left alone ends after the idle timeout...
+    let idle = s.login("pat", "tenant-password").await;
+    assert_eq!(me(idle.clone()).await, 200);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(me(idle.clone()).await, 401, "idle session ended");
+    // ...and stays ended when used again. API tokens have only their expiry.
+    assert_eq!(me(idle).await, 401);
+    assert_eq!(me(api).await, 200, "API tokens do not idle out");
+}
+both!(
+    sessions_end_when_idle_and_at_their_limit_on,
+    sessions_end_when_idle_and_at_their_limit
 );
 
 #[tokio::test]

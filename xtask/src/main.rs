@@ -9,10 +9,13 @@
 //!   multi-GPU placement decisions.
 //! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
 //!   REST API fuzzed with Schemathesis against its own OpenAPI document.
+//! - `cargo xtask fuzz-parsers [--secs N] [--target T]`: the `cargo fuzz` targets (PCI
+//!   parsers, agent messages) for N seconds each.
 
 mod bench;
 mod demo;
 mod fuzz;
+mod fuzz_parsers;
 mod http;
 mod site;
 mod test;
@@ -50,6 +53,9 @@ commands:
       --backend B          sqlite | postgres (default sqlite)
       --max-minutes M      stop after M minutes with what was found (default 20)
       --workers W          concurrent Schemathesis workers (default 2)
+  fuzz-parsers [--secs N] [--target T]
+                   run the cargo-fuzz targets in fuzz/ (pci_parsers, agent_messages) for
+                   N seconds each (default 600); installs nightly and cargo-fuzz if missing
   site             build the portal's browser half (wasm32 + wasm-bindgen, stylesheet)
                    into <target>/site, where `server` serves it from
   help             this text
@@ -76,6 +82,7 @@ fn run(args: &[String]) -> Result<()> {
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
         "fuzz-api" => fuzz::run(rest),
+        "fuzz-parsers" => fuzz_parsers::run(rest),
         "site" => site::build().map(|dir| println!("portal bundle in {}", dir.display())),
         "help" | "-h" | "--help" => {
             print!("{USAGE}");

@@ -23,7 +23,9 @@ pub fn Guard(audience: Audience, children: ChildrenFn) -> impl IntoView {
     let children = StoredValue::new(children);
     view! {
         <Suspense fallback=|| view! { <p class="loading">"Loading…"</p> }>
-            {move || Suspend::new(async move {
+            {move || {
+                let location = location.clone();
+                Suspend::new(async move {
                 match session.await {
                     Ok(Some(me)) => {
                         let ok = match audience {
@@ -37,20 +39,27 @@ pub fn Guard(audience: Audience, children: ChildrenFn) -> impl IntoView {
                             view! { <Forbidden/> }.into_any()
                         }
                     }
-                    Ok(None) => {
-                        let here = format!(
-                            "{}{}",
-                            location.pathname.get_untracked(),
-                            location.search.get_untracked()
-                        );
-                        let to = format!("/login?next={}", crate::fmt::urlencode(&here));
-                        view! { <Redirect path=to/> }.into_any()
-                    }
+                    Ok(None) => to_login(&location, false),
+                    Err(e) if e.code == crate::rpc::SESSION_ENDED => to_login(&location, true),
                     Err(e) => view! { <ErrorBox error=e/> }.into_any(),
                 }
-            })}
+            })}}
         </Suspense>
     }
+}
+
+/// To the login page, and back here afterwards; `ended` makes it say the session ended.
+fn to_login(location: &leptos_router::location::Location, ended: bool) -> AnyView {
+    let here = format!(
+        "{}{}",
+        location.pathname.get_untracked(),
+        location.search.get_untracked()
+    );
+    let to = format!(
+        "/login{}",
+        crate::fmt::query(&[("next", Some(&here)), ("ended", ended.then_some("1"))])
+    );
+    view! { <Redirect path=to/> }.into_any()
 }
 
 #[component]

@@ -14,6 +14,9 @@ pub fn Home() -> impl IntoView {
                     Ok(Some(me)) if me.is_staff() => view! { <Redirect path="/admin"/> }.into_any(),
                     Ok(Some(_)) => view! { <Redirect path="/instances"/> }.into_any(),
                     Ok(None) => view! { <Redirect path="/login"/> }.into_any(),
+                    Err(e) if e.code == crate::rpc::SESSION_ENDED => {
+                        view! { <Redirect path="/login?ended=1"/> }.into_any()
+                    }
                     Err(e) => view! { <ErrorBox error=e/> }.into_any(),
                 }
             })}

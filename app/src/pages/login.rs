@@ -12,6 +12,7 @@ pub fn LoginPage() -> impl IntoView {
     let action = ServerAction::<Login>::new();
     let q = use_query_map();
     let next = move || q.read().get("next").unwrap_or_default();
+    let ended = move || q.read().get("ended").is_some();
     let result = Signal::derive(move || action.value().get().map(|r| r.map(|_| ())));
     // After a successful sign-in the session changes.
     Effect::new(move |_| {
@@ -31,6 +32,11 @@ pub fn LoginPage() -> impl IntoView {
         <Transition fallback=|| ()>{signed_in}</Transition>
         <section class="card narrow" aria-labelledby="login-title">
             <h1 id="login-title">"Sign in to Passage"</h1>
+            {move || (ended() && action.value().get().is_none()).then(|| view! {
+                <p class="notice" role="status" data-testid="session-ended">
+                    "Your session has ended. Sign in again."
+                </p>
+            })}
             <ActionForm action=action>
                 <input type="hidden" name="next" value=next/>
                 <label for="login">"Login"</label>

@@ -33,6 +33,33 @@ pub enum ClientError {
     Decode { what: &'static str, detail: String },
     #[error("invalid server URL {0:?}")]
     Url(String),
+    #[error("CA certificate {path}: {detail}")]
+    CaCert { path: String, detail: String },
+}
+
+/// A CA bundle bigger than this is not a CA bundle.
+const MAX_CA_LEN: u64 = 1024 * 1024;
+
+/// The certificates of a PEM file the agent should trust besides the public roots (a
+/// datacenter's own CA).
+fn ca_certs(path: &std::path::Path) -> Result<Vec<reqwest::Certificate>, ClientError> {
+    let bad = |detail: String| ClientError::CaCert {
+        path: path.display().to_string(),
+        detail,
+    };
+    let len = std::fs::metadata(path)
+        .map_err(|e| bad(e.to_string()))?
+        .len();
+    if len > MAX_CA_LEN {
+        return Err(bad(format!("{len} bytes: more than {MAX_CA_LEN}")));
+    }
+    let pem = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| bad(format!("not a PEM certificate bundle: {}", chain(&e))))?;
+    if certs.is_empty() {
+        return Err(bad("holds no certificate".into()));
+    }
+    Ok(certs)
 }
 
 /// reqwest's own message hides the cause ("connection refused") in its source chain.
@@ -55,7 +82,7 @@ impl ClientError {
             ClientError::Server { status, .. } => {
                 *status >= 500 || *status == 429 || *status == 408
             }
-            ClientError::Decode { .. } | ClientError::Url(_) => false,
+            ClientError::Decode { .. } | ClientError::Url(_) | ClientError::CaCert { .. } => false,
         }
     }
 
@@ -76,13 +103,28 @@ pub struct AgentClient {
 
 impl AgentClient {
     pub fn new(server_url: &str) -> Result<Self, ClientError> {
+        Self::with_ca(server_url, None)
+    }
+
+    /// A client that also trusts the certificates in `ca_cert` (PEM) for an `https://`
+    /// server.
+    pub fn with_ca(
+        server_url: &str,
+        ca_cert: Option<&std::path::Path>,
+    ) -> Result<Self, ClientError> {
         let base = server_url.trim_end_matches('/').to_string();
         if !(base.starts_with("http://") || base.starts_with("https://")) || base.len() < 8 {
             return Err(ClientError::Url(server_url.to_string()));
         }
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
-            .user_agent(concat!("passage-node-agent/", env!("CARGO_PKG_VERSION")))
+            .user_agent(concat!("passage-node-agent/", env!("CARGO_PKG_VERSION")));
+        if let Some(path) = ca_cert {
+            for c in ca_certs(path)? {
+                builder = builder.add_root_certificate(c);
+            }
+        }
+        let http = builder
             .build()
             .map_err(|_| ClientError::Url(server_url.to_string()))?;
         Ok(AgentClient {

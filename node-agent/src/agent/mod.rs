@@ -37,6 +37,9 @@ pub struct AgentConfig {
     pub hypervisor: HypervisorKind,
     pub heartbeat: Duration,
     pub hostname: String,
+    /// A PEM bundle of CA certificates to trust for an `https://` server, besides the
+    /// public roots.
+    pub ca_cert: Option<PathBuf>,
 }
 
 // The join token admits a node: it never reaches a log through `{:?}`.
@@ -50,6 +53,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("hypervisor", &self.hypervisor)
             .field("heartbeat", &self.heartbeat)
             .field("hostname", &self.hostname)
+            .field("ca_cert", &self.ca_cert)
             .finish()
     }
 }
@@ -138,7 +142,8 @@ pub async fn ensure_credential(cfg: &AgentConfig) -> Result<Credential, AgentErr
         info!(server_uuid = %c.server_uuid, "using the saved node credential");
         return Ok(c);
     }
-    let client = AgentClient::new(&cfg.server_url).map_err(|e| AgentError::Setup(e.to_string()))?;
+    let client = AgentClient::with_ca(&cfg.server_url, cfg.ca_cert.as_deref())
+        .map_err(|e| AgentError::Setup(e.to_string()))?;
     let req = RegisterRequest {
         join_token: cfg.join_token.clone(),
         hostname: cfg.hostname.clone(),
@@ -359,7 +364,7 @@ pub async fn run_with(cfg: AgentConfig, scrub: ScrubOverrides) -> Result<(), Age
     };
     let executor = setup.await.map_err(blocking_err)??;
     let cred = ensure_credential(&cfg).await?;
-    let client = AgentClient::new(&cfg.server_url)
+    let client = AgentClient::with_ca(&cfg.server_url, cfg.ca_cert.as_deref())
         .map_err(|e| AgentError::Setup(e.to_string()))?
         .with_credential(cred.credential.clone());
     let agent = Arc::new(Agent {
@@ -395,6 +400,7 @@ mod redaction_tests {
             hypervisor: HypervisorKind::Sim,
             heartbeat: Duration::from_secs(10),
             hostname: "cn-1".into(),
+            ca_cert: None,
         };
         let shown = format!("{c:?}");
         assert!(!shown.contains("psj_secret"), "{shown}");

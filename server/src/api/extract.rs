@@ -41,45 +41,7 @@ where
 }
 
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    // Every body is an object; serde would also take an array, field by field in order.
-    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(ApiError::invalid("body", "must be a JSON object"));
-    }
-    // Postgres text cannot hold NUL, and no name, alias or reason needs one.
-    if bytes.windows(6).any(|w| w.eq_ignore_ascii_case(b"\\u0000")) {
-        return Err(ApiError::invalid(
-            "body",
-            "strings may not contain NUL (\\u0000)",
-        ));
-    }
-    let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let msg = inner.to_string();
-        // serde names a missing or unknown field in its message; the path is its parent.
-        let field = quoted_field(&msg)
-            .map(|f| {
-                if path == "." || path.is_empty() {
-                    f
-                } else if path == f || path.ends_with(&format!(".{f}")) {
-                    path.clone()
-                } else {
-                    format!("{path}.{f}")
-                }
-            })
-            .unwrap_or_else(|| if path == "." { "body".into() } else { path });
-        ApiError::invalid(field, msg)
-    })
-}
-
-fn quoted_field(msg: &str) -> Option<String> {
-    if !(msg.starts_with("missing field") || msg.starts_with("unknown field")) {
-        return None;
-    }
-    let start = msg.find('`')? + 1;
-    let len = msg[start..].find('`')?;
-    Some(msg[start..start + len].to_string())
+    passage_model::decode::json_object(bytes).map_err(|e| ApiError::invalid(e.field, e.message))
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {

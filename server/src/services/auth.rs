@@ -139,14 +139,33 @@ fn bad_credentials() -> ApiError {
     )
 }
 
-/// The account behind a bearer token; node credentials are not user tokens.
+/// The account behind a bearer token; node credentials are not user tokens. A login
+/// session's use is recorded, at most once per `touch_every`, to keep it from idling out.
 pub async fn caller_from_token(ctx: &Ctx, token: &str) -> ApiResult<Account> {
     if !token.starts_with(USER_TOKEN_PREFIX) || token.len() > 128 {
         return Err(ApiError::unauthorized());
     }
-    accounts::by_token(&ctx.db, &sha256_hex(token))
+    let hash = sha256_hex(token);
+    let now = chrono::Utc::now().timestamp_millis();
+    let idle = millis(ctx.cfg.session_idle);
+    let live = accounts::by_token(&ctx.db, &hash, now.saturating_sub(idle))
         .await?
-        .ok_or_else(ApiError::unauthorized)
+        .ok_or_else(ApiError::unauthorized)?;
+    if now.saturating_sub(live.last_used_at) >= touch_every(idle) {
+        accounts::touch_token(&ctx.db, &hash).await?;
+    }
+    Ok(live.account)
+}
+
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// How stale a session's recorded last use may get before it is written again. A write
+/// per request would turn every read into a write; this way a session may end up to a
+/// quarter of the idle timeout (at most a minute) before the full idle time has passed.
+fn touch_every(idle_ms: i64) -> i64 {
+    (idle_ms / 4).min(60_000)
 }
 
 pub async fn logout(ctx: &Ctx, token: &str) -> ApiResult<()> {

@@ -191,8 +191,8 @@ pub async fn insert_token(
 ) -> StoreResult<String> {
     let uuid = uuid::Uuid::new_v4().to_string();
     on_write!(db, |p| sqlx::query(
-        "INSERT INTO tokens (uuid, account_uuid, token_hash, kind, name, expires_at, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)"
+        "INSERT INTO tokens (uuid, account_uuid, token_hash, kind, name, expires_at, \
+         created_at, last_used_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)"
     )
     .bind(&uuid)
     .bind(account.to_string())
@@ -207,18 +207,58 @@ pub async fn insert_token(
     Ok(uuid)
 }
 
-/// The account behind an unexpired token hash.
-pub async fn by_token(db: &Db, token_hash: &str) -> StoreResult<Option<Account>> {
-    let row: Option<AccountRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT a.uuid, a.login, a.role, a.gpu_quota, a.created_at \
+/// A live token: its account, and when it was last seen in use (ms since the epoch).
+pub struct LiveToken {
+    pub account: Account,
+    pub last_used_at: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct LiveRow {
+    #[sqlx(flatten)]
+    account: AccountRow,
+    last_used_at: i64,
+}
+
+/// The account behind a token hash, unless the token has expired or, for a login
+/// session, has not been used since `idle_since` (ms since the epoch).
+pub async fn by_token(
+    db: &Db,
+    token_hash: &str,
+    idle_since: i64,
+) -> StoreResult<Option<LiveToken>> {
+    let row: Option<LiveRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT a.uuid, a.login, a.role, a.gpu_quota, a.created_at, t.last_used_at \
          FROM tokens t JOIN accounts a ON a.uuid = t.account_uuid \
-         WHERE t.token_hash = $1 AND t.expires_at > $2"
+         WHERE t.token_hash = $1 AND t.expires_at > $2 \
+         AND (t.kind = 'api' OR t.last_used_at > $3)"
     )
     .bind(token_hash)
     .bind(now_ms())
+    .bind(idle_since)
     .fetch_optional(p)
     .await)?;
-    row.map(AccountRow::into_view).transpose()
+    row.map(|r| {
+        Ok(LiveToken {
+            account: r.account.into_view()?,
+            last_used_at: r.last_used_at,
+        })
+    })
+    .transpose()
+}
+
+/// Records that a token was used now.
+pub async fn touch_token(db: &Db, token_hash: &str) -> StoreResult<()> {
+    let now = now_ms();
+    on_write!(db, |p| sqlx::query(
+        "UPDATE tokens SET last_used_at = $2 WHERE token_hash = $1 AND last_used_at < $2"
+    )
+    .bind(token_hash)
+    .bind(now)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
 }
 
 pub async fn list_tokens(db: &Db, account: AccountId) -> StoreResult<Vec<TokenRecord>> {

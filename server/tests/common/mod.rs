@@ -220,6 +220,7 @@ impl TestServer {
             hypervisor: HypervisorKind::Sim,
             heartbeat: Duration::from_secs(1),
             hostname: format!("node-{}", self.agents.len()),
+            ca_cert: None,
         };
         self.agents.push(tokio::spawn(async move {
             if let Err(e) = node_agent::agent::run(cfg).await {
