@@ -58,7 +58,7 @@ pub struct Account {
     pub created_at: DateTime<Utc>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateAccount {
     #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.@-]+$")]
@@ -84,7 +84,7 @@ where
     Option::<T>::deserialize(d).map(Some)
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateAccount {
     #[serde(default)]
@@ -97,14 +97,14 @@ pub struct UpdateAccount {
     pub gpu_quota: Option<Option<u32>>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoginRequest {
     pub login: String,
     pub password: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LoginResponse {
     pub token: String,
     pub expires_at: DateTime<Utc>,
@@ -285,7 +285,7 @@ pub struct CreateJoinToken {
     pub server_uuid: Option<ServerId>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct JoinToken {
     pub token: String,
     pub expires_at: DateTime<Utc>,
@@ -492,7 +492,7 @@ mod tests {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ApiToken {
     pub uuid: uuid::Uuid,
     pub name: String,
@@ -673,3 +673,10 @@ pub struct DeviceRow {
     /// Why the device is kept out of placement although its state allows it.
     pub taint: Option<String>,
 }
+
+crate::redact::debug_redacting!(CreateAccount { login, role, gpu_quota } secret { password });
+crate::redact::debug_redacting!(UpdateAccount { role, gpu_quota } secret { password });
+crate::redact::debug_redacting!(LoginRequest { login } secret { password });
+crate::redact::debug_redacting!(LoginResponse { expires_at, account } secret { token });
+crate::redact::debug_redacting!(JoinToken { expires_at } secret { token });
+crate::redact::debug_redacting!(ApiToken { uuid, name, expires_at } secret { token });

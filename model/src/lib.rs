@@ -9,6 +9,7 @@ pub mod fuzzing;
 pub mod ids;
 pub mod pci;
 pub mod protocol;
+mod redact;
 mod schema;
 pub mod state;
 pub mod variant;

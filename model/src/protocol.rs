@@ -17,7 +17,7 @@ pub const MAX_ERROR_LEN: usize = 4096;
 pub const MAX_TASK_DEVICES: usize = 64;
 pub const MAX_LONG_POLL_SECS: u64 = 60;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegisterRequest {
     pub join_token: String,
@@ -26,7 +26,7 @@ pub struct RegisterRequest {
     pub protocol_version: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegisterResponse {
     pub server_uuid: ServerId,
@@ -200,6 +200,9 @@ impl TaskResult {
 pub struct HeartbeatResponse {
     pub server_uuid: ServerId,
 }
+
+crate::redact::debug_redacting!(RegisterRequest { hostname, agent_version, protocol_version } secret { join_token });
+crate::redact::debug_redacting!(RegisterResponse { server_uuid } secret { credential });
 
 #[cfg(test)]
 mod tests {
