@@ -68,6 +68,7 @@ pub struct CreateAccount {
     #[serde(default = "default_role")]
     pub role: Role,
     #[serde(default)]
+    #[schema(maximum = 100000)]
     pub gpu_quota: Option<u32>,
 }
 
@@ -94,6 +95,7 @@ pub struct UpdateAccount {
     pub role: Option<Role>,
     /// `null` removes the quota.
     #[serde(default, deserialize_with = "present")]
+    #[schema(maximum = 100000)]
     pub gpu_quota: Option<Option<u32>>,
 }
 
@@ -604,6 +606,7 @@ pub struct AuditEntry {
 #[serde(deny_unknown_fields)]
 pub struct PlacementDryRun {
     /// A package uuid or name.
+    #[schema(min_length = 1, max_length = 128)]
     pub package: String,
 }
 

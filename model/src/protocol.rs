@@ -104,8 +104,10 @@ pub enum ScrubAction {
     /// An operator's command; `{bdf}` and `{path}` in the arguments are replaced by the
     /// device's address and sysfs path. Fails on a non-zero exit or after `timeout_secs`.
     Command {
+        #[schema(min_items = 1, max_items = 32)]
         argv: Vec<String>,
         #[serde(default)]
+        #[schema(minimum = 1, maximum = 3600)]
         timeout_secs: Option<u64>,
     },
     /// Zero the GPU's memory and read it back (NVIDIA, needs CUDA on the node); reported as

@@ -35,6 +35,18 @@ impl ApiError {
             internal: None,
         }
     }
+    /// A body names an object that does not exist (or is not the caller's to see): 404, as
+    /// for the object's own URL, with the field that named it.
+    pub fn missing(field: impl Into<String>, message: impl Into<String>) -> Self {
+        let field = field.into();
+        let message = message.into();
+        ApiError {
+            code: ErrorCode::ResourceNotFound,
+            message: format!("{field}: {message}"),
+            field: Some(field),
+            internal: None,
+        }
+    }
     pub fn not_found(what: &str) -> Self {
         Self::new(ErrorCode::ResourceNotFound, format!("{what} not found"))
     }

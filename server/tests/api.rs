@@ -219,6 +219,13 @@ fn assert_invalid(st: u16, e: &Value, field: &str) {
     assert_eq!(e["field"].as_str(), Some(field), "{e}");
 }
 
+/// Naming what does not exist is a 404, with the field that named it.
+fn assert_missing(st: u16, e: &Value, field: &str) {
+    assert_eq!(st, 404, "{e}");
+    assert_eq!(e["code"], "ResourceNotFound", "{e}");
+    assert_eq!(e["field"].as_str(), Some(field), "{e}");
+}
+
 async fn bad_input(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     s.h100_catalog(1).await;
@@ -277,7 +284,7 @@ async fn bad_input(b: Backend) {
             r#"{"name":"p","vcpus":1,"memory_mib":1024,"devices":{"NO_SUCH":1}}"#,
         )
         .await;
-    assert_invalid(st, &e, "devices.NO_SUCH");
+    assert_missing(st, &e, "devices.NO_SUCH");
     let (st, e) = s
         .raw(
             "POST",
@@ -331,7 +338,7 @@ async fn bad_input(b: Backend) {
             r#"{"alias":"v","package":"no-such-package"}"#,
         )
         .await;
-    assert_invalid(st, &e, "package");
+    assert_missing(st, &e, "package");
     let (st, e) = s
         .raw(
             "POST",

@@ -447,7 +447,7 @@ async fn node_identity(b: Backend) {
             Some(json!({"server_uuid": "00000000-0000-0000-0000-000000000000"})),
         )
         .await;
-    assert_eq!((st, e["field"].as_str()), (400, Some("server_uuid")));
+    assert_eq!((st, e["field"].as_str()), (404, Some("server_uuid")));
     let (st, jt) = s
         .admin_call(
             "POST",

@@ -103,9 +103,11 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryMap {
 }
 
 impl QueryMap {
-    /// An empty value (`?device=`) counts as absent, as HTML forms send them.
+    /// A parameter's value. An empty one (`?owner_uuid=`) is a value like any other, and
+    /// refused where it is not valid: taking it as absent would widen a filter a script
+    /// meant to narrow (the portal leaves empty filters out itself).
     pub fn get(&self, k: &str) -> Option<&str> {
-        self.0.get(k).map(String::as_str).filter(|v| !v.is_empty())
+        self.0.get(k).map(String::as_str)
     }
 
     pub fn parse<T: std::str::FromStr>(&self, k: &str) -> Result<Option<T>, ApiError> {
@@ -138,12 +140,6 @@ impl QueryMap {
         let Some(raw) = self.get("after") else {
             return Ok(PageReq::offset(limit, offset));
         };
-        if self.get("offset").is_some() {
-            return Err(ApiError::invalid(
-                "after",
-                "cannot be combined with offset: page with one or the other",
-            ));
-        }
         let key = (raw.len() <= MAX_CURSOR_LEN)
             .then(|| K::decode(raw))
             .flatten()
@@ -156,7 +152,7 @@ impl QueryMap {
             })?;
         Ok(PageReq {
             limit,
-            start: Start::After(key),
+            start: Start::After(key, offset),
         })
     }
 }

@@ -108,8 +108,8 @@ pub async fn delete(ctx: &Ctx, caller: &Caller, uuid: AccountId) -> ApiResult<()
     visible(caller, uuid)?;
     caller.require_operator()?;
     if uuid == caller.account.uuid {
-        return Err(ApiError::invalid(
-            "uuid",
+        return Err(ApiError::new(
+            passage_model::ErrorCode::Conflict,
             "you cannot delete your own account",
         ));
     }

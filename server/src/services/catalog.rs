@@ -109,7 +109,7 @@ pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> A
     for (variant, count) in &req.devices {
         let field = format!("devices.{variant}");
         if !known.iter().any(|v| &v.name == variant) {
-            return Err(ApiError::invalid(field, "no such variant"));
+            return Err(ApiError::missing(field, "no such variant"));
         }
         if *count == 0 {
             return Err(ApiError::invalid(field, "count must be at least 1"));

@@ -164,7 +164,7 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
     caller.require_staff()?;
     let package = catalog::find_package(ctx, package)
         .await
-        .map_err(|_| ApiError::invalid("package", "no such package"))?;
+        .map_err(|_| ApiError::missing("package", "no such package"))?;
     let (all, _) = servers::list(&ctx.db, 100_000, 0).await?;
     let variants: Vec<String> = package.devices.keys().cloned().collect();
     // Every unassigned, untainted device of the variants, whatever its server's status:

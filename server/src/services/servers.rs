@@ -272,7 +272,7 @@ pub async fn create_join_token(
         match servers::get(&ctx.db, s).await {
             Ok(_) => {}
             Err(store::StoreError::NotFound(_)) => {
-                return Err(ApiError::invalid("server_uuid", "no such server"));
+                return Err(ApiError::missing("server_uuid", "no such server"));
             }
             Err(e) => return Err(e.into()),
         }

@@ -83,7 +83,7 @@ pub async fn resize(ctx: &Ctx, caller: &Caller, uuid: VmId, package: &str) -> Ap
     let package = match catalog::find_package(ctx, package).await {
         Ok(p) => p,
         Err(e) if e.code == ErrorCode::ResourceNotFound => {
-            return Err(ApiError::invalid("package", "no such package"));
+            return Err(ApiError::missing("package", "no such package"));
         }
         Err(e) => return Err(e),
     };

@@ -65,7 +65,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             match accounts::get(&ctx.db, o).await {
                 Ok(_) => o,
                 Err(StoreError::NotFound(_)) => {
-                    return Err(ApiError::invalid("owner_uuid", "no such account"));
+                    return Err(ApiError::missing("owner_uuid", "no such account"));
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -107,7 +107,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         let package = match catalog::find_package(ctx, key).await {
             Ok(p) => p,
             Err(e) if e.code == ErrorCode::ResourceNotFound => {
-                return Err(ApiError::invalid("package", "no such package"));
+                return Err(ApiError::missing("package", "no such package"));
             }
             Err(e) => return Err(e),
         };
@@ -319,7 +319,7 @@ async fn create_with_devices(
     let known = match store::servers::get(&ctx.db, server).await {
         Ok(_) => devices::for_server(&ctx.db, server).await?,
         Err(StoreError::NotFound(_)) => {
-            return Err(ApiError::invalid("server_uuid", "no such server"));
+            return Err(ApiError::missing("server_uuid", "no such server"));
         }
         Err(e) => return Err(e.into()),
     };
@@ -331,7 +331,7 @@ async fn create_with_devices(
             ));
         }
         let Some(rec) = known.iter().find(|k| k.pci.id == *d) else {
-            return Err(ApiError::invalid(
+            return Err(ApiError::missing(
                 format!("assigned_devices[{i}]"),
                 "no such device on that server",
             ));

@@ -193,7 +193,7 @@ pub async fn page(
     w.and("d.server_uuid = s.uuid");
     let offset = match &req.start {
         Start::Offset(n) => *n,
-        Start::After(k) => {
+        Start::After(k, skip) => {
             let h = w.text(k.hostname.clone());
             let u = w.text(k.server_uuid.clone());
             let i = w.text(k.id.clone());
@@ -203,7 +203,7 @@ pub async fn page(
             w.and(format!(
                 "(s.hostname, d.server_uuid, d.id) > ({h}, {u}, {i})"
             ));
-            0
+            *skip
         }
     };
     let lim = w.int(req.limit.saturating_add(1));

@@ -29,8 +29,8 @@ pub const MAX_CURSOR_LEN: usize = 1024;
 pub enum Start<K> {
     /// Skip this many items (Triton's `offset`).
     Offset(i64),
-    /// The items strictly after this key.
-    After(K),
+    /// The items strictly after this key, less the first `n` of them (`?after=…&offset=n`).
+    After(K, i64),
 }
 
 /// A page request: at most `limit` items from `start`.
@@ -299,11 +299,11 @@ where
     .await?;
     let offset = match &req.start {
         Start::Offset(n) => *n,
-        Start::After(k) => {
+        Start::After(k, skip) => {
             let t = w.int(k.created_at_ms);
             let u = w.text(k.uuid.clone());
             w.and(format!("(created_at, uuid) < ({t}, {u})"));
-            0
+            *skip
         }
     };
     let lim = w.int(req.limit.saturating_add(1));
