@@ -63,7 +63,7 @@ pub struct Account {
 pub struct CreateAccount {
     #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.@-]+$")]
     pub login: String,
-    #[schema(min_length = 8, max_length = 1024)]
+    #[schema(min_length = 8, max_length = 1024, pattern = "^[^\\x00]*$")]
     pub password: String,
     #[serde(default = "default_role")]
     pub role: Role,
@@ -89,7 +89,7 @@ where
 #[serde(deny_unknown_fields)]
 pub struct UpdateAccount {
     #[serde(default)]
-    #[schema(min_length = 8, max_length = 1024)]
+    #[schema(min_length = 8, max_length = 1024, pattern = "^[^\\x00]*$")]
     pub password: Option<String>,
     #[serde(default)]
     pub role: Option<Role>,
@@ -102,7 +102,9 @@ pub struct UpdateAccount {
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoginRequest {
+    #[schema(pattern = "^[^\\x00]*$")]
     pub login: String,
+    #[schema(pattern = "^[^\\x00]*$")]
     pub password: String,
 }
 
@@ -168,7 +170,7 @@ pub struct CreatePackage {
     #[schema(
         min_length = 1,
         max_length = 128,
-        pattern = "^[^\\x00-\\x1f\\x7f]*[^\\s\\x00-\\x1f\\x7f][^\\x00-\\x1f\\x7f]*$"
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]*[^\\s\\x00-\\x1f\\x7f-\\x9f][^\\x00-\\x1f\\x7f-\\x9f]*$"
     )]
     pub name: String,
     #[schema(minimum = 1, maximum = 1024)]
@@ -356,6 +358,7 @@ pub struct CreateVm {
     pub owner_uuid: Option<AccountId>,
     /// Operators only, without a package: exactly these devices.
     #[serde(default)]
+    #[schema(min_items = 1, max_items = 16)]
     pub assigned_devices: Option<Vec<DevicePath>>,
     /// Operators only, with `assigned_devices`: the server that has them.
     #[serde(default)]
@@ -507,7 +510,11 @@ pub struct ApiToken {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateApiToken {
-    #[schema(min_length = 1, max_length = 64, pattern = "\\S")]
+    #[schema(
+        min_length = 1,
+        max_length = 64,
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]*[^\\s\\x00-\\x1f\\x7f-\\x9f][^\\x00-\\x1f\\x7f-\\x9f]*$"
+    )]
     pub name: String,
     /// Lifetime; default 90 days, at most a year.
     #[serde(default)]

@@ -64,6 +64,14 @@ async fn every_route_is_documented_and_served() {
     assert_eq!(r.status().as_u16(), 200);
     let doc: Value = r.json().await.unwrap();
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    // Scrub steps refuse unknown fields, and the document says so for each kind of step.
+    let steps = doc["components"]["schemas"]["ScrubAction"]["oneOf"]
+        .as_array()
+        .unwrap();
+    assert!(steps.len() >= 5);
+    for step in steps {
+        assert_eq!(step["additionalProperties"], false, "{step}");
+    }
     let paths = doc["paths"].as_object().unwrap();
     for (method, path) in ROUTES {
         assert!(

@@ -76,7 +76,28 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .into_iter()
         .map(|(p, item)| (format!("/v1{p}"), item))
         .collect();
+    close_variants(&mut doc, "ScrubAction");
     (router, doc)
+}
+
+/// utoipa marks a `deny_unknown_fields` struct closed (`additionalProperties: false`) but
+/// not the variants of such a tagged enum; the decoder refuses unknown fields in both, so
+/// the document says so.
+fn close_variants(doc: &mut utoipa::openapi::OpenApi, name: &str) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::schema::{AdditionalProperties, Schema};
+    let Some(RefOr::T(Schema::OneOf(one_of))) = doc
+        .components
+        .as_mut()
+        .and_then(|c| c.schemas.get_mut(name))
+    else {
+        return;
+    };
+    for item in &mut one_of.items {
+        if let RefOr::T(Schema::Object(o)) = item {
+            o.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+        }
+    }
 }
 
 #[derive(utoipa::OpenApi)]

@@ -310,7 +310,12 @@ pub async fn list_devices(
         };
     let filter = DeviceFilter {
         state,
-        variant: q.get("variant").map(str::to_string),
+        variant: match q.get("variant") {
+            Some(v) if v.chars().count() > 128 => {
+                return Err(ApiError::invalid("variant", "is at most 128 characters"));
+            }
+            v => v.map(str::to_string),
+        },
         server: q.parse("server_uuid")?,
     };
     Ok(paged(
@@ -348,7 +353,9 @@ pub async fn create_join_token(
     body: axum::body::Bytes,
 ) -> ApiResult<Response> {
     caller.require_operator()?;
-    let req: CreateJoinToken = if body.iter().all(u8::is_ascii_whitespace) {
+    // No body, or JSON `null`, asks for the defaults.
+    let text = body.trim_ascii();
+    let req: CreateJoinToken = if text.is_empty() || text == b"null" {
         CreateJoinToken::default()
     } else {
         super::extract::parse_json(&body)?
