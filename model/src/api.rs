@@ -613,7 +613,7 @@ pub struct AuditEntry {
 #[serde(deny_unknown_fields)]
 pub struct PlacementDryRun {
     /// A package uuid or name.
-    #[schema(min_length = 1, max_length = 128)]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\x00]*$")]
     pub package: String,
 }
 

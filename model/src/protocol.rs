@@ -97,10 +97,10 @@ pub enum Task {
 pub enum ScrubAction {
     /// Function-level reset through sysfs `reset`; where the device lacks FLR, a secondary
     /// bus reset of its parent bridge (`reset_method` / the bridge's `reset`).
-    Reset,
+    Reset {},
     /// `nvidia-smi --gpu-reset -i BDF` when nvidia-smi is installed; reported as skipped
     /// when it is not.
-    NvidiaReset,
+    NvidiaReset {},
     /// An operator's command; `{bdf}` and `{path}` in the arguments are replaced by the
     /// device's address and sysfs path. Fails on a non-zero exit or after `timeout_secs`.
     Command {
@@ -112,12 +112,12 @@ pub enum ScrubAction {
     },
     /// Zero the GPU's memory and read it back (NVIDIA, needs CUDA on the node); reported as
     /// skipped where CUDA is absent.
-    ZeroGpuMemory,
+    ZeroGpuMemory {},
     /// For NVMe: wipe partition tables and ZFS labels on the controller's namespaces so the
     /// host never imports a tenant's pool.
-    WipeNvmeLabels,
+    WipeNvmeLabels {},
     /// Check the device is still present and bound as before.
-    VerifyDriver,
+    VerifyDriver {},
 }
 
 pub const MAX_SCRUB_STEPS: usize = 16;
@@ -209,6 +209,24 @@ crate::redact::debug_redacting!(RegisterResponse { server_uuid } secret { creden
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scrub_steps_refuse_unknown_fields() {
+        let ok: Vec<ScrubAction> =
+            serde_json::from_str(r#"[{"action":"reset"},{"action":"verify_driver"}]"#).unwrap();
+        assert_eq!(ok, [ScrubAction::Reset {}, ScrubAction::VerifyDriver {}]);
+        assert_eq!(
+            serde_json::to_string(&ok).unwrap(),
+            r#"[{"action":"reset"},{"action":"verify_driver"}]"#
+        );
+        for bad in [
+            r#"{"action":"verify_driver","x":1}"#,
+            r#"{"action":"reset","argv":["a"]}"#,
+            r#"{"action":"command","argv":["a"],"x":1}"#,
+        ] {
+            assert!(serde_json::from_str::<ScrubAction>(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn tasks_are_tagged_and_strict() {

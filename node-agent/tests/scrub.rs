@@ -124,7 +124,7 @@ fn detail(r: &ScrubReport, i: usize) -> &str {
 #[test]
 fn reset_writes_the_functions_reset() {
     let w = World::new();
-    let r = w.run(&w.gpus[0], &[ScrubAction::Reset], &w.env());
+    let r = w.run(&w.gpus[0], &[ScrubAction::Reset {}], &w.env());
     assert!(r.ok, "{r:?}");
     assert_eq!(names(&r), ["reset"]);
     assert_eq!(w.resets().trim(), w.gpus[0].address().to_string());
@@ -138,7 +138,7 @@ fn reset_falls_back_to_the_parent_bridge() {
     fs::remove_file(w.dir_of(gpu).join("reset")).unwrap();
     let r = w.run(
         gpu,
-        &[ScrubAction::Reset, ScrubAction::VerifyDriver],
+        &[ScrubAction::Reset {}, ScrubAction::VerifyDriver {}],
         &w.env(),
     );
     assert!(r.ok, "{r:?}");
@@ -155,7 +155,7 @@ fn reset_falls_back_to_the_parent_bridge() {
     fs::create_dir(&other).unwrap();
     let r = w.run(
         gpu,
-        &[ScrubAction::Reset, ScrubAction::VerifyDriver],
+        &[ScrubAction::Reset {}, ScrubAction::VerifyDriver {}],
         &w.env(),
     );
     assert!(!r.ok);
@@ -166,7 +166,7 @@ fn reset_falls_back_to_the_parent_bridge() {
 
     // Neither the function nor its bridge can be reset.
     fs::remove_file(w.dir_of(gpu).parent().unwrap().join("reset")).unwrap();
-    let r = w.run(gpu, &[ScrubAction::Reset], &w.env());
+    let r = w.run(gpu, &[ScrubAction::Reset {}], &w.env());
     assert!(!r.ok);
     assert_eq!(names(&r), ["reset"]);
     assert!(detail(&r, 0).contains("no reset attribute"), "{r:?}");
@@ -175,13 +175,13 @@ fn reset_falls_back_to_the_parent_bridge() {
 #[test]
 fn nvidia_reset_is_skipped_without_nvidia_smi() {
     let w = World::new();
-    let r = w.run(&w.gpus[0], &[ScrubAction::NvidiaReset], &w.env());
+    let r = w.run(&w.gpus[0], &[ScrubAction::NvidiaReset {}], &w.env());
     assert!(r.ok && r.steps[0].ok && r.steps[0].skipped, "{r:?}");
     assert_eq!(detail(&r, 0), "nvidia-smi not installed");
     // A configured path that is not there is the same as not installed.
     let mut env = w.env();
     env.nvidia_smi = Some(w.out("no-such-nvidia-smi"));
-    let r = w.run(&w.gpus[0], &[ScrubAction::NvidiaReset], &env);
+    let r = w.run(&w.gpus[0], &[ScrubAction::NvidiaReset {}], &env);
     assert!(r.ok && r.steps[0].skipped, "{r:?}");
 }
 
@@ -196,7 +196,7 @@ fn nvidia_reset_runs_nvidia_smi_from_the_search_path() {
     );
     let mut env = w.env();
     env.search_path = vec![w.out("empty"), w.bin()];
-    let r = w.run(&w.gpus[1], &[ScrubAction::NvidiaReset], &env);
+    let r = w.run(&w.gpus[1], &[ScrubAction::NvidiaReset {}], &env);
     assert!(r.ok && !r.steps[0].skipped, "{r:?}");
     assert_eq!(
         fs::read_to_string(&args).unwrap().trim(),
@@ -217,9 +217,9 @@ fn a_failing_step_stops_the_pipeline() {
     let r = w.run(
         &w.gpus[0],
         &[
-            ScrubAction::NvidiaReset,
-            ScrubAction::Reset,
-            ScrubAction::VerifyDriver,
+            ScrubAction::NvidiaReset {},
+            ScrubAction::Reset {},
+            ScrubAction::VerifyDriver {},
         ],
         &env,
     );
@@ -351,7 +351,7 @@ fn command_is_killed_at_its_timeout() {
 fn zero_gpu_memory_uses_the_helper() {
     let w = World::new();
     let gpu = &w.gpus[1];
-    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory], &w.env());
+    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &w.env());
     assert!(r.ok && r.steps[0].skipped, "{r:?}");
     assert_eq!(
         detail(&r, 0),
@@ -366,7 +366,7 @@ fn zero_gpu_memory_uses_the_helper() {
     );
     let mut env = w.env();
     env.search_path = vec![w.bin()];
-    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory], &env);
+    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &env);
     assert!(r.ok && !r.steps[0].skipped, "{r:?}");
     assert_eq!(names(&r), ["zero_gpu_memory"]);
     assert_eq!(
@@ -379,7 +379,7 @@ fn zero_gpu_memory_uses_the_helper() {
         "bad-zero",
         "echo 'read back 0x5a at offset 4096' >&2; exit 2",
     ));
-    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory], &env);
+    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &env);
     assert!(!r.ok && !r.steps[0].skipped, "{r:?}");
     assert!(detail(&r, 0).contains("read back 0x5a"), "{r:?}");
 }
@@ -405,7 +405,7 @@ fn wipe_nvme_labels_zeroes_both_ends() {
     let w = World::new();
     let size = FAKE_NVME_BYTES as usize;
     fill(&w.stand_in(), size);
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(r.ok, "{r:?}");
     assert_eq!(names(&r), ["wipe_nvme_labels"]);
     assert!(detail(&r, 0).contains("nvme0n1"), "{r:?}");
@@ -430,7 +430,7 @@ fn wipe_nvme_labels_covers_partitions_and_multipath_names() {
     fs::write(part.join("start"), "4096\n").unwrap();
     fs::write(part.join("size"), "16384\n").unwrap();
     fill(&w.stand_in(), size);
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(r.ok, "{r:?}");
     let data = fs::read(w.stand_in()).unwrap();
     assert_eq!(
@@ -449,7 +449,7 @@ fn wipe_nvme_labels_covers_partitions_and_multipath_names() {
     // A partition said to reach past the end is refused before anything is written.
     fs::write(part.join("size"), "99999999\n").unwrap();
     fill(&w.stand_in(), size);
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(!r.ok, "{r:?}");
     assert!(detail(&r, 0).contains("beyond"), "{r:?}");
     assert_eq!(runs(&fs::read(w.stand_in()).unwrap()), [(0, size, 0xAB)]);
@@ -462,13 +462,13 @@ fn wipe_nvme_labels_respects_the_size() {
     // Smaller than 2 MiB: all of it.
     fs::write(ns.join("size"), "3000\n").unwrap();
     fill(&w.stand_in(), 3000 * 512);
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(r.ok, "{r:?}");
     assert_eq!(runs(&fs::read(w.stand_in()).unwrap()), [(0, 3000 * 512, 0)]);
 
     // A device whose size differs from what sysfs says is not the namespace: untouched.
     fill(&w.stand_in(), 4000 * 512);
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(!r.ok, "{r:?}");
     assert!(detail(&r, 0).contains("sysfs says"), "{r:?}");
     assert_eq!(
@@ -478,17 +478,17 @@ fn wipe_nvme_labels_respects_the_size() {
 
     // No device node: failed, and nothing created.
     fs::remove_file(w.stand_in()).unwrap();
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(!r.ok, "{r:?}");
     assert!(!w.stand_in().exists());
 
     // A garbage size is an error, not a panic.
     fs::write(ns.join("size"), "lots\n").unwrap();
-    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.nvme, &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(!r.ok && detail(&r, 0).contains("sector count"), "{r:?}");
 
     // A function without namespaces has nothing to wipe.
-    let r = w.run(&w.gpus[0], &[ScrubAction::WipeNvmeLabels], &w.env());
+    let r = w.run(&w.gpus[0], &[ScrubAction::WipeNvmeLabels {}], &w.env());
     assert!(r.ok, "{r:?}");
     assert_eq!(detail(&r, 0), "no namespaces");
 }
@@ -500,23 +500,26 @@ fn default_pipelines_follow_the_class() {
     let ops = w.ops.as_ref();
     assert_eq!(
         default_pipeline(ops, &w.gpus[0]),
-        [Reset, NvidiaReset, ZeroGpuMemory, VerifyDriver]
+        [Reset {}, NvidiaReset {}, ZeroGpuMemory {}, VerifyDriver {}]
     );
     assert_eq!(
         default_pipeline(ops, &w.nvme),
-        [WipeNvmeLabels, Reset, VerifyDriver]
+        [WipeNvmeLabels {}, Reset {}, VerifyDriver {}]
     );
-    assert_eq!(default_pipeline(ops, &w.nic), [Reset, VerifyDriver]);
+    assert_eq!(default_pipeline(ops, &w.nic), [Reset {}, VerifyDriver {}]);
     // Another vendor's GPU, and a processing accelerator (class 12): no NVIDIA steps.
     fs::write(w.dir_of(&w.gpus[1]).join("vendor"), "0x1002\n").unwrap();
-    assert_eq!(default_pipeline(ops, &w.gpus[1]), [Reset, VerifyDriver]);
+    assert_eq!(
+        default_pipeline(ops, &w.gpus[1]),
+        [Reset {}, VerifyDriver {}]
+    );
     fs::write(w.dir_of(&w.gpus[0]).join("class"), "0x120000\n").unwrap();
     assert_eq!(
         default_pipeline(ops, &w.gpus[0]),
-        [Reset, NvidiaReset, ZeroGpuMemory, VerifyDriver]
+        [Reset {}, NvidiaReset {}, ZeroGpuMemory {}, VerifyDriver {}]
     );
     let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
-    assert_eq!(default_pipeline(ops, &ghost), [Reset, VerifyDriver]);
+    assert_eq!(default_pipeline(ops, &ghost), [Reset {}, VerifyDriver {}]);
     let r = w.run(&ghost, &default_pipeline(ops, &ghost), &w.env());
     assert!(!r.ok);
     assert_eq!(names(&r), ["reset"]);
@@ -596,7 +599,7 @@ fn task_scrub_uses_explicit_pipelines() {
                 argv: vec![touch.display().to_string(), "{bdf}".to_string()],
                 timeout_secs: None,
             },
-            ScrubAction::VerifyDriver,
+            ScrubAction::VerifyDriver {},
         ],
     );
     // A key with its hex digits in upper case still names the device.
@@ -604,7 +607,7 @@ fn task_scrub_uses_explicit_pipelines() {
     assert!(w.dir_of(&smbus).is_dir());
     pipelines.insert(
         "/devices/pci0000:00/0000:00:1F.4".to_string(),
-        vec![ScrubAction::VerifyDriver],
+        vec![ScrubAction::VerifyDriver {}],
     );
     let r = exec.execute(&Task::Scrub {
         devices: vec![w.gpus[0].clone(), w.gpus[1].clone(), smbus.clone()],
@@ -630,7 +633,7 @@ fn task_scrub_uses_explicit_pipelines() {
     // Too many steps, or none: that device fails, the others are still scrubbed.
     pipelines.insert(
         w.gpus[1].to_string(),
-        vec![ScrubAction::VerifyDriver; MAX_SCRUB_STEPS + 1],
+        vec![ScrubAction::VerifyDriver {}; MAX_SCRUB_STEPS + 1],
     );
     pipelines.insert(w.nic.to_string(), vec![]);
     let r = exec.execute(&Task::Scrub {

@@ -41,12 +41,12 @@ pub(crate) enum Outcome {
 /// The report name of an action (a reset that fell back to the bridge is `bus_reset`).
 pub fn step_name(action: &ScrubAction) -> &'static str {
     match action {
-        ScrubAction::Reset => "reset",
-        ScrubAction::NvidiaReset => "nvidia_reset",
+        ScrubAction::Reset {} => "reset",
+        ScrubAction::NvidiaReset {} => "nvidia_reset",
         ScrubAction::Command { .. } => "command",
-        ScrubAction::ZeroGpuMemory => "zero_gpu_memory",
-        ScrubAction::WipeNvmeLabels => "wipe_nvme_labels",
-        ScrubAction::VerifyDriver => "verify_driver",
+        ScrubAction::ZeroGpuMemory {} => "zero_gpu_memory",
+        ScrubAction::WipeNvmeLabels {} => "wipe_nvme_labels",
+        ScrubAction::VerifyDriver {} => "verify_driver",
     }
 }
 
@@ -65,11 +65,11 @@ pub fn default_pipeline(ops: &dyn SysfsOps, dev: &DevicePath) -> Vec<ScrubAction
     let nvidia = hex_attr(&dir, "vendor") == Some(u32::from(NVIDIA));
     match class {
         Some(c) if PciClass(c).is_gpu_like() && nvidia => {
-            vec![Reset, NvidiaReset, ZeroGpuMemory, VerifyDriver]
+            vec![Reset {}, NvidiaReset {}, ZeroGpuMemory {}, VerifyDriver {}]
         }
-        Some(c) if PciClass(c).is_gpu_like() => vec![Reset, VerifyDriver],
-        Some(NVME_CLASS) => vec![WipeNvmeLabels, Reset, VerifyDriver],
-        _ => vec![Reset, VerifyDriver],
+        Some(c) if PciClass(c).is_gpu_like() => vec![Reset {}, VerifyDriver {}],
+        Some(NVME_CLASS) => vec![WipeNvmeLabels {}, Reset {}, VerifyDriver {}],
+        _ => vec![Reset {}, VerifyDriver {}],
     }
 }
 
@@ -80,7 +80,7 @@ pub fn scrub(ops: &dyn SysfsOps, dev: &DevicePath) -> ScrubReport {
     scrub_with(
         ops,
         dev,
-        &[ScrubAction::Reset, ScrubAction::VerifyDriver],
+        &[ScrubAction::Reset {}, ScrubAction::VerifyDriver {}],
         &env,
     )
 }
@@ -113,17 +113,19 @@ pub fn scrub_with(
     for action in steps {
         let started = Instant::now();
         let (name, outcome) = match action {
-            ScrubAction::Reset => reset::reset(ops, &dir, addr),
-            ScrubAction::NvidiaReset => ("nvidia_reset", programs::nvidia_reset(env, addr)),
+            ScrubAction::Reset {} => reset::reset(ops, &dir, addr),
+            ScrubAction::NvidiaReset {} => ("nvidia_reset", programs::nvidia_reset(env, addr)),
             ScrubAction::Command { argv, timeout_secs } => (
                 "command",
                 programs::command(argv, *timeout_secs, addr, &dir),
             ),
-            ScrubAction::ZeroGpuMemory => ("zero_gpu_memory", programs::zero_gpu_memory(env, addr)),
-            ScrubAction::WipeNvmeLabels => {
+            ScrubAction::ZeroGpuMemory {} => {
+                ("zero_gpu_memory", programs::zero_gpu_memory(env, addr))
+            }
+            ScrubAction::WipeNvmeLabels {} => {
                 ("wipe_nvme_labels", nvme::wipe_labels(&env.dev_dir, &dir))
             }
-            ScrubAction::VerifyDriver => ("verify_driver", verify_driver(dev, &dir, &before)),
+            ScrubAction::VerifyDriver {} => ("verify_driver", verify_driver(dev, &dir, &before)),
         };
         let step = record(name, started, outcome);
         let failed = !step.ok;

@@ -39,9 +39,8 @@ pub async fn put_variant(ctx: &Ctx, caller: &Caller, name: &str, v: Variant) -> 
     known_shape(name)?;
     check_variant(&v)?;
     if v.name != name {
-        return Err(ApiError::invalid(
-            "name",
-            "must equal the name in the URL (variants cannot be renamed)",
+        return Err(ApiError::conflict(
+            "name: must equal the name in the URL (variants cannot be renamed)",
         ));
     }
     variants::update(&ctx.db, &v).await?;

@@ -60,9 +60,8 @@ pub async fn usage(
     };
     let to = to.unwrap_or_else(Utc::now);
     let from = from.unwrap_or(to - chrono::Duration::days(30));
-    if from > to {
-        return Err(ApiError::invalid("from", "must not be after `to`"));
-    }
+    // A reversed range is empty: no usage in it.
+    let to = to.max(from);
     let records = ops::usage(
         &ctx.db,
         owner,

@@ -337,10 +337,9 @@ async fn create_with_devices(
             ));
         };
         if rec.variant.is_none() {
-            return Err(ApiError::invalid(
-                format!("assigned_devices[{i}]"),
-                "the device matches no variant, so it is not assignable",
-            ));
+            return Err(ApiError::conflict(format!(
+                "assigned_devices[{i}]: the device matches no variant, so it is not assignable"
+            )));
         }
         if rec.missing || rec.taint.is_some() {
             return Err(ApiError::conflict(format!(
