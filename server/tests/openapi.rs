@@ -72,6 +72,19 @@ async fn every_route_is_documented_and_served() {
     for step in steps {
         assert_eq!(step["additionalProperties"], false, "{step}");
     }
+    // Rules the decoder enforces beyond utoipa's attributes are stated too.
+    let schemas = &doc["components"]["schemas"];
+    assert_eq!(
+        schemas["LoginRequest"]["properties"]["login"]["pattern"],
+        "^[^\\x00]*$"
+    );
+    assert_eq!(
+        schemas["CreateVm"]["dependentRequired"]["assigned_devices"][0],
+        "server_uuid"
+    );
+    assert!(
+        schemas["CreatePackage"]["properties"]["devices"]["propertyNames"]["pattern"].is_string()
+    );
     let paths = doc["paths"].as_object().unwrap();
     for (method, path) in ROUTES {
         assert!(

@@ -80,6 +80,53 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
     (router, doc)
 }
 
+/// The served document: utoipa's, plus the rules its attributes cannot state. The body
+/// decoder and the query parser refuse NUL in every string, so every free string says so;
+/// a package's device counts are keyed by variant names; a VM's `assigned_devices` needs
+/// its `server_uuid`.
+fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
+    use serde_json::{Value, json};
+    let mut v = serde_json::to_value(doc).unwrap_or(Value::Null);
+    fn no_nul(v: &mut Value) {
+        match v {
+            Value::Object(o) => {
+                let is_string = match o.get("type") {
+                    Some(Value::String(t)) => t == "string",
+                    Some(Value::Array(ts)) => ts.iter().any(|t| t == "string"),
+                    _ => false,
+                };
+                let free = ["pattern", "format", "enum", "const"]
+                    .iter()
+                    .all(|k| !o.contains_key(*k));
+                if is_string && free {
+                    o.insert("pattern".into(), json!("^[^\\x00]*$"));
+                }
+                o.values_mut().for_each(no_nul);
+            }
+            Value::Array(a) => a.iter_mut().for_each(no_nul),
+            _ => {}
+        }
+    }
+    no_nul(&mut v);
+    let schemas = &mut v["components"]["schemas"];
+    if let Some(devices) = schemas
+        .pointer_mut("/CreatePackage/properties/devices")
+        .and_then(Value::as_object_mut)
+    {
+        devices.insert(
+            "propertyNames".into(),
+            json!({"pattern": "^[A-Za-z0-9_.-]{1,64}$"}),
+        );
+    }
+    if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
+        vm.insert(
+            "dependentRequired".into(),
+            json!({"assigned_devices": ["server_uuid"]}),
+        );
+    }
+    v
+}
+
 /// utoipa marks a `deny_unknown_fields` struct closed (`additionalProperties: false`) but
 /// not the variants of such a tagged enum; the decoder refuses unknown fields in both, so
 /// the document says so.
@@ -125,7 +172,7 @@ impl utoipa::Modify for BearerAuth {
 
 pub fn router(ctx: Ctx) -> Router {
     let (v1_router, doc) = v1_routes();
-    let doc = std::sync::Arc::new(doc);
+    let doc = std::sync::Arc::new(document(&doc));
     let v1: Router = v1_router
         .route(
             "/openapi.json",
