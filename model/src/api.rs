@@ -545,7 +545,7 @@ pub struct DeviceActionRequest {
     pub device: DevicePath,
     pub action: DeviceAction,
     /// Why: recorded in the device's history.
-    #[schema(min_length = 1, max_length = 512, pattern = "\\S")]
+    #[schema(min_length = 1, max_length = 512, pattern = "^[^\\x00]*\\S[^\\x00]*$")]
     pub reason: String,
 }
 

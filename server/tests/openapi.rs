@@ -78,10 +78,7 @@ async fn every_route_is_documented_and_served() {
         schemas["LoginRequest"]["properties"]["login"]["pattern"],
         "^[^\\x00]*$"
     );
-    assert_eq!(
-        schemas["CreateVm"]["dependentRequired"]["assigned_devices"][0],
-        "server_uuid"
-    );
+    assert_eq!(schemas["CreateVm"]["then"]["required"][0], "server_uuid");
     assert!(
         schemas["CreatePackage"]["properties"]["devices"]["propertyNames"]["pattern"].is_string()
     );

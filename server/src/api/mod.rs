@@ -117,11 +117,22 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
             "propertyNames".into(),
             json!({"pattern": "^[A-Za-z0-9_.-]{1,64}$"}),
         );
+        devices.insert(
+            "additionalProperties".into(),
+            json!({"type": "integer", "minimum": 1, "maximum": 16}),
+        );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
+        // Devices named outright come with their server, and without a package.
         vm.insert(
-            "dependentRequired".into(),
-            json!({"assigned_devices": ["server_uuid"]}),
+            "if".into(),
+            json!({"required": ["assigned_devices"],
+                   "properties": {"assigned_devices": {"type": "array"}}}),
+        );
+        vm.insert(
+            "then".into(),
+            json!({"required": ["server_uuid"],
+                   "properties": {"server_uuid": {"type": "string"}, "package": {"type": "null"}}}),
         );
     }
     v
