@@ -123,7 +123,8 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
-        // Devices named outright come with their server, and without a package.
+        // Devices named outright come with their server, and without a package; a server
+        // is named only with them.
         vm.insert(
             "if".into(),
             json!({"required": ["assigned_devices"],
@@ -133,6 +134,10 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
             "then".into(),
             json!({"required": ["server_uuid"],
                    "properties": {"server_uuid": {"type": "string"}, "package": {"type": "null"}}}),
+        );
+        vm.insert(
+            "else".into(),
+            json!({"properties": {"server_uuid": {"type": "null"}}}),
         );
     }
     v
