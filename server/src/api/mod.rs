@@ -123,8 +123,9 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
-        // Devices named outright come with their server, and without a package; a server,
-        // vcpus and memory are named only with them (a package sets the last two).
+        // Devices named outright come with their server, and without a package; otherwise a
+        // package is required, and a server, vcpus and memory are not named (the package
+        // sets the last two).
         vm.insert(
             "if".into(),
             json!({"required": ["assigned_devices"],
@@ -137,7 +138,8 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         );
         vm.insert(
             "else".into(),
-            json!({"properties": {
+            json!({"required": ["package"], "properties": {
+                "package": {"type": "string"},
                 "server_uuid": {"type": "null"},
                 "vcpus": {"type": "null"},
                 "memory_mib": {"type": "null"}
