@@ -263,6 +263,21 @@ pub struct Server {
     /// The VMs on the server; absent from a `brief` list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vms: Option<BTreeMap<VmId, ServerVm>>,
+    /// Its vCPUs and memory for VMs; absent until its agent reports them (placement then
+    /// leaves them unchecked on this server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ServerResources>,
+}
+
+/// What a server can give VMs besides devices, and what its VMs (all but destroyed and
+/// failed ones) hold: the reported CPUs times the allocation ratio, and the reported
+/// memory less the host's reserve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ServerResources {
+    pub vcpus_total: i64,
+    pub vcpus_used: i64,
+    pub memory_total_mib: i64,
+    pub memory_used_mib: i64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -48,6 +48,40 @@ pub struct Heartbeat {
 #[serde(deny_unknown_fields)]
 pub struct InventoryReport {
     pub devices: Vec<PciDevice>,
+    /// The CPUs and memory the node has for VMs. Absent from agents that cannot tell (and
+    /// from older agents): placement then leaves the node's vCPUs and memory unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostResources>,
+}
+
+/// More CPUs than any machine has; a report beyond this is refused.
+pub const MAX_HOST_CPUS: u32 = 1 << 16;
+/// 64 PiB: beyond any machine.
+pub const MAX_HOST_MEMORY_MIB: u64 = 1 << 36;
+
+/// What a node has besides its devices, as its kernel counts it: online CPUs, and the
+/// memory of all its NUMA nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostResources {
+    pub cpus: u32,
+    pub memory_mib: u64,
+}
+
+impl HostResources {
+    /// Refuses counts no machine has; names the field that is wrong.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if !(1..=MAX_HOST_CPUS).contains(&self.cpus) {
+            return Err(("host.cpus", format!("must be 1 to {MAX_HOST_CPUS}")));
+        }
+        if !(1..=MAX_HOST_MEMORY_MIB).contains(&self.memory_mib) {
+            return Err((
+                "host.memory_mib",
+                format!("must be 1 to {MAX_HOST_MEMORY_MIB}"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

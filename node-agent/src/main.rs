@@ -40,6 +40,12 @@ enum Command {
         /// Give each GPU an HDMI audio function `.1` in its IOMMU group.
         #[arg(long)]
         gpu_audio: bool,
+        /// CPUs online (default 32 per NUMA node).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+        cpus: Option<u32>,
+        /// Memory in MiB over all NUMA nodes (default 256 GiB per node).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=68719476736))]
+        memory_mib: Option<u64>,
     },
     /// Times discovery in-process: min, median and p95 over N warm runs.
     #[command(hide = true)]
@@ -119,13 +125,23 @@ fn main() -> ExitCode {
             model,
             numa_nodes,
             gpu_audio,
+            cpus,
+            memory_mib,
         } => {
             let spec = FakeSpec {
                 gpus,
                 model,
                 numa_nodes,
             };
-            match fake::generate_with(&out, &spec, &FakeOptions { gpu_audio }) {
+            match fake::generate_with(
+                &out,
+                &spec,
+                &FakeOptions {
+                    gpu_audio,
+                    cpus,
+                    memory_mib,
+                },
+            ) {
                 Ok(tree) => {
                     eprintln!(
                         "wrote {} PCI functions ({} GPUs) under {}",

@@ -258,7 +258,10 @@ fn world_with_audio(gpus: u32) -> (World, Vec<DevicePath>) {
             model: GpuModel::L40s,
             numa_nodes: 1,
         },
-        &FakeOptions { gpu_audio: true },
+        &FakeOptions {
+            gpu_audio: true,
+            ..Default::default()
+        },
     )
     .unwrap();
     let audio: Vec<DevicePath> = tree

@@ -33,6 +33,8 @@ pub struct Config {
     pub tls: Option<crate::tls::TlsFiles>,
     /// Placement policy for packages that do not name one.
     pub placement: crate::placement::Policy,
+    /// How nodes' reported CPUs and memory become room for VMs.
+    pub alloc: crate::store::room::Allocation,
     /// Test only: stop every job just before this step (`provision.launch`, …), to prove
     /// that a server killed there resumes or unwinds the job.
     pub pause_before: Option<String>,
@@ -55,6 +57,7 @@ impl Default for Config {
             pause_before: None,
             tls: None,
             placement: crate::placement::Policy::Pack,
+            alloc: crate::store::room::Allocation::default(),
             login_limits: crate::services::login_guard::Limits::default(),
             job_concurrency: 256,
             vm_exit_grace: Duration::from_secs(10),

@@ -51,6 +51,13 @@ struct Args {
     /// next, `spread` puts each VM where the most is free.
     #[arg(long, default_value = "pack", value_parser = ["pack", "spread"])]
     placement: String,
+    /// vCPUs a node may give per CPU it reports (1.0: no overcommit).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_ratio)]
+    cpu_allocation_ratio: f64,
+    /// Memory (MiB) of each node kept for its host, never given to VMs. Guest memory is
+    /// not overcommitted: passthrough pins all of it.
+    #[arg(long, default_value_t = 4096)]
+    reserved_host_memory_mib: u64,
     /// Jobs (provision, destroy, scrub…) this server runs at once; more wait their turn.
     #[arg(long, default_value_t = 256)]
     job_concurrency: usize,
@@ -67,6 +74,14 @@ struct Args {
     /// Where simulated nodes keep their fake trees and state.
     #[arg(long, default_value = "passage-sim")]
     sim_dir: std::path::PathBuf,
+}
+
+/// A CPU allocation ratio: a number from 0.1 to 64.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.1..=64.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a ratio from 0.1 to 64")),
+    }
 }
 
 /// Rendering a portal page nests many futures; unoptimised builds need more than tokio's
@@ -112,6 +127,10 @@ async fn serve() -> std::process::ExitCode {
         token_ttl: Duration::from_secs(args.session_max_secs.max(1)),
         placement: passage_server::placement::Policy::parse(&args.placement).unwrap_or_default(),
         job_concurrency: args.job_concurrency.max(1),
+        alloc: passage_server::store::room::Allocation {
+            cpu_ratio: args.cpu_allocation_ratio,
+            reserved_memory_mib: args.reserved_host_memory_mib,
+        },
         ..Config::default()
     };
     // Test only: make named job steps fail after their action, to exercise every undo.

@@ -117,14 +117,17 @@ pub struct ServerInfo {
     pub hostname: String,
     pub running: bool,
     pub disabled: bool,
+    /// Its vCPUs and memory; `None` when its agent never reported them (unchecked).
+    pub room: Option<crate::store::room::Room>,
 }
 
 /// The decision `choose` would make, and for every server why it was or was not fit: the
-/// hard filters in order (status, service state, devices per variant).
+/// hard filters in order (status, service state, vCPUs and memory, devices per variant).
 pub fn explain(
     servers: &[ServerInfo],
     candidates: &[Candidate],
     request: &BTreeMap<String, u32>,
+    (vcpus, memory_mib): (u32, u64),
     policy: Policy,
 ) -> passage_model::api::PlacementExplanation {
     let mut verdicts = Vec::with_capacity(servers.len());
@@ -137,6 +140,9 @@ pub fn explain(
         }
         if s.disabled {
             reasons.push("disabled by an operator (drained)".to_string());
+        }
+        if let Some(why) = s.room.and_then(|r| r.lacks(vcpus, memory_mib)) {
+            reasons.push(why);
         }
         let mine: Vec<&Candidate> = candidates
             .iter()
@@ -247,12 +253,23 @@ mod tests {
             hostname: format!("cn-{n}"),
             running,
             disabled,
+            room: None,
+        };
+        let full = crate::store::room::Room {
+            vcpus_total: 64,
+            vcpus_used: 60,
+            memory_total_mib: 1 << 20,
+            memory_used_mib: 0,
         };
         let servers = [
             info(1, false, false),
             info(2, true, true),
             info(3, true, false),
             info(4, true, false),
+            ServerInfo {
+                room: Some(full),
+                ..info(5, true, false)
+            },
         ];
         let c = vec![
             cand(1, 1, "A", 0),
@@ -260,15 +277,23 @@ mod tests {
             cand(3, 1, "A", 0),
             cand(4, 1, "A", 0),
             cand(4, 2, "A", 0),
+            cand(5, 1, "A", 0),
+            cand(5, 2, "A", 0),
+            cand(5, 3, "A", 0),
         ];
-        let e = explain(&servers, &c, &req(&[("A", 2)]), Policy::Pack);
-        assert_eq!(e.server, Some(server(4)));
+        let e = explain(&servers, &c, &req(&[("A", 2)]), (8, 1024), Policy::Spread);
+        assert_eq!(
+            e.server,
+            Some(server(4)),
+            "server 5 has more free but no vCPUs"
+        );
         assert_eq!(e.devices.len(), 2);
         let why = |n: usize| e.servers[n].reasons.join("; ");
         assert!(why(0).contains("not running"));
         assert!(why(1).contains("disabled"));
         assert_eq!(why(2), "has 1 free A, needs 2");
         assert!(e.servers[3].accepted);
+        assert_eq!(why(4), "has 4 vCPUs free, needs 8");
     }
 
     #[test]

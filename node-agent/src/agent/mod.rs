@@ -193,15 +193,31 @@ impl Agent {
         let mut last = self.last_inventory.lock().await;
         let root = self.sysfs_root.clone();
         let disc = self.discoverer.clone();
-        let found = match tokio::task::spawn_blocking(move || disc.try_discover(&root)).await {
-            Ok(Ok(d)) => d,
-            Ok(Err(e)) => {
+        let found = match tokio::task::spawn_blocking(move || {
+            (disc.try_discover(&root), crate::host::host_resources(&root))
+        })
+        .await
+        {
+            Ok((Ok(d), host)) => (d, host),
+            Ok((Err(e), _)) => {
                 warn!(error = %e, "PCI discovery failed; inventory not reported");
                 return Ok(());
             }
             Err(e) => {
                 warn!(error = %e, "PCI discovery panicked; inventory not reported");
                 return Ok(());
+            }
+        };
+        let (found, host) = found;
+        let host = match host {
+            Ok(h) => Some(h),
+            Err(e) => {
+                // Reported without: the control plane then leaves vCPUs and memory
+                // unchecked on this node rather than refusing every VM.
+                if last.as_ref().is_none_or(|l| l.host.is_some()) {
+                    warn!(error = %e, "CPU and memory not readable; reported without them");
+                }
+                None
             }
         };
         let mut devices = found.devices;
@@ -212,7 +228,7 @@ impl Agent {
             );
             devices.truncate(MAX_INVENTORY_DEVICES);
         }
-        let report = InventoryReport { devices };
+        let report = InventoryReport { devices, host };
         if last.as_ref() == Some(&report) {
             return Ok(());
         }

@@ -50,7 +50,14 @@ pub struct FakeOptions {
     /// Give each GPU an HDMI audio function `.1` in the GPU's IOMMU group, as consumer
     /// and workstation cards have: passthrough must then take both.
     pub gpu_audio: bool,
+    /// CPUs online (`devices/system/cpu/online`); default 32 per NUMA node.
+    pub cpus: Option<u32>,
+    /// Memory over all NUMA nodes, split evenly; default 256 GiB per node.
+    pub memory_mib: Option<u64>,
 }
+
+const FAKE_CPUS_PER_NODE: u32 = 32;
+const FAKE_MIB_PER_NODE: u64 = 256 * 1024;
 
 impl Default for FakeSpec {
     fn default() -> Self {
@@ -410,6 +417,7 @@ pub fn generate_with(
         flat: Vec::new(),
     };
     w.skeleton().map_err(io_err(out))?;
+    w.host(spec, opts).map_err(io_err(out))?;
     for (root_bus, funcs) in &roots {
         let rel = PathBuf::from(format!("devices/pci0000:{root_bus:02x}"));
         fs::create_dir_all(out.join(&rel)).map_err(io_err(&out.join(&rel)))?;
@@ -502,6 +510,28 @@ impl Writer {
             for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
                 fs::write(dir.join(f), "")?;
             }
+        }
+        Ok(())
+    }
+
+    /// The CPUs online and each NUMA node's memory, as `devices/system` shows them.
+    fn host(&self, spec: &FakeSpec, opts: &FakeOptions) -> io::Result<()> {
+        let nodes = spec.numa_nodes.max(1);
+        let cpus = opts.cpus.unwrap_or(FAKE_CPUS_PER_NODE * nodes).max(1);
+        let cpu = self.root.join("devices/system/cpu");
+        fs::create_dir_all(&cpu)?;
+        fs::write(cpu.join("online"), format!("0-{}\n", cpus - 1))?;
+        let total = opts
+            .memory_mib
+            .unwrap_or(FAKE_MIB_PER_NODE * u64::from(nodes));
+        for n in 0..nodes {
+            let dir = self.root.join(format!("devices/system/node/node{n}"));
+            fs::create_dir_all(&dir)?;
+            let kib = total / u64::from(nodes) * 1024;
+            fs::write(
+                dir.join("meminfo"),
+                format!("Node {n} MemTotal:       {kib} kB\nNode {n} MemFree:        {kib} kB\n"),
+            )?;
         }
         Ok(())
     }

@@ -101,7 +101,14 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
             ));
         }
     }
+    if let Some(h) = &report.host {
+        h.validate()
+            .map_err(|(field, why)| ApiError::invalid(field, why))?;
+    }
     let all = variants::list(&ctx.db).await?;
+    // Before the devices, in a statement of its own: placements lock a server's row
+    // before its devices, so nothing here may hold devices while waiting for it.
+    crate::store::room::set_host(&ctx.db, server, report.host).await?;
     devices::apply_inventory(&ctx.db, server, &report.devices, &all).await?;
     servers::heartbeat(&ctx.db, server).await?;
     Ok(())

@@ -169,6 +169,7 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
     // Every unassigned, untainted device of the variants, whatever its server's status:
     // the explanation names the server's status itself.
     let cands = devices::candidates(&ctx.db, &variants, i64::MIN).await?;
+    let rooms = store::room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
     let infos: Vec<placement::ServerInfo> = all
         .iter()
         .map(|s| placement::ServerInfo {
@@ -178,12 +179,14 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
                 .last_heartbeat
                 .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms()),
             disabled: s.disabled,
+            room: rooms.get(&s.uuid).copied(),
         })
         .collect();
     Ok(placement::explain(
         &infos,
         &cands,
         &package.devices,
+        (package.vcpus, package.memory_mib),
         package.placement.unwrap_or(ctx.cfg.placement),
     ))
 }

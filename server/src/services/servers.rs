@@ -4,15 +4,15 @@ use super::Ctx;
 use super::auth::{Caller, JOIN_TOKEN_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
 use crate::store::page::{DeviceKey, Page, PageReq, TimeKey};
-use crate::store::{self, devices, servers, variants, vms};
+use crate::store::{self, devices, room, servers, variants, vms};
 use chrono::Utc;
 use passage_model::api::{
-    AssignableDevice, CreateJoinToken, DeviceRow, JoinToken, Server, ServerStatus, ServerVm,
-    Sysinfo, SysinfoDevice, UpdateServer, Vm,
+    AssignableDevice, CreateJoinToken, DeviceRow, JoinToken, Server, ServerResources, ServerStatus,
+    ServerVm, Sysinfo, SysinfoDevice, UpdateServer, Vm,
 };
 use passage_model::variant::DeviceType;
 use passage_model::{DeviceState, ServerId};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 const DEFAULT_JOIN_TTL_SECS: u64 = 3600;
 const MAX_JOIN_TTL_SECS: u64 = 7 * 24 * 3600;
@@ -38,7 +38,30 @@ pub async fn view(ctx: &Ctx, rec: servers::ServerRecord) -> ApiResult<Server> {
     let devs = devices::for_server(&ctx.db, rec.uuid).await?;
     let kinds = variant_kinds(ctx).await?;
     let vms = vms::on_server(&ctx.db, rec.uuid).await?;
-    Ok(assemble(ctx, rec, &devs, vms, &kinds))
+    let res = resources(ctx, &[rec.uuid]).await?.remove(&rec.uuid);
+    Ok(assemble(ctx, rec, &devs, vms, &kinds, res))
+}
+
+/// The `resources` of each of `servers` that reported them.
+async fn resources(
+    ctx: &Ctx,
+    servers: &[ServerId],
+) -> ApiResult<HashMap<ServerId, ServerResources>> {
+    Ok(room::rooms(&ctx.db, Some(servers), ctx.cfg.alloc)
+        .await?
+        .into_iter()
+        .map(|(s, r)| {
+            (
+                s,
+                ServerResources {
+                    vcpus_total: r.vcpus_total,
+                    vcpus_used: r.vcpus_used,
+                    memory_total_mib: r.memory_total_mib,
+                    memory_used_mib: r.memory_used_mib,
+                },
+            )
+        })
+        .collect())
 }
 
 /// The server object from what the store holds: its devices and its VMs.
@@ -48,6 +71,7 @@ fn assemble(
     devs: &[devices::DeviceRecord],
     on_server: Vec<Vm>,
     kinds: &BTreeMap<String, DeviceType>,
+    resources: Option<ServerResources>,
 ) -> Server {
     let pci_devices = devs
         .iter()
@@ -112,6 +136,7 @@ fn assemble(
         device_counts,
         assignable_devices: Some(assignable_devices),
         vms: Some(vms),
+        resources,
     }
 }
 
@@ -120,6 +145,7 @@ fn brief(
     ctx: &Ctx,
     rec: servers::ServerRecord,
     device_counts: BTreeMap<DeviceState, u32>,
+    resources: Option<ServerResources>,
 ) -> Server {
     Server {
         uuid: rec.uuid,
@@ -132,6 +158,7 @@ fn brief(
         device_counts,
         assignable_devices: None,
         vms: None,
+        resources,
     }
 }
 
@@ -158,11 +185,13 @@ pub async fn list(
     };
     let page = servers::page(&ctx.db, &filter, req).await?;
     let uuids: Vec<ServerId> = page.items.iter().map(|r| r.uuid).collect();
+    let mut res = resources(ctx, &uuids).await?;
     if detail == Detail::Brief {
         let mut counts = devices::state_counts(&ctx.db, &uuids).await?;
         return Ok(page.map(|rec| {
             let c = counts.remove(&rec.uuid).unwrap_or_default();
-            brief(ctx, rec, c)
+            let r = res.remove(&rec.uuid);
+            brief(ctx, rec, c, r)
         }));
     }
     let mut devs: BTreeMap<ServerId, Vec<devices::DeviceRecord>> = BTreeMap::new();
@@ -183,7 +212,8 @@ pub async fn list(
     Ok(page.map(|rec| {
         let d = devs.remove(&rec.uuid).unwrap_or_default();
         let v = on.remove(&rec.uuid).unwrap_or_default();
-        assemble(ctx, rec, &d, v, &kinds)
+        let r = res.remove(&rec.uuid);
+        assemble(ctx, rec, &d, v, &kinds, r)
     }))
 }
 

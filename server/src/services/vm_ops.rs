@@ -5,7 +5,7 @@ use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
 use crate::placement;
-use crate::store::{StoreError, devices, vms};
+use crate::store::{StoreError, devices, room, vms};
 use crate::workflows::{self, lifecycle};
 use passage_model::api::{Package, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, ServerId, VmId};
@@ -123,15 +123,35 @@ async fn replace(
     let variants: Vec<String> = want.keys().cloned().collect();
     let mut avoid = Vec::new();
     for _ in 0..ATTEMPTS {
-        let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+        let mut cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+        let rooms = room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
+        // On its own server the VM's current share is given back first.
+        let fits = |s: ServerId| match rooms.get(&s) {
+            Some(r) if s == from => {
+                let mut r = *r;
+                r.vcpus_used -= i64::from(vm.vcpus);
+                r.memory_used_mib -= i64::try_from(vm.memory_mib).unwrap_or(i64::MAX);
+                r.lacks(vcpus, memory_mib).is_none()
+            }
+            r => room::fits(r, vcpus, memory_mib),
+        };
+        cands.retain(|c| fits(c.server_uuid) && !avoid.contains(&c.server_uuid));
         let plan = match migrate_to {
-            None => plan_in_place(from, &have, &want, &cands)
+            None => fits(from)
+                .then(|| plan_in_place(from, &have, &want, &cands))
+                .flatten()
                 .or_else(|| plan_elsewhere(from, &have, &want, &cands, None, &avoid)),
             Some(target) => {
                 if target == Some(from) {
                     return Err(ApiError::invalid(
                         "server_uuid",
                         "the VM is on that server already",
+                    ));
+                }
+                if target.is_some_and(|t| !fits(t)) {
+                    return Err(ApiError::new(
+                        ErrorCode::InsufficientCapacity,
+                        "that server lacks the vCPUs or memory this VM needs",
                     ));
                 }
                 plan_elsewhere(from, &have, &want, &cands, target, &avoid)
@@ -161,6 +181,9 @@ async fn replace(
             Some(vms::Extra {
                 server: plan.to_server,
                 devices: &plan.add,
+                vcpus,
+                memory_mib,
+                alloc: ctx.cfg.alloc,
             }),
         )
         .await;
@@ -169,7 +192,7 @@ async fn replace(
                 workflows::spawn(ctx.clone(), job);
                 return Ok(vm);
             }
-            Err(StoreError::Retry) => avoid.push(plan.to_server),
+            Err(StoreError::Retry | StoreError::NoRoom(_)) => avoid.push(plan.to_server),
             Err(e) => return Err(e.into()),
         }
     }

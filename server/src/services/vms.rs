@@ -6,7 +6,7 @@ use super::catalog;
 use crate::error::{ApiError, ApiResult};
 use crate::placement;
 use crate::store::page::{Page, PageReq, TimeKey};
-use crate::store::{self, StoreError, accounts, devices, jobs, vms};
+use crate::store::{self, StoreError, accounts, devices, jobs, room, vms};
 use crate::workflows;
 use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, PackageId, VmId};
@@ -139,19 +139,18 @@ async fn place_and_reserve(
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {
-            any_running_server(ctx)
+            any_running_server(ctx, package, &avoid)
                 .await?
                 .map(|server| placement::Placement {
                     server,
                     devices: Vec::new(),
                 })
         } else {
-            match hinted_choice(ctx, &package.devices, &variants, &avoid, policy).await? {
+            match hinted_choice(ctx, package, &variants, &avoid, policy).await? {
                 Some(c) => Some(c),
                 // The index is a hint: before saying no, look at every device.
                 None => {
-                    let cands =
-                        devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+                    let cands = with_room(ctx, package, full_scan(ctx, &variants).await?).await?;
                     placement::choose(&cands, &package.devices, &avoid, policy)
                 }
             }
@@ -186,12 +185,14 @@ async fn place_and_reserve(
                 devices: &choice.devices,
                 job,
                 job_steps: workflows::PROVISION_STEPS,
+                alloc: ctx.cfg.alloc,
             },
         )
         .await;
         match r {
             Ok(vm) => return Ok(vm),
-            Err(StoreError::Retry) => avoid.push(choice.server),
+            // Lost a device, or the vCPUs or memory, to a concurrent placement there.
+            Err(StoreError::Retry | StoreError::NoRoom(_)) => avoid.push(choice.server),
             Err(e) => return Err(e.into()),
         }
     }
@@ -220,14 +221,14 @@ pub async fn availability(
         }
     };
     let capacity_ok = if package.devices.is_empty() {
-        any_running_server(ctx).await?.is_some()
+        any_running_server(ctx, &package, &[]).await?.is_some()
     } else {
         let variants: Vec<String> = package.devices.keys().cloned().collect();
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
-        match hinted_choice(ctx, &package.devices, &variants, &[], policy).await? {
+        match hinted_choice(ctx, &package, &variants, &[], policy).await? {
             Some(_) => true,
             None => {
-                let cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
+                let cands = with_room(ctx, &package, full_scan(ctx, &variants).await?).await?;
                 placement::choose(&cands, &package.devices, &[], policy).is_some()
             }
         }
@@ -252,12 +253,13 @@ pub async fn availability(
 
 async fn hinted_choice(
     ctx: &Ctx,
-    request: &BTreeMap<String, u32>,
+    package: &passage_model::api::Package,
     variants: &[String],
     avoid: &[passage_model::ServerId],
     policy: placement::Policy,
 ) -> ApiResult<Option<placement::Placement>> {
     use rand::seq::SliceRandom;
+    let request = &package.devices;
     let Some((primary, &count)) = request.iter().max_by_key(|(_, n)| **n) else {
         return Ok(None);
     };
@@ -265,6 +267,9 @@ async fn hinted_choice(
     let mut servers =
         devices::hinted_servers(&ctx.db, primary, count, ctx.alive_after_ms(), spread, 32).await?;
     servers.retain(|(s, _)| !avoid.contains(s));
+    let ids: Vec<passage_model::ServerId> = servers.iter().map(|(s, _)| *s).collect();
+    let rooms = room::rooms(&ctx.db, Some(&ids), ctx.cfg.alloc).await?;
+    servers.retain(|(s, _)| room::fits(rooms.get(s), package.vcpus, package.memory_mib));
     let mut order: Vec<passage_model::ServerId> = Vec::with_capacity(servers.len());
     for tie in servers.chunk_by(|a, b| a.1 == b.1) {
         let mut group: Vec<_> = tie.iter().map(|(s, _)| *s).collect();
@@ -280,10 +285,36 @@ async fn hinted_choice(
     Ok(None)
 }
 
-/// For a VM without devices: a server without GPUs first, else the one with fewest.
-async fn any_running_server(ctx: &Ctx) -> ApiResult<Option<passage_model::ServerId>> {
+/// Every placeable device of `variants` on running servers in service.
+async fn full_scan(ctx: &Ctx, variants: &[String]) -> ApiResult<Vec<devices::Candidate>> {
+    Ok(devices::candidates(&ctx.db, variants, ctx.alive_after_ms()).await?)
+}
+
+/// The candidates on servers with the vCPUs and memory `package` asks for.
+async fn with_room(
+    ctx: &Ctx,
+    package: &passage_model::api::Package,
+    mut cands: Vec<devices::Candidate>,
+) -> ApiResult<Vec<devices::Candidate>> {
+    let rooms = room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
+    cands.retain(|c| room::fits(rooms.get(&c.server_uuid), package.vcpus, package.memory_mib));
+    Ok(cands)
+}
+
+/// For a VM without devices: a server without GPUs first, else the one with fewest, of
+/// those with the vCPUs and memory it asks for.
+async fn any_running_server(
+    ctx: &Ctx,
+    package: &passage_model::api::Package,
+    avoid: &[passage_model::ServerId],
+) -> ApiResult<Option<passage_model::ServerId>> {
     let servers = store::servers::alive_by_device_count(&ctx.db, ctx.alive_after_ms()).await?;
-    Ok(servers.first().map(|(s, _)| *s))
+    let rooms = room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
+    Ok(servers
+        .iter()
+        .map(|(s, _)| *s)
+        .filter(|s| !avoid.contains(s))
+        .find(|s| room::fits(rooms.get(s), package.vcpus, package.memory_mib)))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -361,6 +392,7 @@ async fn create_with_devices(
             devices: &devs,
             job,
             job_steps: workflows::PROVISION_STEPS,
+            alloc: ctx.cfg.alloc,
         },
     )
     .await;

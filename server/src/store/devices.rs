@@ -79,14 +79,19 @@ fn records(rows: Vec<DeviceRow>) -> StoreResult<Vec<DeviceRecord>> {
     rows.into_iter().map(DeviceRow::into_record).collect()
 }
 
+/// The one way device rows are read: `SELECT {COLS} FROM devices` plus the rest of the
+/// statement (`WHERE …`, `ORDER BY …`), with its values bound in order.
+async fn select(db: &Db, rest: &str, args: &[page::Arg]) -> StoreResult<Vec<DeviceRecord>> {
+    records(page::fetch(db, &format!("SELECT {COLS} FROM devices {rest}"), args).await?)
+}
+
 pub async fn for_server(db: &Db, server: ServerId) -> StoreResult<Vec<DeviceRecord>> {
-    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM devices WHERE server_uuid = $1 ORDER BY bdf"
-    ))
-    .bind(server.to_string())
-    .fetch_all(p)
-    .await)?;
-    records(rows)
+    select(
+        db,
+        "WHERE server_uuid = $1 ORDER BY bdf",
+        &[page::Arg::Text(server.to_string())],
+    )
+    .await
 }
 
 /// The devices of several servers at once (one page of the server list): by server, then
@@ -95,15 +100,15 @@ pub async fn for_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<Devic
     if servers.is_empty() {
         return Ok(Vec::new());
     }
-    let sql = format!(
-        "SELECT {COLS} FROM devices WHERE server_uuid IN ({}) ORDER BY server_uuid, bdf",
+    let rest = format!(
+        "WHERE server_uuid IN ({}) ORDER BY server_uuid, bdf",
         page::marks(1, servers.len())
     );
     let args: Vec<page::Arg> = servers
         .iter()
         .map(|s| page::Arg::Text(s.to_string()))
         .collect();
-    records(page::fetch(db, &sql, &args).await?)
+    select(db, &rest, &args).await
 }
 
 /// How many assignable devices each of `servers` has in each state.
@@ -236,33 +241,31 @@ pub async fn page(
 }
 
 pub async fn held_by(db: &Db, vm: VmId) -> StoreResult<Vec<DeviceRecord>> {
-    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM devices WHERE used_by = $1 ORDER BY bdf"
-    ))
-    .bind(vm.to_string())
-    .fetch_all(p)
-    .await)?;
-    records(rows)
+    select(
+        db,
+        "WHERE used_by = $1 ORDER BY bdf",
+        &[page::Arg::Text(vm.to_string())],
+    )
+    .await
 }
 
 pub async fn in_state(db: &Db, state: DeviceState) -> StoreResult<Vec<DeviceRecord>> {
-    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM devices WHERE state = $1 AND variant IS NOT NULL"
-    ))
-    .bind(state.as_str())
-    .fetch_all(p)
-    .await)?;
-    records(rows)
+    select(
+        db,
+        "WHERE state = $1 AND variant IS NOT NULL",
+        &[page::Arg::Text(state.as_str().into())],
+    )
+    .await
 }
 
 /// Every assignable device: for whole-fleet checks in tests and the capacity view.
 pub async fn all_assignable(db: &Db) -> StoreResult<Vec<DeviceRecord>> {
-    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM devices WHERE variant IS NOT NULL OR state <> 'unassigned'"
-    ))
-    .fetch_all(p)
-    .await)?;
-    records(rows)
+    select(
+        db,
+        "WHERE variant IS NOT NULL OR state <> 'unassigned'",
+        &[],
+    )
+    .await
 }
 
 /// A device placement may choose.
@@ -600,13 +603,9 @@ pub async fn apply_inventory(
 
 /// Re-derives every free device's variant after the variants changed.
 pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u64> {
-    let rows: Vec<DeviceRow> = on_read!(db, |p| sqlx::query_as(&format!(
-        "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled')"
-    ))
-    .fetch_all(p)
-    .await)?;
+    let free = select(db, "WHERE state IN ('unassigned', 'disabled')", &[]).await?;
     let mut changes = Vec::new();
-    for r in records(rows)? {
+    for r in free {
         let v = classify(variants, &r.pci).map(|v| v.name.clone());
         if v != r.variant {
             changes.push((r.server_uuid.to_string(), r.pci.id.to_string(), v));

@@ -10,6 +10,7 @@ pub mod jobs;
 pub mod ops;
 pub mod packages;
 pub mod page;
+pub mod room;
 pub mod servers;
 pub mod tasks;
 pub mod variants;
@@ -35,6 +36,10 @@ pub enum StoreError {
     Quota(String),
     #[error("{0}")]
     InvalidState(String),
+    /// A server lacks the vCPUs or memory for a VM (it may have changed since placement
+    /// looked).
+    #[error("{0}")]
+    NoRoom(String),
     /// A conditional write lost a race: the caller may re-read and try again.
     #[error("a concurrent change won")]
     Retry,

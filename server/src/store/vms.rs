@@ -4,6 +4,7 @@
 use super::devices::DeviceTx;
 use super::jobs::JobTx;
 use super::page::{self, Page, PageReq, TimeKey, Where};
+use super::room::{Allocation, RoomTx};
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
@@ -68,6 +69,8 @@ pub struct NewVm<'a> {
     pub devices: &'a [DevicePath],
     pub job: JobId,
     pub job_steps: &'a [&'a str],
+    /// How the server's reported CPUs and memory become room for VMs.
+    pub alloc: Allocation,
 }
 
 /// Inserts the VM, reserves its devices (all or none) and charges the owner's GPU quota.
@@ -94,6 +97,10 @@ pub async fn create_reserved(db: &Db, vm: NewVm<'_>) -> StoreResult<Vm> {
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        if let Some(server) = vm.server {
+            tx.check_room(server, vm.alloc, vm.uuid, vm.vcpus, vm.memory_mib)
+                .await?;
+        }
         if !ids.is_empty() {
             let n = ids.len() as i64;
             let charged = sqlx::query(
@@ -387,6 +394,10 @@ const NO_JOB_RUNNING: &str = "(job_uuid IS NULL OR job_uuid NOT IN \
 pub struct Extra<'a> {
     pub server: ServerId,
     pub devices: &'a [DevicePath],
+    /// The VM's shape once the job is done, checked against the server's room.
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub alloc: Allocation,
 }
 
 /// Writes a job for a VM in one of `from`, with no other job running, reserving `extra`
@@ -424,6 +435,18 @@ pub async fn begin_job(
                     .collect::<Vec<_>>()
                     .join(" or ")
             )));
+        }
+        if let Some(extra) = &extra {
+            // The VM row keeps its old server and shape until the job ends; the check
+            // counts it at the new one on the target server.
+            tx.check_room(
+                extra.server,
+                extra.alloc,
+                uuid,
+                extra.vcpus,
+                extra.memory_mib,
+            )
+            .await?;
         }
         if let Some(extra) = &extra
             && !extra.devices.is_empty()

@@ -254,6 +254,15 @@ impl TestServer {
     /// reported the inventory of a fake tree of `gpus` H100s: (server uuid, node
     /// credential, devices reported).
     pub async fn manual_node(&self, gpus: u32) -> (String, String, Vec<passage_model::PciDevice>) {
+        self.manual_node_with(gpus, None).await
+    }
+
+    /// [`Self::manual_node`] that also reports `host` (`{"cpus": …, "memory_mib": …}`).
+    pub async fn manual_node_with(
+        &self,
+        gpus: u32,
+        host: Option<Value>,
+    ) -> (String, String, Vec<passage_model::PciDevice>) {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("sys");
         let spec = FakeSpec {
@@ -272,7 +281,10 @@ impl TestServer {
         assert_eq!(st, 201, "{reg}");
         let cred = reg["credential"].as_str().unwrap().to_string();
         let uuid = reg["server_uuid"].as_str().unwrap().to_string();
-        let inventory = json!({ "devices": devices });
+        let mut inventory = json!({ "devices": devices });
+        if let Some(h) = host {
+            inventory["host"] = h;
+        }
         let (st, e) = self
             .call("PUT", "/agent/v1/inventory", Some(&cred), Some(inventory))
             .await;
