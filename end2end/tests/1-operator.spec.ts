@@ -90,6 +90,10 @@ test('operator: sign in, variant, package, tenant, servers and devices with corr
   await expect(page.getByRole('heading', { name: 'Server e2e-node-1' })).toBeVisible();
   await expect(page.getByTestId('devices').locator('tbody tr')).toHaveCount(GPUS());
   await expect(page.getByTestId('devices').locator('tbody tr').first()).toContainText(VARIANT);
+  // Its vCPUs and memory as the agent read them from the tree (64 CPUs, 512 GiB less the
+  // host's 4 GiB).
+  await expect(page.getByTestId('vcpus')).toHaveText(/ of 64 allocated$/);
+  await expect(page.getByTestId('memory')).toHaveText(/ of 520192 MiB allocated$/);
 
   // Devices: filtered in SQL by state.
   await page.goto('/admin/devices?state=unassigned');

@@ -25,13 +25,16 @@ pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Respons
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(|t| t.trim().to_string());
-    let actor = match token {
-        Some(t) => auth::caller_from_token(&ctx, &t)
-            .await
-            .ok()
-            .map(|a| (a.uuid, a.login)),
+    let account = match token {
+        Some(t) => auth::caller_from_token(&ctx, &t).await.ok(),
         None => None,
     };
+    let actor = account.as_ref().map(|a| (a.uuid, a.login.clone()));
+    let mut req = req;
+    if let Some(a) = account {
+        // The handler's `Caller` is this same account: no second token lookup.
+        req.extensions_mut().insert(auth::Caller { account: a });
+    }
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
     if let Err(e) = ops::audit(&ctx.db, actor, &method, &path, status).await {

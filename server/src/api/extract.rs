@@ -56,6 +56,10 @@ impl FromRequestParts<Ctx> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, ctx: &Ctx) -> Result<Self, Self::Rejection> {
+        // Resolved already by the audit layer, from this request's own bearer token.
+        if let Some(c) = parts.extensions.get::<Caller>() {
+            return Ok(c.clone());
+        }
         let token = bearer(&parts.headers).ok_or_else(ApiError::unauthorized)?;
         let account = auth::caller_from_token(ctx, token).await?;
         Ok(Caller { account })

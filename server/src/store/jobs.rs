@@ -44,17 +44,23 @@ macro_rules! impl_job_tx {
                 .bind(payload)
                 .execute(&mut **self)
                 .await?;
-                for (i, step) in steps.iter().enumerate() {
-                    sqlx::query(
-                        "INSERT INTO job_steps (job_uuid, idx, name, state) \
-                         VALUES ($1, $2, $3, 'pending')",
-                    )
-                    .bind(job.to_string())
-                    .bind(i as i64)
-                    .bind(*step)
-                    .execute(&mut **self)
-                    .await?;
+                if steps.is_empty() {
+                    return Ok(());
                 }
+                // One statement for all steps: a creation's transaction is short of
+                // round trips to the single SQLite writer.
+                let rows: Vec<String> = (0..steps.len())
+                    .map(|i| format!("($1, {i}, ${}, 'pending')", i + 2))
+                    .collect();
+                let sql = format!(
+                    "INSERT INTO job_steps (job_uuid, idx, name, state) VALUES {}",
+                    rows.join(", ")
+                );
+                let mut q = sqlx::query(&sql).bind(job.to_string());
+                for step in steps {
+                    q = q.bind(*step);
+                }
+                q.execute(&mut **self).await?;
                 Ok(())
             }
         }

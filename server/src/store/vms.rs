@@ -127,18 +127,13 @@ pub async fn create_reserved(db: &Db, vm: NewVm<'_>) -> StoreResult<Vm> {
             let server = vm
                 .server
                 .ok_or_else(|| StoreError::Corrupt("devices without a server".into()))?;
-            let moved = tx
-                .move_devices(
-                    server,
-                    &ids,
-                    DeviceEvent::Reserve,
-                    Some(vm.uuid),
-                    &format!("reserved for VM {}", vm.uuid),
-                )
-                .await?;
-            if moved.len() != ids.len() {
-                return Err(StoreError::Retry);
-            }
+            tx.reserve_devices(
+                server,
+                &ids,
+                vm.uuid,
+                &format!("reserved for VM {}", vm.uuid),
+            )
+            .await?;
         }
         tx.insert_job(
             vm.job,

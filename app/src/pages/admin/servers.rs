@@ -126,6 +126,14 @@ pub fn ServerPage() -> impl IntoView {
                                     <dt>"UUID"</dt><dd><code>{s.uuid.to_string()}</code></dd>
                                     <dt>"Last heartbeat"</dt><dd>{fmt::opt_time(&s.last_heartbeat)}</dd>
                                     <dt>"PCI functions"</dt><dd>{functions}</dd>
+                                    <dt>"vCPUs"</dt><dd data-testid="vcpus">{match s.resources {
+                                        Some(r) => format!("{} of {} allocated", r.vcpus_used, r.vcpus_total),
+                                        None => "not reported".to_string(),
+                                    }}</dd>
+                                    <dt>"Memory"</dt><dd data-testid="memory">{match s.resources {
+                                        Some(r) => format!("{} of {} MiB allocated", r.memory_used_mib, r.memory_total_mib),
+                                        None => "not reported".to_string(),
+                                    }}</dd>
                                 </dl>
                                 <h2>"Assignable devices"</h2>
                                 <table data-testid="devices">
