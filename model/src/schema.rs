@@ -5,10 +5,11 @@ use std::borrow::Cow;
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 
-fn string(pattern: &str, description: &str, example: &str) -> RefOr<Schema> {
+fn string(pattern: &str, description: &str, example: &str, max: Option<usize>) -> RefOr<Schema> {
     ObjectBuilder::new()
         .schema_type(Type::String)
         .pattern(Some(pattern))
+        .max_length(max)
         .description(Some(description))
         .examples([serde_json::Value::String(example.to_string())])
         .into()
@@ -16,9 +17,12 @@ fn string(pattern: &str, description: &str, example: &str) -> RefOr<Schema> {
 
 macro_rules! string_schema {
     ($t:ty, $name:literal, $pattern:literal, $desc:literal, $example:literal) => {
+        string_schema!($t, $name, $pattern, $desc, $example, None);
+    };
+    ($t:ty, $name:literal, $pattern:literal, $desc:literal, $example:literal, $max:expr) => {
         impl utoipa::PartialSchema for $t {
             fn schema() -> RefOr<Schema> {
-                string($pattern, $desc, $example)
+                string($pattern, $desc, $example, $max)
             }
         }
         impl utoipa::ToSchema for $t {
@@ -62,5 +66,28 @@ string_schema!(
     "DevicePath",
     "^/devices/pci[0-9a-f]{4,8}:[0-9a-f]{2}(/[0-9a-f]{4,8}:[0-9a-f]{2}:[0-1][0-9a-f]\\.[0-7])+$",
     "A device's physical path under sysfs without the leading /sys",
-    "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+    "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0",
+    Some(crate::pci::MAX_DEVICE_PATH_LEN)
 );
+
+#[cfg(test)]
+mod length_tests {
+    use super::*;
+    use utoipa::PartialSchema;
+
+    /// The document states the parser's length limit, so a schema-valid path is never
+    /// refused for its length alone (Schemathesis found one that was).
+    #[test]
+    fn device_paths_state_their_limit() {
+        let doc = serde_json::to_value(DevicePath::schema()).unwrap_or_default();
+        assert_eq!(doc["maxLength"], crate::pci::MAX_DEVICE_PATH_LEN);
+        let mut long = String::from("/devices/pci0000:00");
+        while long.len() <= crate::pci::MAX_DEVICE_PATH_LEN {
+            long.push_str("/0000:00:00.0");
+        }
+        assert!(long.parse::<DevicePath>().is_err());
+        long.truncate(long.len() - 13);
+        assert!(long.len() <= crate::pci::MAX_DEVICE_PATH_LEN);
+        assert!(long.parse::<DevicePath>().is_ok());
+    }
+}
