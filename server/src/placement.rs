@@ -52,7 +52,7 @@ pub fn choose(
 
 /// The devices one server would give, and whether each variant's share sits on a single
 /// NUMA node.
-fn pick_on_server(
+pub fn pick_on_server(
     devs: &[&Candidate],
     request: &BTreeMap<String, u32>,
 ) -> Option<(bool, Vec<DevicePath>)> {

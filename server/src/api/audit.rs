@@ -1,8 +1,7 @@
 //! The audit log: every state-changing call to /v1, who made it, what, when, the result.
 
-use crate::services::Ctx;
-use crate::services::auth;
-use crate::store::ops;
+use crate::services::{self, Ctx, auth};
+use crate::store::ops::AuditRecord;
 use axum::extract::{OriginalUri, Request, State};
 use axum::http::{Method, header};
 use axum::middleware::Next;
@@ -37,7 +36,14 @@ pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Respons
     }
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
-    if let Err(e) = ops::audit(&ctx.db, actor, &method, &path, status).await {
+    let record = AuditRecord {
+        at: crate::store::now_ms(),
+        actor,
+        method: method.clone(),
+        path: path.clone(),
+        status,
+    };
+    if let Err(e) = services::audit::record(&ctx, record).await {
         tracing::warn!(error = %e, %method, %path, "could not write the audit log");
     }
     resp

@@ -96,10 +96,15 @@ pub async fn update(
         None => None,
     };
     let changed_password = hash.is_some();
-    let account = accounts::update(&ctx.db, uuid, hash.as_deref(), req.role, req.gpu_quota).await?;
+    let account = accounts::update(&ctx.db, uuid, hash.as_deref(), req.role, req.gpu_quota).await;
+    // Tokens remember their account's role and quota.
+    ctx.tokens.clear();
+    let account = account?;
     if changed_password {
         // A new password ends every session opened with the old one.
-        accounts::delete_login_tokens(&ctx.db, uuid).await?;
+        let r = accounts::delete_login_tokens(&ctx.db, uuid).await;
+        ctx.tokens.clear();
+        r?;
     }
     Ok(account)
 }
@@ -113,5 +118,7 @@ pub async fn delete(ctx: &Ctx, caller: &Caller, uuid: AccountId) -> ApiResult<()
             "you cannot delete your own account",
         ));
     }
-    Ok(accounts::delete(&ctx.db, uuid).await?)
+    let r = accounts::delete(&ctx.db, uuid).await;
+    ctx.tokens.clear();
+    Ok(r?)
 }

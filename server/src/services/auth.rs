@@ -148,11 +148,25 @@ pub async fn caller_from_token(ctx: &Ctx, token: &str) -> ApiResult<Account> {
     let hash = sha256_hex(token);
     let now = chrono::Utc::now().timestamp_millis();
     let idle = millis(ctx.cfg.session_idle);
-    let live = accounts::by_token(&ctx.db, &hash, now.saturating_sub(idle))
-        .await?
-        .ok_or_else(ApiError::unauthorized)?;
+    let idle_since = now.saturating_sub(idle);
+    let mut live = match ctx.tokens.get(&hash) {
+        Some(t) => t,
+        None => {
+            let t = accounts::by_token(&ctx.db, &hash, idle_since)
+                .await?
+                .ok_or_else(ApiError::unauthorized)?;
+            ctx.tokens.put(&hash, t.clone());
+            t
+        }
+    };
+    if !live.live(now, idle_since) {
+        ctx.tokens.forget(&hash);
+        return Err(ApiError::unauthorized());
+    }
     if now.saturating_sub(live.last_used_at) >= touch_every(idle) {
         accounts::touch_token(&ctx.db, &hash).await?;
+        live.last_used_at = now;
+        ctx.tokens.put(&hash, live.clone());
     }
     Ok(live.account)
 }
@@ -169,7 +183,9 @@ fn touch_every(idle_ms: i64) -> i64 {
 }
 
 pub async fn logout(ctx: &Ctx, token: &str) -> ApiResult<()> {
-    accounts::delete_token_by_hash(&ctx.db, &sha256_hex(token)).await?;
+    let hash = sha256_hex(token);
+    accounts::delete_token_by_hash(&ctx.db, &hash).await?;
+    ctx.tokens.forget(&hash);
     Ok(())
 }
 
@@ -308,5 +324,8 @@ pub async fn list_api_tokens(
 }
 
 pub async fn delete_api_token(ctx: &Ctx, caller: &Caller, uuid: uuid::Uuid) -> ApiResult<()> {
-    Ok(accounts::delete_token(&ctx.db, caller.account.uuid, &uuid.to_string()).await?)
+    let r = accounts::delete_token(&ctx.db, caller.account.uuid, &uuid.to_string()).await;
+    // The cache is keyed by the secret's hash, which the uuid does not give.
+    ctx.tokens.clear();
+    Ok(r?)
 }

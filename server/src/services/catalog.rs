@@ -142,10 +142,15 @@ pub async fn get_package(ctx: &Ctx, uuid: PackageId) -> ApiResult<Package> {
 
 /// By uuid or by name.
 pub async fn find_package(ctx: &Ctx, key: &str) -> ApiResult<Package> {
-    match key.parse::<PackageId>() {
-        Ok(id) => Ok(packages::get(&ctx.db, id).await?),
-        Err(_) => Ok(packages::by_name(&ctx.db, key).await?),
+    if let Some(p) = ctx.packages.get(key) {
+        return Ok(p);
     }
+    let p = match key.parse::<PackageId>() {
+        Ok(id) => packages::get(&ctx.db, id).await?,
+        Err(_) => packages::by_name(&ctx.db, key).await?,
+    };
+    ctx.packages.put(key, p.clone());
+    Ok(p)
 }
 
 pub async fn list_packages(ctx: &Ctx, limit: i64, offset: i64) -> ApiResult<(Vec<Package>, i64)> {
@@ -154,5 +159,7 @@ pub async fn list_packages(ctx: &Ctx, limit: i64, offset: i64) -> ApiResult<(Vec
 
 pub async fn delete_package(ctx: &Ctx, caller: &Caller, uuid: PackageId) -> ApiResult<()> {
     caller.require_operator()?;
-    Ok(packages::delete(&ctx.db, uuid).await?)
+    let r = packages::delete(&ctx.db, uuid).await;
+    ctx.packages.clear();
+    Ok(r?)
 }

@@ -3,11 +3,15 @@
 
 pub mod accounts;
 pub mod agents;
+pub mod audit;
 pub mod auth;
+pub mod batcher;
+pub mod cache;
 pub mod catalog;
 pub mod login_guard;
 pub mod metrics;
 pub mod ops;
+pub mod placer;
 pub mod servers;
 pub mod vm_ops;
 pub mod vms;
@@ -32,6 +36,14 @@ pub struct Services {
     pub login_guard: login_guard::LoginGuard,
     /// Jobs that may run at once in this process.
     pub job_permits: Arc<tokio::sync::Semaphore>,
+    /// Creations waiting to be placed together.
+    pub placer: placer::Placer,
+    /// Audit records waiting to be written together.
+    pub audit: batcher::Batcher<audit::Pending>,
+    /// Live tokens by the SHA-256 of their secret.
+    pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
+    /// Packages by the uuid or name they were asked for by.
+    pub packages: cache::TtlCache<passage_model::api::Package>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -50,6 +62,10 @@ impl Services {
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
             login_guard: login_guard::LoginGuard::new(cfg_limits),
             job_permits: Arc::new(tokio::sync::Semaphore::new(job_concurrency)),
+            placer: placer::Placer::default(),
+            audit: batcher::Batcher::default(),
+            tokens: cache::TtlCache::default(),
+            packages: cache::TtlCache::default(),
         })
     }
 

@@ -72,8 +72,8 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         }
         _ => caller.account.uuid,
     };
-    let job = JobId::new_random();
-    let uuid = VmId::new_random();
+    let job = JobId::new_ordered();
+    let uuid = VmId::new_ordered();
     let vm = if let Some(devs) = req.assigned_devices.clone() {
         caller.require_operator()?;
         create_with_devices(
@@ -112,7 +112,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             Err(e) => return Err(e),
         };
         let started = std::time::Instant::now();
-        let r = place_and_reserve(ctx, &req.alias, owner, uuid, job, &package).await;
+        let r = super::placer::place(ctx, &req.alias, owner, uuid, job, &package).await;
         let outcome = match &r {
             Ok(_) => "placed",
             Err(e) if e.code == ErrorCode::InsufficientCapacity => "insufficient_capacity",
@@ -126,16 +126,19 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
     Ok(vm)
 }
 
-async fn place_and_reserve(
+/// Places one VM alone, looking at the whole fleet when the free-device index finds
+/// nothing, and raises a capacity alert when nothing fits. Servers in `avoid` (where the
+/// caller just lost a race) come last.
+pub(super) async fn place_and_reserve(
     ctx: &Ctx,
     alias: &str,
     owner: passage_model::AccountId,
     uuid: VmId,
     job: JobId,
     package: &passage_model::api::Package,
+    mut avoid: Vec<passage_model::ServerId>,
 ) -> ApiResult<Vm> {
     let variants: Vec<String> = package.devices.keys().cloned().collect();
-    let mut avoid = Vec::new();
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {

@@ -207,10 +207,22 @@ pub async fn insert_token(
     Ok(uuid)
 }
 
-/// A live token: its account, and when it was last seen in use (ms since the epoch).
+/// A live token: its account, when it was last seen in use and when it expires (ms since
+/// the epoch), and whether it is a login session (which also ends when idle).
+#[derive(Clone, Debug)]
 pub struct LiveToken {
     pub account: Account,
     pub last_used_at: i64,
+    pub expires_at: i64,
+    pub session: bool,
+}
+
+impl LiveToken {
+    /// Whether it still opens the door at `now`, for a session idle since before
+    /// `idle_since` not.
+    pub fn live(&self, now: i64, idle_since: i64) -> bool {
+        self.expires_at > now && (!self.session || self.last_used_at > idle_since)
+    }
 }
 
 #[derive(sqlx::FromRow)]
@@ -218,6 +230,8 @@ struct LiveRow {
     #[sqlx(flatten)]
     account: AccountRow,
     last_used_at: i64,
+    expires_at: i64,
+    kind: String,
 }
 
 /// The account behind a token hash, unless the token has expired or, for a login
@@ -228,8 +242,8 @@ pub async fn by_token(
     idle_since: i64,
 ) -> StoreResult<Option<LiveToken>> {
     let row: Option<LiveRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT a.uuid, a.login, a.role, a.gpu_quota, a.created_at, t.last_used_at \
-         FROM tokens t JOIN accounts a ON a.uuid = t.account_uuid \
+        "SELECT a.uuid, a.login, a.role, a.gpu_quota, a.created_at, t.last_used_at, \
+         t.expires_at, t.kind FROM tokens t JOIN accounts a ON a.uuid = t.account_uuid \
          WHERE t.token_hash = $1 AND t.expires_at > $2 \
          AND (t.kind = 'api' OR t.last_used_at > $3)"
     )
@@ -242,6 +256,8 @@ pub async fn by_token(
         Ok(LiveToken {
             account: r.account.into_view()?,
             last_used_at: r.last_used_at,
+            expires_at: r.expires_at,
+            session: r.kind == "login",
         })
     })
     .transpose()

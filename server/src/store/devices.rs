@@ -773,6 +773,118 @@ pub async fn hinted_servers(
         .collect()
 }
 
+/// What a batch of placements reads: the servers the free-device index suggests, in its
+/// order, with their room and their placeable devices.
+pub struct PlacementView {
+    pub servers: Vec<ServerId>,
+    pub rooms: HashMap<ServerId, super::room::Room>,
+    pub candidates: Vec<Candidate>,
+}
+
+/// Servers in service, heard from since `alive_after_ms`, with at least `at_least` free
+/// devices of `variant` (fewest free first, or most with `spread`), as many as hold
+/// `need` such devices together but at most `limit`; their vCPUs and memory, and their
+/// placeable devices of `variants`: one query.
+#[allow(clippy::too_many_arguments)]
+pub async fn placement_view(
+    db: &Db,
+    variant: &str,
+    at_least: u32,
+    variants: &[String],
+    alive_after_ms: i64,
+    spread: bool,
+    need: i64,
+    limit: i64,
+    alloc: super::room::Allocation,
+) -> StoreResult<PlacementView> {
+    let order = if spread { "DESC" } else { "ASC" };
+    // Row kinds: 0 a suggested server (n1: its free devices), 1 its room, 2 a free device.
+    // The servers come in policy order until they hold `need` devices or `limit` servers.
+    // `CROSS JOIN` keeps SQLite walking from the few suggested servers into the big tables
+    // by key, whatever its statistics say (Postgres plans it as a plain join).
+    let sql = format!(
+        "WITH h AS MATERIALIZED (SELECT uuid, free FROM (SELECT f.server_uuid AS uuid, \
+         f.free AS free, SUM(f.free) OVER (ORDER BY f.free {order}, f.server_uuid \
+         ROWS UNBOUNDED PRECEDING) AS upto FROM free_devices f \
+         JOIN servers s ON s.uuid = f.server_uuid \
+         WHERE f.variant = $1 AND f.free >= $2 AND s.last_heartbeat >= $3 AND s.disabled = 0) \
+         AS r WHERE upto - free < $4 ORDER BY free {order}, uuid LIMIT $5) \
+         SELECT 0 AS kind, h.uuid AS k, CAST(NULL AS TEXT) AS id, CAST(NULL AS TEXT) AS v, \
+         h.free AS n1, CAST(NULL AS BIGINT) AS n2, CAST(NULL AS BIGINT) AS n3, \
+         CAST(NULL AS BIGINT) AS n4 FROM h \
+         UNION ALL SELECT 1, s.uuid, NULL, NULL, s.cpus, s.memory_mib, \
+         CAST(COALESCE(SUM(vm.vcpus), 0) AS BIGINT), \
+         CAST(COALESCE(SUM(vm.memory_mib), 0) AS BIGINT) \
+         FROM h CROSS JOIN servers s \
+         LEFT JOIN vms vm ON vm.server_uuid = s.uuid AND vm.state NOT IN ('destroyed', 'failed') \
+         WHERE s.uuid = h.uuid AND s.cpus IS NOT NULL AND s.memory_mib IS NOT NULL \
+         GROUP BY s.uuid, s.cpus, s.memory_mib \
+         UNION ALL SELECT 2, d.server_uuid, d.id, d.variant, d.numa_node, NULL, NULL, NULL \
+         FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.state = 'unassigned' \
+         AND d.missing = 0 AND d.taint IS NULL AND d.variant IS NOT NULL"
+    );
+    let args = vec![
+        page::Arg::Text(variant.to_string()),
+        page::Arg::Int(i64::from(at_least)),
+        page::Arg::Int(alive_after_ms),
+        page::Arg::Int(need),
+        page::Arg::Int(limit),
+    ];
+    type Row = (
+        i32,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+    );
+    let rows: Vec<Row> = page::fetch(db, &sql, &args).await?;
+    let mut ranked: Vec<(i64, ServerId)> = Vec::new();
+    let mut view = PlacementView {
+        servers: Vec::new(),
+        rooms: HashMap::new(),
+        candidates: Vec::new(),
+    };
+    for (kind, key, id, variant, n1, n2, n3, n4) in rows {
+        let server: ServerId = parse_uuid(&key, "server")?;
+        match kind {
+            0 => ranked.push((n1.unwrap_or(0), server)),
+            1 => {
+                view.rooms.insert(
+                    server,
+                    super::room::Room::new(
+                        alloc,
+                        n1.unwrap_or(0),
+                        n2.unwrap_or(0),
+                        n3.unwrap_or(0),
+                        n4.unwrap_or(0),
+                    ),
+                );
+            }
+            _ => {
+                let variant = variant.unwrap_or_default();
+                if variants.contains(&variant) {
+                    view.candidates.push(Candidate {
+                        server_uuid: server,
+                        id: id.unwrap_or_default().parse().map_err(corrupt)?,
+                        variant,
+                        numa_node: n1.and_then(|n| u32::try_from(n).ok()),
+                    });
+                }
+            }
+        }
+    }
+    if spread {
+        ranked.sort_by_key(|r| std::cmp::Reverse(r.0));
+    } else {
+        ranked.sort_by_key(|r| r.0);
+    }
+    view.servers = ranked.into_iter().map(|(_, s)| s).collect();
+    Ok(view)
+}
+
 /// The placeable devices of these variants on one server.
 pub async fn candidates_on(
     db: &Db,

@@ -4,6 +4,7 @@
 //! expand the same body against each backend's concrete pool type.
 
 pub mod accounts;
+pub mod batch;
 pub mod devices;
 pub mod events;
 pub mod jobs;

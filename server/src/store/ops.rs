@@ -1,35 +1,50 @@
 //! Operations records: the audit log, usage (GPU-hours), alerts, fleet capacity.
 
+use super::page::Arg;
 use super::{Db, StoreResult, corrupt, now_ms, parse_uuid, to_time};
-use crate::{on_read, on_write};
+use crate::{bind_args, on_read, on_write};
 use passage_model::api::{Alert, AuditEntry, Capacity, UsageRecord};
 use passage_model::{AccountId, VmId};
 use std::collections::BTreeMap;
 
-pub async fn audit(
-    db: &Db,
-    actor: Option<(AccountId, String)>,
-    method: &str,
-    path: &str,
-    status: u16,
-) -> StoreResult<()> {
-    let (uuid, login) = match actor {
-        Some((u, l)) => (Some(u.to_string()), Some(l)),
-        None => (None, None),
-    };
-    on_write!(db, |p| sqlx::query(
-        "INSERT INTO audit_log (at, actor, actor_login, method, path, status) \
-         VALUES ($1, $2, $3, $4, $5, $6)"
-    )
-    .bind(now_ms())
-    .bind(uuid)
-    .bind(login)
-    .bind(method)
-    .bind(path)
-    .bind(i64::from(status))
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
+/// One state-changing call, for the audit log.
+#[derive(Clone, Debug)]
+pub struct AuditRecord {
+    pub at: i64,
+    pub actor: Option<(AccountId, String)>,
+    pub method: String,
+    pub path: String,
+    pub status: u16,
+}
+
+/// Appends `records` to the audit log, in order, in one statement.
+pub async fn audit(db: &Db, records: &[AuditRecord]) -> StoreResult<()> {
+    if records.is_empty() {
+        return Ok(());
+    }
+    let mut args = Vec::with_capacity(records.len() * 6);
+    for r in records {
+        let (uuid, login) = match &r.actor {
+            Some((u, l)) => (Arg::Text(u.to_string()), Arg::Text(l.clone())),
+            None => (Arg::Null, Arg::Null),
+        };
+        args.extend([
+            Arg::Int(r.at),
+            uuid,
+            login,
+            Arg::Text(r.method.clone()),
+            Arg::Text(r.path.clone()),
+            Arg::Int(i64::from(r.status)),
+        ]);
+    }
+    let sql = format!(
+        "INSERT INTO audit_log (at, actor, actor_login, method, path, status) VALUES {}",
+        super::page::value_rows(1, records.len(), 6)
+    );
+    on_write!(db, |p| bind_args!(sqlx::query(&sql), &args)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()))?;
     Ok(())
 }
 

@@ -184,6 +184,8 @@ impl Cursor for DeviceKey {
 pub enum Arg {
     Text(String),
     Int(i64),
+    /// A NULL in a text column.
+    Null,
 }
 
 /// `WHERE` conditions and the values they bind, numbered in order.
@@ -232,6 +234,7 @@ macro_rules! bind_args {
             q = match a {
                 $crate::store::page::Arg::Text(s) => q.bind(s.as_str()),
                 $crate::store::page::Arg::Int(i) => q.bind(*i),
+                $crate::store::page::Arg::Null => q.bind(None::<String>),
             };
         }
         q
@@ -319,6 +322,15 @@ where
 }
 
 /// `$first, $first+1, …` for `n` values: the inside of an `IN (…)`.
+/// Placeholder rows `($a, $b, …), (…)` of a multi-row `VALUES`: `rows` rows of `width`
+/// values, numbered from `$first`.
+pub fn value_rows(first: usize, rows: usize, width: usize) -> String {
+    (0..rows)
+        .map(|r| format!("({})", marks(first + r * width, width)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub fn marks(first: usize, n: usize) -> String {
     (first..first + n)
         .map(|i| format!("${i}"))
@@ -329,6 +341,11 @@ pub fn marks(first: usize, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn placeholder_rows() {
+        assert_eq!(value_rows(2, 2, 3), "($2, $3, $4), ($5, $6, $7)");
+    }
 
     #[test]
     fn time_cursors_round_trip_and_refuse_everything_else() {

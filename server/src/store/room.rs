@@ -39,7 +39,13 @@ pub struct Room {
 }
 
 impl Room {
-    fn new(alloc: Allocation, cpus: i64, memory_mib: i64, vcpus_used: i64, mem_used: i64) -> Room {
+    pub(crate) fn new(
+        alloc: Allocation,
+        cpus: i64,
+        memory_mib: i64,
+        vcpus_used: i64,
+        mem_used: i64,
+    ) -> Room {
         // Truncation is the point: a fraction of a vCPU cannot be given.
         #[allow(clippy::cast_possible_truncation)]
         let vcpus_total = (cpus as f64 * alloc.cpu_ratio).floor() as i64;
@@ -110,6 +116,14 @@ const ROOM_SQL: &str = "SELECT s.uuid, s.cpus, s.memory_mib, \
 
 type RoomRow = (String, i64, i64, i64, i64);
 
+/// The room query for `n` servers whose uuids are bound from `$first` on.
+fn rooms_of(first: usize, n: usize) -> String {
+    format!(
+        "{ROOM_SQL} AND s.uuid IN ({}) GROUP BY s.uuid, s.cpus, s.memory_mib",
+        page::marks(first, n)
+    )
+}
+
 /// The room of each of `servers` that reported its resources (all of them with `None`).
 pub async fn rooms(
     db: &Db,
@@ -119,10 +133,7 @@ pub async fn rooms(
     let (sql, args) = match servers {
         Some([]) => return Ok(HashMap::new()),
         Some(list) => (
-            format!(
-                "{ROOM_SQL} AND s.uuid IN ({}) GROUP BY s.uuid, s.cpus, s.memory_mib",
-                page::marks(1, list.len())
-            ),
+            rooms_of(1, list.len()),
             list.iter().map(|s| Arg::Text(s.to_string())).collect(),
         ),
         None => (
