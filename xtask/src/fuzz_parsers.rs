@@ -11,26 +11,21 @@ use std::time::Instant;
 
 const TARGETS: [&str; 2] = ["pci_parsers", "agent_messages"];
 
-pub fn run(args: &[String]) -> Result<()> {
-    let mut secs: u64 = 600;
-    let mut only: Option<String> = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--secs" => {
-                secs = it
-                    .next()
-                    .context("--secs needs a number")?
-                    .parse()
-                    .context("--secs needs a number")?;
-            }
-            "--target" => only = Some(it.next().context("--target needs a name")?.clone()),
-            other => bail!("unknown option {other:?} (known: --secs N, --target T)"),
-        }
-    }
-    let targets: Vec<&str> = match &only {
-        Some(t) if TARGETS.contains(&t.as_str()) => vec![t.as_str()],
-        Some(t) => bail!("unknown target {t:?} (known: {})", TARGETS.join(", ")),
+/// `cargo xtask fuzz-parsers [--secs N] [--target T]`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Seconds to fuzz each target
+    #[arg(long, value_name = "N", default_value_t = 600)]
+    secs: u64,
+    /// Fuzz only this target (default: all of them)
+    #[arg(long, value_name = "T", value_parser = TARGETS)]
+    target: Option<String>,
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let secs = args.secs;
+    let targets: Vec<&str> = match &args.target {
+        Some(t) => vec![t.as_str()],
         None => TARGETS.to_vec(),
     };
     tools()?;
