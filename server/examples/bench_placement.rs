@@ -8,6 +8,7 @@
 
 mod common;
 
+use clap::Parser;
 use common::{ms, pct, post};
 use passage_server::placement::{self, Policy};
 use passage_server::store::devices::Candidate;
@@ -16,41 +17,26 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+#[derive(Parser)]
 struct Args {
+    /// The `server` binary to start.
+    #[arg(long, value_name = "PATH")]
     server_bin: String,
+    /// sqlite | postgres (a fresh database on PASSAGE_TEST_PG_URL).
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "postgres"])]
     backend: String,
+    /// Simulated compute nodes.
+    #[arg(long, default_value_t = 1250)]
     servers: usize,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 8)]
     gpus: usize,
+    /// VMs to create.
+    #[arg(long, default_value_t = 10_000)]
     vms: usize,
+    /// Concurrent API clients.
+    #[arg(long, default_value_t = 64)]
     clients: usize,
-}
-
-fn args() -> Args {
-    let mut a = Args {
-        server_bin: String::new(),
-        backend: "sqlite".into(),
-        servers: 1250,
-        gpus: 8,
-        vms: 10_000,
-        clients: 64,
-    };
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i + 1 < v.len() {
-        let val = v[i + 1].clone();
-        match v[i].as_str() {
-            "--server-bin" => a.server_bin = val,
-            "--backend" => a.backend = val,
-            "--servers" => a.servers = val.parse().expect("--servers N"),
-            "--gpus" => a.gpus = val.parse().expect("--gpus N"),
-            "--vms" => a.vms = val.parse().expect("--vms N"),
-            "--clients" => a.clients = val.parse().expect("--clients N"),
-            other => panic!("unknown argument {other}"),
-        }
-        i += 2;
-    }
-    assert!(!a.server_bin.is_empty(), "--server-bin PATH is required");
-    a
 }
 
 fn rss_peak_kib(pid: u32) -> Option<u64> {
@@ -63,7 +49,7 @@ fn rss_peak_kib(pid: u32) -> Option<u64> {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let a = args();
+    let a = Args::parse();
     let dir = tempfile::tempdir().unwrap();
     let db = common::database(&a.backend, dir.path()).await;
     let (mut child, base) = common::start_server(&a.server_bin, &db);

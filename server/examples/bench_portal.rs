@@ -17,16 +17,22 @@ use std::time::{Duration, Instant};
 
 #[derive(Parser)]
 struct Args {
-    #[arg(long)]
+    /// The `server` binary to start.
+    #[arg(long, value_name = "PATH")]
     server_bin: String,
-    #[arg(long, default_value = "sqlite")]
+    /// sqlite | postgres (a fresh database on PASSAGE_TEST_PG_URL).
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "postgres"])]
     backend: String,
+    /// Simulated compute nodes.
     #[arg(long, default_value_t = 2000)]
     servers: usize,
+    /// GPUs per node.
     #[arg(long, default_value_t = 8)]
     gpus: usize,
+    /// VMs to seed.
     #[arg(long, default_value_t = 5000)]
     vms: usize,
+    /// Concurrent clients.
     #[arg(long, default_value_t = 16)]
     clients: usize,
     /// Requests per page, spread over the clients.

@@ -10,7 +10,8 @@
 
 use crate::util::{self, cargo, on_path, repo_root, target_dir};
 use anyhow::{Context, Result, bail};
-use std::path::Path;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,28 +21,137 @@ const NUMA_NODES: &str = "8";
 const IN_PROCESS_RUNS: &str = "500";
 const PROCESS_RUNS: usize = 50;
 
-pub fn run(args: &[String]) -> Result<()> {
-    match args.first().map(String::as_str) {
-        Some("discovery") => discovery(),
-        Some("placement") => example("bench_placement", &args[1..]),
-        Some("portal") => example("bench_portal", &args[1..]),
-        Some("-h" | "--help") | None => {
-            println!(
-                "usage: cargo xtask bench discovery\n       cargo xtask bench placement \
-                 [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]\n       \
-                 cargo xtask bench portal [--backend sqlite|postgres] [--servers N] [--gpus G] \
-                 [--vms N] [--clients C] [--requests R]"
-            );
-            Ok(())
+/// `cargo xtask bench discovery|placement|portal`.
+#[derive(clap::Subcommand)]
+pub enum Bench {
+    /// PCI discovery on a ~300-function fake tree, next to `lspci`
+    ///
+    /// Times node-agent's PCI discovery (in-process cold and warm, and as a process) on a
+    /// ~300-function fake tree, next to `lspci` on the same tree. Builds node-agent
+    /// --release.
+    Discovery,
+    /// VM creations per second through the API, then multi-GPU placement decisions
+    ///
+    /// VM creations through the HTTP API of a release `server` onto simulated nodes, then
+    /// 4- and 8-GPU placement decisions in-process (server/examples/bench_placement.rs).
+    Placement(Placement),
+    /// The portal's servers, devices and VMs list pages over a seeded fleet
+    ///
+    /// Fetches the list pages of a release `server` as a signed-in operator from
+    /// concurrent clients: p50/p95/p99 and page size (server/examples/bench_portal.rs).
+    Portal(Portal),
+}
+
+/// `cargo xtask bench placement`: flags given are passed on to the example, which holds
+/// the defaults.
+#[derive(clap::Args)]
+pub struct Placement {
+    /// Database of the server [default: sqlite]
+    #[arg(long, value_name = "B", value_enum)]
+    backend: Option<Backend>,
+    /// Simulated compute nodes [default: 1250]
+    #[arg(long, value_name = "N")]
+    servers: Option<usize>,
+    /// GPUs per node [default: 8]
+    #[arg(long, value_name = "G")]
+    gpus: Option<usize>,
+    /// VMs to create [default: 10000]
+    #[arg(long, value_name = "N")]
+    vms: Option<usize>,
+    /// Concurrent API clients [default: 64]
+    #[arg(long, value_name = "C")]
+    clients: Option<usize>,
+}
+
+/// `cargo xtask bench portal`: flags given are passed on to the example, which holds the
+/// defaults.
+#[derive(clap::Args)]
+pub struct Portal {
+    /// Database of the server [default: sqlite]
+    #[arg(long, value_name = "B", value_enum)]
+    backend: Option<Backend>,
+    /// Simulated compute nodes [default: 2000]
+    #[arg(long, value_name = "N")]
+    servers: Option<usize>,
+    /// GPUs per node [default: 8]
+    #[arg(long, value_name = "G")]
+    gpus: Option<usize>,
+    /// VMs to seed [default: 5000]
+    #[arg(long, value_name = "N")]
+    vms: Option<usize>,
+    /// Concurrent clients [default: 16]
+    #[arg(long, value_name = "C")]
+    clients: Option<usize>,
+    /// Requests per page, spread over the clients [default: 400]
+    #[arg(long, value_name = "R")]
+    requests: Option<usize>,
+    /// Keep the SQLite database in this directory (to study its query plans afterwards)
+    #[arg(long, value_name = "DIR")]
+    keep: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
         }
-        Some(other) => bail!("unknown benchmark {other:?} (known: discovery, placement, portal)"),
     }
 }
 
-/// VM creations through the HTTP API of a release `server` onto simulated nodes, then
-/// multi-GPU decisions in-process: `server/examples/bench_placement.rs` does the work.
-/// Runs one of the server's benchmark examples against a release `server`.
-fn example(name: &str, args: &[String]) -> Result<()> {
+/// The flags given, as the examples take them.
+#[derive(Default)]
+struct Flags(Vec<OsString>);
+
+impl Flags {
+    fn add(&mut self, flag: &str, value: Option<impl Into<OsString>>) -> &mut Self {
+        if let Some(v) = value {
+            self.0.push(flag.into());
+            self.0.push(v.into());
+        }
+        self
+    }
+
+    fn number(&mut self, flag: &str, value: Option<usize>) -> &mut Self {
+        self.add(flag, value.map(|n| n.to_string()))
+    }
+}
+
+pub fn run(bench: &Bench) -> Result<()> {
+    match bench {
+        Bench::Discovery => discovery(),
+        Bench::Placement(p) => {
+            let mut f = Flags::default();
+            f.add("--backend", p.backend.map(Backend::name))
+                .number("--servers", p.servers)
+                .number("--gpus", p.gpus)
+                .number("--vms", p.vms)
+                .number("--clients", p.clients);
+            example("bench_placement", &f.0)
+        }
+        Bench::Portal(p) => {
+            let mut f = Flags::default();
+            f.add("--backend", p.backend.map(Backend::name))
+                .number("--servers", p.servers)
+                .number("--gpus", p.gpus)
+                .number("--vms", p.vms)
+                .number("--clients", p.clients)
+                .number("--requests", p.requests)
+                .add("--keep", p.keep.clone());
+            example("bench_portal", &f.0)
+        }
+    }
+}
+
+/// Runs one of the server's benchmark examples (`server/examples/<name>.rs`) against a
+/// release `server`.
+fn example(name: &str, args: &[OsString]) -> Result<()> {
     println!("==> building server and {name} (release)");
     util::run_checked(cargo().args([
         "build",

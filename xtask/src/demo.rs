@@ -16,79 +16,60 @@ const DEMO_DIR: &str = ".passage-demo";
 const PING_WAIT: Duration = Duration::from_secs(30);
 const NODES_WAIT: Duration = Duration::from_secs(30);
 
-struct Options {
+/// `cargo xtask demo`: a local control plane with simulated GPU nodes.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Compute nodes to start (at most 64)
+    #[arg(long, value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(..=64))]
     servers: u32,
+    /// GPUs per node
+    #[arg(long, value_name = "G", default_value_t = 8)]
     gpus: u32,
-    model: String,
+    /// GPU model the fake nodes carry
+    #[arg(long, value_name = "M", value_enum, ignore_case = true, default_value_t = Model::H100)]
+    model: Model,
+    /// HTTP port on 127.0.0.1
+    #[arg(long, value_name = "P", default_value_t = 8080)]
     port: u16,
+    /// Delete .passage-demo/ first (new database, new password)
+    #[arg(long)]
     reset: bool,
 }
 
-/// `(vendor, device)` of each model `node-agent fake-sysfs` can fake.
-fn model_ids(model: &str) -> Option<(&'static str, &'static str)> {
-    Some(match model {
-        "v100" => ("10de", "1db4"),
-        "a100" => ("10de", "20b0"),
-        "h100" => ("10de", "2330"),
-        "l40s" => ("10de", "26b9"),
-        _ => return None,
-    })
+/// The models `node-agent fake-sysfs` can fake.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Model {
+    #[value(name = "v100")]
+    V100,
+    #[value(name = "a100")]
+    A100,
+    #[value(name = "h100")]
+    H100,
+    #[value(name = "l40s")]
+    L40s,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        servers: 2,
-        gpus: 8,
-        model: "h100".into(),
-        port: 8080,
-        reset: false,
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = |name: &str| -> Result<String> {
-            match &inline {
-                Some(v) => Ok(v.clone()),
-                None => it
-                    .next()
-                    .cloned()
-                    .ok_or_else(|| anyhow!("{name} needs a value")),
-            }
-        };
-        match flag {
-            "--servers" => {
-                o.servers = value(flag)?
-                    .parse()
-                    .context("--servers takes a whole number")?
-            }
-            "--gpus" => {
-                o.gpus = value(flag)?
-                    .parse()
-                    .context("--gpus takes a whole number")?
-            }
-            "--model" => o.model = value(flag)?.to_ascii_lowercase(),
-            "--port" => o.port = value(flag)?.parse().context("--port takes a port number")?,
-            "--reset" => o.reset = true,
-            "-h" | "--help" => {
-                println!(
-                    "usage: cargo xtask demo [--servers N] [--gpus G] [--model v100|a100|h100|l40s] \
-                     [--port P] [--reset]"
-                );
-                std::process::exit(0);
-            }
-            other => bail!("unknown demo option {other:?} (try `cargo xtask demo --help`)"),
+impl Model {
+    /// The name `node-agent fake-sysfs --model` takes.
+    fn name(self) -> &'static str {
+        match self {
+            Model::V100 => "v100",
+            Model::A100 => "a100",
+            Model::H100 => "h100",
+            Model::L40s => "l40s",
         }
     }
-    if model_ids(&o.model).is_none() {
-        bail!("--model must be one of v100, a100, h100, l40s");
+
+    /// `(vendor, device)` of the model's GPU.
+    fn ids(self) -> (&'static str, &'static str) {
+        match self {
+            Model::V100 => ("10de", "1db4"),
+            Model::A100 => ("10de", "20b0"),
+            Model::H100 => ("10de", "2330"),
+            Model::L40s => ("10de", "26b9"),
+        }
     }
-    if o.servers > 64 {
-        bail!("--servers: at most 64 in a demo");
-    }
-    Ok(o)
 }
 
 /// Children killed (and reaped) when dropped, whatever way we leave.
@@ -132,10 +113,9 @@ impl Drop for Children {
     }
 }
 
-pub fn run(args: &[String]) -> Result<()> {
-    let opts = parse(args)?;
-    let (vendor, device) = model_ids(&opts.model).ok_or_else(|| anyhow!("unknown model"))?;
-    let variant = format!("NVIDIA_{}", opts.model.to_ascii_uppercase());
+pub fn run(opts: &Args) -> Result<()> {
+    let (vendor, device) = opts.model.ids();
+    let variant = format!("NVIDIA_{}", opts.model.name().to_ascii_uppercase());
 
     // Ctrl-C, `kill` and a closed terminal all end the demo the same orderly way.
     let stop = Arc::new(AtomicBool::new(false));
@@ -256,7 +236,12 @@ pub fn run(args: &[String]) -> Result<()> {
                 Command::new(&agent_bin)
                     .args(["fake-sysfs", "--out"])
                     .arg(&sysfs)
-                    .args(["--gpus", &opts.gpus.to_string(), "--model", &opts.model]),
+                    .args([
+                        "--gpus",
+                        &opts.gpus.to_string(),
+                        "--model",
+                        opts.model.name(),
+                    ]),
             )?;
         } else {
             println!(

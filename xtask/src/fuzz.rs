@@ -40,107 +40,51 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(60);
 /// the run (and with them every placement).
 const EXCLUDED_OPERATIONS: &[&str] = &["logout", "delete_token", "revoke_credential"];
 
-const HELP: &str = "\
-usage: cargo xtask fuzz-api [options] [-- ARGS FOR `schemathesis run`]
-
-  --cases N            test cases per API operation (default 1000)
-  --backend B          sqlite | postgres (default sqlite); postgres makes a database
-                       passage_fuzz_<random> on PASSAGE_TEST_PG_URL
-                       (default postgres://postgres@127.0.0.1:5432/postgres), dropped after
-  --max-minutes M      stop Schemathesis after M minutes and report what it found so far
-                       (default 20)
-  --workers W          concurrent Schemathesis workers (default 2)
-
-Installs schemathesis==4.32.5 with pip if needed. Exits non-zero on any failure and
-then keeps its temp folder (server log, Schemathesis output, JUnit report).
-Example: cargo xtask fuzz-api --cases 50 -- --seed 1 --phases fuzzing
-";
-
-#[derive(Clone, Copy, PartialEq)]
-enum Backend {
-    Sqlite,
-    Postgres,
-}
-
-struct Options {
+/// `cargo xtask fuzz-api [options] [-- ARGS]`.
+#[derive(clap::Args)]
+#[command(
+    after_help = "Installs schemathesis==4.32.5 with pip if needed. Exits non-zero on any \
+failure and then keeps its temp folder (server log, Schemathesis output, JUnit report).\n\
+Example: cargo xtask fuzz-api --cases 50 -- --seed 1 --phases fuzzing"
+)]
+pub struct Args {
+    /// Test cases per API operation
+    #[arg(long, value_name = "N", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..))]
     cases: u32,
+    /// Database of the throwaway server; postgres makes a database passage_fuzz_<random>
+    /// on PASSAGE_TEST_PG_URL (default postgres://postgres@127.0.0.1:5432/postgres),
+    /// dropped after
+    #[arg(long, value_name = "B", value_enum, default_value_t = Backend::Sqlite)]
     backend: Backend,
+    /// Stop Schemathesis after M minutes and report what it found so far
+    #[arg(long, value_name = "M", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
     max_minutes: u64,
+    /// Concurrent Schemathesis workers
+    #[arg(long, value_name = "W", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
     workers: u32,
+    /// Arguments for `schemathesis run`
+    #[arg(value_name = "ARGS", last = true)]
     passthrough: Vec<String>,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut o = Options {
-        cases: 1000,
-        backend: Backend::Sqlite,
-        max_minutes: 20,
-        workers: 2,
-        passthrough: Vec::new(),
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--" {
-            o.passthrough = it.cloned().collect();
-            break;
-        }
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = |name: &str| -> Result<String> {
-            match &inline {
-                Some(v) => Ok(v.clone()),
-                None => it
-                    .next()
-                    .cloned()
-                    .ok_or_else(|| anyhow!("{name} needs a value")),
-            }
-        };
-        match flag {
-            "--cases" => {
-                o.cases = value(flag)?
-                    .parse()
-                    .context("--cases takes a whole number")?;
-                if o.cases == 0 {
-                    bail!("--cases must be at least 1");
-                }
-            }
-            "--backend" => {
-                o.backend = match value(flag)?.as_str() {
-                    "sqlite" => Backend::Sqlite,
-                    "postgres" | "postgresql" => Backend::Postgres,
-                    other => bail!("--backend must be sqlite or postgres, not {other:?}"),
-                }
-            }
-            "--max-minutes" => {
-                o.max_minutes = value(flag)?
-                    .parse()
-                    .context("--max-minutes takes a whole number")?;
-                if o.max_minutes == 0 {
-                    bail!("--max-minutes must be at least 1");
-                }
-            }
-            "--workers" => {
-                o.workers = value(flag)?
-                    .parse()
-                    .context("--workers takes a whole number")?;
-                if !(1..=64).contains(&o.workers) {
-                    bail!("--workers must be 1 to 64");
-                }
-            }
-            "-h" | "--help" => {
-                print!("{HELP}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown fuzz-api option {other:?} (try `cargo xtask fuzz-api --help`)"),
-        }
+impl Args {
+    #[cfg(test)]
+    pub fn passthrough(&self) -> &[String] {
+        &self.passthrough
     }
-    Ok(o)
 }
 
-pub fn run(args: &[String]) -> Result<()> {
-    let opts = parse(args)?;
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Backend {
+    Sqlite,
+    #[value(alias = "postgresql")]
+    Postgres,
+}
+
+pub fn run(opts: &Args) -> Result<()> {
     let started = Instant::now();
 
     // Ctrl-C (or a SIGTERM to us) stops Schemathesis early; it still prints its summary
@@ -217,7 +161,7 @@ pub fn run(args: &[String]) -> Result<()> {
         opts.cases, opts.workers, opts.max_minutes
     );
     let fuzz_started = Instant::now();
-    let outcome = run.schemathesis(&opts, &addr, &token, &stop)?;
+    let outcome = run.schemathesis(opts, &addr, &token, &stop)?;
     let fuzz_time = fuzz_started.elapsed();
 
     // The fuzzer must not have lost its own credentials part way through.
@@ -489,7 +433,7 @@ impl FuzzRun {
 
     fn schemathesis(
         &self,
-        opts: &Options,
+        opts: &Args,
         addr: &str,
         token: &str,
         stop: &AtomicBool,

@@ -7,6 +7,7 @@
 //! - `cargo xtask bench discovery`: PCI discovery timings next to pciutils' `lspci`.
 //! - `cargo xtask bench placement`: VM creations per second through the API, and
 //!   multi-GPU placement decisions.
+//! - `cargo xtask bench portal`: the portal's list pages over a seeded fleet.
 //! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
 //!   REST API fuzzed with Schemathesis against its own OpenAPI document.
 //! - `cargo xtask fuzz-parsers [--secs N] [--target T]`: the `cargo fuzz` targets (PCI
@@ -21,49 +22,57 @@ mod site;
 mod test;
 mod util;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
+use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-const USAGE: &str = "\
-usage: cargo xtask <command> [options]
+/// Passage's own task runner.
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Passage's own task runner",
+    arg_required_else_help = true,
+    after_help = "Run `cargo xtask help <COMMAND>` or `cargo xtask <COMMAND> --help` for a \
+                  command's options."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-commands:
-  test [-- ARGS]   set up lspci, QEMU and PostgreSQL if needed, then run fmt --check, clippy,
-                   build the binaries and run every test (nextest if installed, else
-                   cargo test) plus the doc tests; ARGS go to the test runner
-                   (e.g. `cargo xtask test -- store_`)
-  demo [options]   run a local server with simulated GPU nodes until Ctrl-C
-      --servers N    compute nodes to start (default 2)
-      --gpus G       GPUs per node (default 8)
-      --model M      v100 | a100 | h100 | l40s (default h100)
-      --port P       HTTP port on 127.0.0.1 (default 8080)
-      --reset        delete .passage-demo/ first (new database, new password)
-  bench discovery  time node-agent's PCI discovery on a ~300-function fake tree,
-                   next to `lspci` on the same tree (builds node-agent --release)
-  bench placement [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]
-                   VM creations through the HTTP API onto simulated nodes (default
-                   1250 x 8 GPUs, 10000 VMs, 64 clients), then 4- and 8-GPU decisions
-  bench portal [--backend sqlite|postgres] [--servers N] [--gpus G] [--vms N] [--clients C]
-                   the servers, devices and VMs list pages over a seeded fleet (default
-                   2000 x 8 GPUs, 5000 VMs, 16 clients): p50/p95/p99 and page size
-  fuzz-api [options] [-- ARGS]
-                   fuzz the REST API with Schemathesis (installed with pip if missing)
-                   against a throwaway server; non-zero exit on any failure
-      --cases N            cases per API operation (default 1000)
-      --backend B          sqlite | postgres (default sqlite)
-      --max-minutes M      stop after M minutes with what was found (default 20)
-      --workers W          concurrent Schemathesis workers (default 2)
-  fuzz-parsers [--secs N] [--target T]
-                   run the cargo-fuzz targets in fuzz/ (pci_parsers, agent_messages) for
-                   N seconds each (default 600); installs nightly and cargo-fuzz if missing
-  site             build the portal's browser half (wasm32 + wasm-bindgen, stylesheet)
-                   into <target>/site, where `server` serves it from
-  help             this text
-";
+#[derive(Subcommand)]
+enum Command {
+    /// Everything CI runs: set-up, fmt, clippy, build, tests, end2end
+    ///
+    /// Sets up lspci, QEMU and PostgreSQL if needed, then runs fmt --check, clippy, builds
+    /// the binaries and the portal bundle and runs every test (nextest if installed, else
+    /// cargo test) plus the doc tests and the end2end tests. ARGS go to the test runner
+    /// (e.g. `cargo xtask test -- store_`).
+    Test(test::Args),
+    /// A local server with simulated GPU nodes, until Ctrl-C
+    Demo(demo::Args),
+    /// Benchmarks: PCI discovery, VM placement through the API, portal list pages
+    #[command(subcommand)]
+    Bench(bench::Bench),
+    /// Fuzz the REST API with Schemathesis against a throwaway server
+    ///
+    /// Installs Schemathesis with pip if missing; exits non-zero on any failure.
+    FuzzApi(fuzz::Args),
+    /// Run the cargo-fuzz targets in fuzz/ (pci_parsers, agent_messages)
+    ///
+    /// Each target runs for N seconds; installs nightly and cargo-fuzz if missing. A crash
+    /// leaves its input in fuzz/artifacts/<target>/ and fails the command.
+    FuzzParsers(fuzz_parsers::Args),
+    /// Build the portal's browser half into <target>/site
+    ///
+    /// wasm32 + wasm-bindgen and the stylesheet, where `server` serves them from.
+    Site,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
+    let cli = Cli::parse();
+    match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xtask: error: {e:#}");
@@ -72,25 +81,86 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &[String]) -> Result<()> {
-    let Some((cmd, rest)) = args.split_first() else {
-        eprint!("{USAGE}");
-        bail!("no command given");
-    };
-    match cmd.as_str() {
-        "test" => test::run(rest),
-        "demo" => demo::run(rest),
-        "bench" => bench::run(rest),
-        "fuzz-api" => fuzz::run(rest),
-        "fuzz-parsers" => fuzz_parsers::run(rest),
-        "site" => site::build().map(|dir| println!("portal bundle in {}", dir.display())),
-        "help" | "-h" | "--help" => {
-            print!("{USAGE}");
-            Ok(())
+fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Test(args) => test::run(&args),
+        Command::Demo(args) => demo::run(&args),
+        Command::Bench(bench) => bench::run(&bench),
+        Command::FuzzApi(args) => fuzz::run(&args),
+        Command::FuzzParsers(args) => fuzz_parsers::run(&args),
+        Command::Site => site::build().map(|dir| println!("portal bundle in {}", dir.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        Cli::try_parse_from(std::iter::once("xtask").chain(args.iter().copied())).map(|c| c.command)
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn test_passes_everything_on() {
+        for (args, want) in [
+            (&["test"][..], &[][..]),
+            (&["test", "--", "store_"], &["store_"]),
+            (
+                &["test", "store_", "--no-capture"],
+                &["store_", "--no-capture"],
+            ),
+            (&["test", "--", "--help"], &["--help"]),
+            (&["test", "--", "-E", "test(x)"], &["-E", "test(x)"]),
+            (&["test", "--no-capture", "x"], &["--no-capture", "x"]),
+        ] {
+            let Ok(Command::Test(t)) = parse(args) else {
+                panic!("{args:?} did not parse as test");
+            };
+            assert_eq!(t.passthrough(), want, "{args:?}");
         }
-        other => {
-            eprint!("{USAGE}");
-            bail!("unknown command {other:?}")
+    }
+
+    #[test]
+    fn fuzz_api_takes_schemathesis_args_after_dashes() {
+        let Ok(Command::FuzzApi(a)) = parse(&[
+            "fuzz-api",
+            "--cases",
+            "50",
+            "--backend=postgresql",
+            "--",
+            "--seed",
+            "1",
+        ]) else {
+            panic!("fuzz-api did not parse");
+        };
+        assert_eq!(a.passthrough(), ["--seed", "1"]);
+        assert!(parse(&["fuzz-api", "--seed", "1"]).is_err());
+        assert!(parse(&["fuzz-api", "--cases", "0"]).is_err());
+        assert!(parse(&["fuzz-api", "--workers", "65"]).is_err());
+    }
+
+    #[test]
+    fn unknown_and_bad_values_are_refused() {
+        for args in [
+            &["demo", "--bogus"][..],
+            &["demo", "--servers", "65"],
+            &["demo", "--model", "k80"],
+            &["demo", "--port", "70000"],
+            &["fuzz-parsers", "--target", "nope"],
+            &["fuzz-parsers", "--secs", "x"],
+            &["bench", "placement", "--requests", "5"],
+            &["bench", "nope"],
+            &["nope"],
+        ] {
+            assert!(parse(args).is_err(), "{args:?} was accepted");
         }
+        assert!(parse(&["demo", "--model", "H100", "--port=9000", "--reset"]).is_ok());
+        assert!(parse(&["bench", "portal", "--keep", "/tmp/x", "--requests", "5"]).is_ok());
     }
 }

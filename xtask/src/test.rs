@@ -8,16 +8,30 @@ use std::time::{Duration, Instant};
 const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const PG_START_WAIT: Duration = Duration::from_secs(30);
 
-pub fn run(args: &[String]) -> Result<()> {
+/// `cargo xtask test [-- ARGS]`.
+#[derive(clap::Args)]
+#[command(after_help = "Example: cargo xtask test -- store_")]
+pub struct Args {
+    /// Arguments for the test runner (nextest or cargo test); with any, the doc tests and
+    /// the end2end tests are skipped
+    #[arg(
+        value_name = "ARGS",
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    passthrough: Vec<String>,
+}
+
+impl Args {
+    #[cfg(test)]
+    pub fn passthrough(&self) -> &[String] {
+        &self.passthrough
+    }
+}
+
+pub fn run(args: &Args) -> Result<()> {
     // Everything after `--` (or any argument at all) goes to the test runner.
-    let passthrough: Vec<String> = match args.first().map(String::as_str) {
-        Some("--") => args[1..].to_vec(),
-        Some("-h" | "--help") => {
-            println!("usage: cargo xtask test [-- ARGS FOR THE TEST RUNNER]");
-            return Ok(());
-        }
-        _ => args.to_vec(),
-    };
+    let passthrough = &args.passthrough;
 
     // Set for every child rather than for ourselves (`set_var` is unsafe in edition 2024).
     let pg_url = std::env::var("PASSAGE_TEST_PG_URL")
@@ -78,14 +92,14 @@ pub fn run(args: &[String]) -> Result<()> {
         stages.run("nextest", || {
             let mut cmd = with_env(cargo());
             cmd.args(["nextest", "run", "--workspace", "--no-fail-fast"])
-                .args(&passthrough);
+                .args(passthrough);
             util::run_checked(&mut cmd)
         })?;
     } else {
         stages.run("test", || {
             let mut cmd = with_env(cargo());
             cmd.args(["test", "--workspace", "--no-fail-fast"])
-                .args(&passthrough);
+                .args(passthrough);
             util::run_checked(&mut cmd)
         })?;
     }
