@@ -111,8 +111,39 @@ impl AttrDir {
         })
     }
 
+    /// [`AttrDir::open`], refusing a symbolic link as the last component
+    /// (`ENOTDIR`), as an `lstat` first would but without a second walk of the path.
+    pub(crate) fn open_dir_nofollow(path: &Path) -> io::Result<Self> {
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::open(
+            path,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(AttrDir {
+            fd,
+            path: path.to_path_buf(),
+        })
+    }
+
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The directory's device and inode numbers (`fstat` on the handle: no path walk).
+    // The field types of `Stat` differ between targets; on most they are already `u64`.
+    #[allow(clippy::unnecessary_cast)]
+    pub(crate) fn dev_ino(&self) -> io::Result<(u64, u64)> {
+        let st = rustix::fs::fstat(&self.fd)?;
+        Ok((st.st_dev as u64, st.st_ino as u64))
+    }
+
+    /// The target of the link `name` in this directory.
+    pub(crate) fn read_link(&self, name: &std::ffi::OsStr) -> io::Result<PathBuf> {
+        let target = rustix::fs::readlinkat(&self.fd, name, Vec::new())?;
+        Ok(PathBuf::from(
+            <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(target.into_bytes()),
+        ))
     }
 
     /// [`read_attr`] for the attribute `name` in this directory.
