@@ -3,7 +3,7 @@
 //! None of these is needed to list or pass through a device, so a missing or garbled
 //! attribute leaves its field empty and adds a note; it never drops the function.
 
-use super::{AttrDir, read_attr};
+use super::{AttrDir, FdBudget, KeptFd, read_attr};
 use passage_model::pci::{MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_SLOT_LEN};
 use passage_model::{HexId, PciAddress, PciDetails, pci::PciClass};
 use std::collections::HashMap;
@@ -196,10 +196,20 @@ pub(crate) struct Fixed {
     notes: Vec<String>,
 }
 
+/// Where an attribute is read from: opened for this read, or held open between passes.
+enum Via<'a> {
+    Open,
+    Kept(&'a mut KeptFd, &'a FdBudget),
+}
+
 /// Reads one optional attribute: a missing one is normal (not PCIe, no SR-IOV, no AER)
 /// and leaves its field empty; any other failure is a note.
-fn optional(dir: &AttrDir, file: &str, notes: &mut Vec<String>) -> Option<String> {
-    match dir.read(file) {
+fn optional(dir: &AttrDir, file: &str, via: Via<'_>, notes: &mut Vec<String>) -> Option<String> {
+    let read = match via {
+        Via::Open => dir.read(file),
+        Via::Kept(kept, budget) => dir.read_kept(file, kept, budget),
+    };
+    match read {
         Ok(t) => Some(t),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => {
@@ -214,11 +224,12 @@ fn optional(dir: &AttrDir, file: &str, notes: &mut Vec<String>) -> Option<String
 fn field<T>(
     dir: &AttrDir,
     file: &str,
+    via: Via<'_>,
     parse: impl Fn(&str) -> Option<T>,
     unknown: &[&str],
     notes: &mut Vec<String>,
 ) -> Option<T> {
-    let text = optional(dir, file, notes)?;
+    let text = optional(dir, file, via, notes)?;
     let value = parse(&text);
     let t = text.trim();
     if value.is_none() && !unknown.iter().any(|u| t.eq_ignore_ascii_case(u)) {
@@ -244,6 +255,7 @@ pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
         max_link_speed: field(
             dir,
             "max_link_speed",
+            Via::Open,
             parse_link_speed,
             UNKNOWN_SPEED,
             &mut notes,
@@ -251,13 +263,33 @@ pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
         max_link_width: field(
             dir,
             "max_link_width",
+            Via::Open,
             parse_link_width,
             UNKNOWN_WIDTH,
             &mut notes,
         ),
-        sriov_totalvfs: field(dir, "sriov_totalvfs", parse_count, &[], &mut notes),
+        sriov_totalvfs: field(
+            dir,
+            "sriov_totalvfs",
+            Via::Open,
+            parse_count,
+            &[],
+            &mut notes,
+        ),
         notes,
     }
+}
+
+/// The attributes [`collect`] reads on every pass, held open between passes by a
+/// [`super::Discoverer`] (see [`AttrDir::read_kept`]); dropped with the function's
+/// memory when its directory goes or is replaced.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Kept {
+    current_link_speed: KeptFd,
+    current_link_width: KeptFd,
+    aer_dev_fatal: KeptFd,
+    aer_dev_nonfatal: KeptFd,
+    sriov_numvfs: KeptFd,
 }
 
 /// Reads the details of the function in `dir` that can change (driver-independent
@@ -269,6 +301,8 @@ pub(crate) fn collect(
     known: &Known<'_>,
     fixed: &Fixed,
     shared: &Shared,
+    kept: &mut Kept,
+    budget: &FdBudget,
     notes: &mut Vec<String>,
 ) -> PciDetails {
     notes.extend(fixed.notes.iter().cloned());
@@ -287,6 +321,7 @@ pub(crate) fn collect(
         current_link_speed: field(
             dir,
             "current_link_speed",
+            Via::Kept(&mut kept.current_link_speed, budget),
             parse_link_speed,
             UNKNOWN_SPEED,
             notes,
@@ -294,6 +329,7 @@ pub(crate) fn collect(
         current_link_width: field(
             dir,
             "current_link_width",
+            Via::Kept(&mut kept.current_link_width, budget),
             parse_link_width,
             UNKNOWN_WIDTH,
             notes,
@@ -301,6 +337,7 @@ pub(crate) fn collect(
         aer_fatal: field(
             dir,
             "aer_dev_fatal",
+            Via::Kept(&mut kept.aer_dev_fatal, budget),
             |t| parse_aer_total(t, "TOTAL_ERR_FATAL"),
             &[],
             notes,
@@ -308,6 +345,7 @@ pub(crate) fn collect(
         aer_nonfatal: field(
             dir,
             "aer_dev_nonfatal",
+            Via::Kept(&mut kept.aer_dev_nonfatal, budget),
             |t| parse_aer_total(t, "TOTAL_ERR_NONFATAL"),
             &[],
             notes,
@@ -316,7 +354,14 @@ pub(crate) fn collect(
     };
     // Only functions that can have VFs have `sriov_numvfs`: no open for the others.
     if fixed.sriov_totalvfs.is_some() {
-        d.sriov_numvfs = field(dir, "sriov_numvfs", parse_count, &[], notes);
+        d.sriov_numvfs = field(
+            dir,
+            "sriov_numvfs",
+            Via::Kept(&mut kept.sriov_numvfs, budget),
+            parse_count,
+            &[],
+            notes,
+        );
     }
     d
 }

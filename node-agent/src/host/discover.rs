@@ -1,8 +1,8 @@
 //! PCI discovery: attribute files only, never `config` (reading config space can wake a
 //! device from D3 or, on some hardware, upset it).
 
-use super::AttrDir;
-use super::details::{self, Fixed, Known, Shared, SlotMemory};
+use super::details::{self, Fixed, Kept, Known, Shared, SlotMemory};
+use super::{AttrDir, FdBudget};
 use passage_model::pci::{MAX_GROUP_MEMBERS, PciClass, Revision, validate_driver};
 use passage_model::{DevicePath, HexId, PciAddress, PciDevice};
 use std::collections::HashMap;
@@ -32,11 +32,11 @@ pub enum DiscoveryError {
 /// skipped entry saying why; callers that must tell "no devices" from "could not look"
 /// use [`try_discover`].
 pub fn discover(sysfs_root: &Path) -> Discovery {
-    Discoverer::default().discover(sysfs_root)
+    Discoverer::one_shot().discover(sysfs_root)
 }
 
 pub fn try_discover(sysfs_root: &Path) -> Result<Discovery, DiscoveryError> {
-    Discoverer::default().try_discover(sysfs_root)
+    Discoverer::one_shot().try_discover(sysfs_root)
 }
 
 /// What a function's directory showed that cannot change while the directory exists.
@@ -48,6 +48,7 @@ struct Cached {
     ino: u64,
     ids: Ids,
     fixed: Fixed,
+    kept: Kept,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -68,9 +69,22 @@ struct Ids {
 /// system calls. A function whose directory was replaced is read in full again. It also
 /// remembers each PCI slot's address per slot directory (see [`SlotMemory`]); the slots
 /// directory itself is listed on every pass, so slots that come and go are seen.
-#[derive(Debug, Default)]
+///
+/// It holds the attributes read on every pass open between passes (current link speed
+/// and width, AER counters, VF count: a `pread` each instead of open, read and close),
+/// up to a share of the process's open-file limit (see [`FdBudget::from_rlimit`]):
+/// 4096 descriptors at most, four per function (five with SR-IOV); the agent's systemd
+/// unit raises the limit for that. The one-shot [`discover`] keeps none.
+#[derive(Debug)]
 pub struct Discoverer {
     memory: std::sync::Mutex<Memory>,
+    keep_open: bool,
+}
+
+impl Default for Discoverer {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// What a [`Discoverer`] keeps from one pass to the next.
@@ -82,7 +96,18 @@ struct Memory {
 
 impl Discoverer {
     pub fn new() -> Self {
-        Self::default()
+        Discoverer {
+            memory: Default::default(),
+            keep_open: true,
+        }
+    }
+
+    /// For a single pass: nothing is kept open for a next one.
+    fn one_shot() -> Self {
+        Discoverer {
+            memory: Default::default(),
+            keep_open: false,
+        }
     }
 
     /// [`discover`] with this discoverer's memory.
@@ -99,7 +124,12 @@ impl Discoverer {
         // lock and functions that disappeared are forgotten. A pass running at the same
         // time on the same discoverer just starts cold.
         let prev = std::mem::take(&mut *self.lock());
-        let (found, next) = walk_tree(sysfs_root, &prev)?;
+        let budget = if self.keep_open {
+            FdBudget::from_rlimit()
+        } else {
+            FdBudget::none()
+        };
+        let (found, next) = walk_tree(sysfs_root, &prev, &budget)?;
         *self.lock() = next;
         Ok(found)
     }
@@ -110,7 +140,11 @@ impl Discoverer {
     }
 }
 
-fn walk_tree(sysfs_root: &Path, prev: &Memory) -> Result<(Discovery, Memory), DiscoveryError> {
+fn walk_tree(
+    sysfs_root: &Path,
+    prev: &Memory,
+    budget: &FdBudget,
+) -> Result<(Discovery, Memory), DiscoveryError> {
     let root = fs::canonicalize(sysfs_root).map_err(|source| DiscoveryError::Root {
         path: sysfs_root.to_path_buf(),
         source,
@@ -137,6 +171,7 @@ fn walk_tree(sysfs_root: &Path, prev: &Memory) -> Result<(Discovery, Memory), Di
         list: &list_dir,
         shared: &shared,
         prev: &prev.functions,
+        budget,
     };
     // Discovery is all small reads, each a system call; spread over a few threads it
     // finishes in a fraction of the time on a host with hundreds of functions. The
@@ -233,6 +268,7 @@ struct Walk<'a> {
     list: &'a AttrDir,
     shared: &'a Shared,
     prev: &'a HashMap<PathBuf, Cached>,
+    budget: &'a FdBudget,
 }
 
 /// What one worker found.
@@ -336,9 +372,9 @@ fn describe(
         .get(&real)
         .filter(|c| c.dev == dev && c.ino == ino)
         .cloned();
-    let ids = match &remembered {
-        Some(c) => c.ids,
-        None => read_ids(&dir)?,
+    let (ids, fixed, mut kept) = match remembered {
+        Some(c) => (c.ids, Some(c.fixed), c.kept),
+        None => (read_ids(&dir)?, None, Kept::default()),
     };
     let driver = dir
         .link_basename("driver")
@@ -354,11 +390,16 @@ fn describe(
         device: ids.device,
         class: ids.class,
     };
-    let fixed = match remembered {
-        Some(c) => c.fixed,
-        None => details::read_fixed(&dir, &known),
-    };
-    let details = details::collect(&dir, &known, &fixed, ctx.shared, &mut part.notes);
+    let fixed = fixed.unwrap_or_else(|| details::read_fixed(&dir, &known));
+    let details = details::collect(
+        &dir,
+        &known,
+        &fixed,
+        ctx.shared,
+        &mut kept,
+        ctx.budget,
+        &mut part.notes,
+    );
     let device = PciDevice {
         details: Some(details),
         id,
@@ -377,6 +418,7 @@ fn describe(
         ino,
         ids,
         fixed,
+        kept,
     };
     Ok((device, real, cached))
 }
