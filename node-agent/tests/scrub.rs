@@ -384,6 +384,59 @@ fn zero_gpu_memory_uses_the_helper() {
     assert!(detail(&r, 0).contains("read back 0x5a"), "{r:?}");
 }
 
+#[test]
+fn zero_gpu_memory_without_the_cuda_driver_is_skipped() {
+    let w = World::new();
+    let gpu = &w.gpus[0];
+    let mut env = w.env();
+    // What passage-gpu-zero does on a host without libcuda.so.1.
+    env.gpu_zero_helper = Some(script(
+        &w.bin(),
+        "no-driver",
+        "echo 'CUDA driver (libcuda.so.1) not found; GPU memory not zeroed' >&2; exit 3",
+    ));
+    let steps = [ScrubAction::ZeroGpuMemory {}, ScrubAction::VerifyDriver {}];
+    let r = w.run(gpu, &steps, &env);
+    assert!(r.ok && r.steps[0].ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(names(&r), ["zero_gpu_memory", "verify_driver"]);
+    assert_eq!(
+        detail(&r, 0),
+        "CUDA driver (libcuda.so.1) not found; GPU memory not zeroed"
+    );
+    // Exit 3 with nothing said: still skipped, with the agent's own words.
+    env.gpu_zero_helper = Some(script(&w.bin(), "no-driver-quiet", "exit 3"));
+    let r = w.run(gpu, &steps, &env);
+    assert!(r.ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(
+        detail(&r, 0),
+        "passage-gpu-zero found no CUDA driver; GPU memory not zeroed"
+    );
+
+    // Every other failure quarantines: a CUDA error (1), bad arguments (2), memory not
+    // zero (4), any other code, a signal.
+    for (name, body) in [
+        (
+            "cuda-error",
+            "echo 'cuInit: CUDA_ERROR_NO_DEVICE' >&2; exit 1",
+        ),
+        ("usage", "echo 'bad --bdf' >&2; exit 2"),
+        (
+            "dirty",
+            "echo 'byte 0x5a at device address 0x7f0000001000' >&2; exit 4",
+        ),
+        ("odd", "exit 33"),
+        ("killed", "kill -9 $$"),
+    ] {
+        env.gpu_zero_helper = Some(script(&w.bin(), name, body));
+        let r = w.run(gpu, &steps, &env);
+        assert!(
+            !r.ok && !r.steps[0].ok && !r.steps[0].skipped,
+            "{name}: {r:?}"
+        );
+        assert_eq!(names(&r), ["zero_gpu_memory"], "{name}");
+    }
+}
+
 fn fill(path: &Path, len: usize) {
     fs::write(path, vec![0xABu8; len]).unwrap();
 }

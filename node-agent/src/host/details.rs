@@ -3,10 +3,11 @@
 //! None of these is needed to list or pass through a device, so a missing or garbled
 //! attribute leaves its field empty and adds a note; it never drops the function.
 
-use super::{AttrDir, read_attr};
-use passage_model::pci::{MAX_GROUP_MEMBERS, MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_SLOT_LEN};
+use super::{AttrDir, FdBudget, KeptFd, read_attr};
+use passage_model::pci::{MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_SLOT_LEN};
 use passage_model::{HexId, PciAddress, PciDetails, pci::PciClass};
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::path::Path;
@@ -18,16 +19,30 @@ pub(crate) struct Shared {
     slots: HashMap<(u32, u8, u8), String>,
 }
 
-/// IOMMU group → its members, listed once per group by each worker.
-pub(crate) type GroupCache = HashMap<u32, Result<Vec<PciAddress>, String>>;
+/// The slots a [`super::Discoverer`] saw on its last pass: each slot directory's name
+/// and inode with what its `address` said. A slot's address names its bus and device
+/// number, which are fixed for the life of the slot, so a slot seen before (same name,
+/// same inode, from the listing's `d_ino`: no `stat`) is not read again. A slot that is
+/// removed and created again gets a new inode (kernfs numbers its nodes without reuse on
+/// 64-bit; checked on this kernel with a network device added and removed three times),
+/// and a renamed one a new name, so both are read afresh.
+pub(crate) type SlotMemory = HashMap<OsString, (u64, Option<(u32, u8, u8)>)>;
 
 impl Shared {
-    /// Reads the slot table. A tree without `slots/` (most VMs) has no labels.
-    pub(crate) fn load(root: &Path, notes: &mut Vec<String>) -> Self {
+    /// Reads the slot table, reusing what `prev` says about slots seen before; returns
+    /// the table and what to remember for the next pass. A tree without `slots/` (most
+    /// VMs) has no labels.
+    pub(crate) fn load(
+        root: &Path,
+        prev: &SlotMemory,
+        notes: &mut Vec<String>,
+    ) -> (Self, SlotMemory) {
+        use std::os::unix::fs::DirEntryExt;
         let mut shared = Shared::default();
+        let mut next = SlotMemory::new();
         let dir = root.join("bus/pci/slots");
         let Ok(entries) = fs::read_dir(&dir) else {
-            return shared;
+            return (shared, next);
         };
         for entry in entries.flatten() {
             let name = entry.file_name();
@@ -38,18 +53,27 @@ impl Shared {
                 ));
                 continue;
             };
-            match read_attr(&entry.path().join("address")) {
-                // Empty slots show `DDDD:BB` or nothing: no device to label, not an error.
-                Ok(text) => {
-                    if let Some(key) = parse_slot_address(&text) {
-                        shared.slots.insert(key, label);
+            let ino = entry.ino();
+            let key = match prev.get(&name) {
+                Some(&(seen, key)) if seen == ino => key,
+                _ => match read_attr(&entry.path().join("address")) {
+                    // Empty slots show `DDDD:BB` or nothing: no device to label, not an
+                    // error.
+                    Ok(text) => parse_slot_address(&text),
+                    // Not remembered: read again on the next pass.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        notes.push(format!("{}: {e}", entry.path().display()));
+                        continue;
                     }
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => notes.push(format!("{}: {e}", entry.path().display())),
+                },
+            };
+            if let Some(key) = key {
+                shared.slots.insert(key, label);
             }
+            next.insert(name, (ino, key));
         }
-        shared
+        (shared, next)
     }
 }
 
@@ -148,30 +172,6 @@ pub fn class_name(class: PciClass) -> Option<String> {
     pci_ids::Subclass::from_cid_sid(base, sub).and_then(|s| bounded_name(s.name()))
 }
 
-/// Lists `kernel/iommu_groups/N/devices/`: the addresses there, sorted.
-fn group_members(root: &Path, group: u32) -> Result<Vec<PciAddress>, String> {
-    let dir = root.join(format!("kernel/iommu_groups/{group}/devices"));
-    let entries = fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut members = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
-        let name = entry.file_name();
-        let addr = name
-            .to_str()
-            .and_then(|n| n.parse::<PciAddress>().ok())
-            .ok_or_else(|| format!("{}: {name:?} is not a PCI address", dir.display()))?;
-        members.push(addr);
-        if members.len() > MAX_GROUP_MEMBERS {
-            return Err(format!(
-                "{}: more than {MAX_GROUP_MEMBERS} members",
-                dir.display()
-            ));
-        }
-    }
-    members.sort();
-    Ok(members)
-}
-
 /// What [`collect`] needs to know about the function besides its directory.
 pub(crate) struct Known<'a> {
     pub addr: PciAddress,
@@ -179,7 +179,6 @@ pub(crate) struct Known<'a> {
     pub vendor: HexId,
     pub device: HexId,
     pub class: PciClass,
-    pub iommu_group: Option<u32>,
 }
 
 /// The details that cannot change while the function's directory exists (they come
@@ -197,10 +196,20 @@ pub(crate) struct Fixed {
     notes: Vec<String>,
 }
 
+/// Where an attribute is read from: opened for this read, or held open between passes.
+enum Via<'a> {
+    Open,
+    Kept(&'a mut KeptFd, &'a FdBudget),
+}
+
 /// Reads one optional attribute: a missing one is normal (not PCIe, no SR-IOV, no AER)
 /// and leaves its field empty; any other failure is a note.
-fn optional(dir: &AttrDir, file: &str, notes: &mut Vec<String>) -> Option<String> {
-    match dir.read(file) {
+fn optional(dir: &AttrDir, file: &str, via: Via<'_>, notes: &mut Vec<String>) -> Option<String> {
+    let read = match via {
+        Via::Open => dir.read(file),
+        Via::Kept(kept, budget) => dir.read_kept(file, kept, budget),
+    };
+    match read {
         Ok(t) => Some(t),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => {
@@ -215,11 +224,12 @@ fn optional(dir: &AttrDir, file: &str, notes: &mut Vec<String>) -> Option<String
 fn field<T>(
     dir: &AttrDir,
     file: &str,
+    via: Via<'_>,
     parse: impl Fn(&str) -> Option<T>,
     unknown: &[&str],
     notes: &mut Vec<String>,
 ) -> Option<T> {
-    let text = optional(dir, file, notes)?;
+    let text = optional(dir, file, via, notes)?;
     let value = parse(&text);
     let t = text.trim();
     if value.is_none() && !unknown.iter().any(|u| t.eq_ignore_ascii_case(u)) {
@@ -245,6 +255,7 @@ pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
         max_link_speed: field(
             dir,
             "max_link_speed",
+            Via::Open,
             parse_link_speed,
             UNKNOWN_SPEED,
             &mut notes,
@@ -252,25 +263,46 @@ pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
         max_link_width: field(
             dir,
             "max_link_width",
+            Via::Open,
             parse_link_width,
             UNKNOWN_WIDTH,
             &mut notes,
         ),
-        sriov_totalvfs: field(dir, "sriov_totalvfs", parse_count, &[], &mut notes),
+        sriov_totalvfs: field(
+            dir,
+            "sriov_totalvfs",
+            Via::Open,
+            parse_count,
+            &[],
+            &mut notes,
+        ),
         notes,
     }
 }
 
+/// The attributes [`collect`] reads on every pass, held open between passes by a
+/// [`super::Discoverer`] (see [`AttrDir::read_kept`]); dropped with the function's
+/// memory when its directory goes or is replaced.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Kept {
+    current_link_speed: KeptFd,
+    current_link_width: KeptFd,
+    aer_dev_fatal: KeptFd,
+    aer_dev_nonfatal: KeptFd,
+    sriov_numvfs: KeptFd,
+}
+
 /// Reads the details of the function in `dir` that can change (driver-independent
-/// link state, VF count, error counters, group members) and adds the `fixed` ones.
-/// Problems become `notes`, never errors.
+/// link state, VF count, error counters) and adds the `fixed` ones. Problems become
+/// `notes`, never errors. The IOMMU group's members are filled in by the caller once
+/// every function of the pass has been seen (see [`super::discover`]).
 pub(crate) fn collect(
-    root: &Path,
     dir: &AttrDir,
     known: &Known<'_>,
     fixed: &Fixed,
     shared: &Shared,
-    groups: &mut GroupCache,
+    kept: &mut Kept,
+    budget: &FdBudget,
     notes: &mut Vec<String>,
 ) -> PciDetails {
     notes.extend(fixed.notes.iter().cloned());
@@ -289,6 +321,7 @@ pub(crate) fn collect(
         current_link_speed: field(
             dir,
             "current_link_speed",
+            Via::Kept(&mut kept.current_link_speed, budget),
             parse_link_speed,
             UNKNOWN_SPEED,
             notes,
@@ -296,6 +329,7 @@ pub(crate) fn collect(
         current_link_width: field(
             dir,
             "current_link_width",
+            Via::Kept(&mut kept.current_link_width, budget),
             parse_link_width,
             UNKNOWN_WIDTH,
             notes,
@@ -303,6 +337,7 @@ pub(crate) fn collect(
         aer_fatal: field(
             dir,
             "aer_dev_fatal",
+            Via::Kept(&mut kept.aer_dev_fatal, budget),
             |t| parse_aer_total(t, "TOTAL_ERR_FATAL"),
             &[],
             notes,
@@ -310,6 +345,7 @@ pub(crate) fn collect(
         aer_nonfatal: field(
             dir,
             "aer_dev_nonfatal",
+            Via::Kept(&mut kept.aer_dev_nonfatal, budget),
             |t| parse_aer_total(t, "TOTAL_ERR_NONFATAL"),
             &[],
             notes,
@@ -318,14 +354,14 @@ pub(crate) fn collect(
     };
     // Only functions that can have VFs have `sriov_numvfs`: no open for the others.
     if fixed.sriov_totalvfs.is_some() {
-        d.sriov_numvfs = field(dir, "sriov_numvfs", parse_count, &[], notes);
-    }
-    if let Some(g) = known.iommu_group {
-        let members = groups.entry(g).or_insert_with(|| group_members(root, g));
-        match members {
-            Ok(m) => d.iommu_group_members = m.clone(),
-            Err(e) => notes.push(e.clone()),
-        }
+        d.sriov_numvfs = field(
+            dir,
+            "sriov_numvfs",
+            Via::Kept(&mut kept.sriov_numvfs, budget),
+            parse_count,
+            &[],
+            notes,
+        );
     }
     d
 }

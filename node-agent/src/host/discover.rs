@@ -1,9 +1,9 @@
 //! PCI discovery: attribute files only, never `config` (reading config space can wake a
 //! device from D3 or, on some hardware, upset it).
 
-use super::AttrDir;
-use super::details::{self, Fixed, GroupCache, Known, Shared};
-use passage_model::pci::{PciClass, Revision, validate_driver};
+use super::details::{self, Fixed, Kept, Known, Shared, SlotMemory};
+use super::{AttrDir, FdBudget};
+use passage_model::pci::{MAX_GROUP_MEMBERS, PciClass, Revision, validate_driver};
 use passage_model::{DevicePath, HexId, PciAddress, PciDevice};
 use std::collections::HashMap;
 use std::fs;
@@ -32,11 +32,11 @@ pub enum DiscoveryError {
 /// skipped entry saying why; callers that must tell "no devices" from "could not look"
 /// use [`try_discover`].
 pub fn discover(sysfs_root: &Path) -> Discovery {
-    Discoverer::default().discover(sysfs_root)
+    Discoverer::one_shot().discover(sysfs_root)
 }
 
 pub fn try_discover(sysfs_root: &Path) -> Result<Discovery, DiscoveryError> {
-    Discoverer::default().try_discover(sysfs_root)
+    Discoverer::one_shot().try_discover(sysfs_root)
 }
 
 /// What a function's directory showed that cannot change while the directory exists.
@@ -48,6 +48,7 @@ struct Cached {
     ino: u64,
     ids: Ids,
     fixed: Fixed,
+    kept: Kept,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -65,15 +66,48 @@ struct Ids {
 /// directory exists (ids, class, revision, NUMA node, names, maximum link, VF total),
 /// and reads again only what can (driver, IOMMU group, current link, VF count, AER
 /// counters). The agent keeps one for its whole run: each pass then costs about half the
-/// system calls. A function whose directory was replaced is read in full again.
-#[derive(Debug, Default)]
+/// system calls. A function whose directory was replaced is read in full again. It also
+/// remembers each PCI slot's address per slot directory (see [`SlotMemory`]); the slots
+/// directory itself is listed on every pass, so slots that come and go are seen.
+///
+/// It holds the attributes read on every pass open between passes (current link speed
+/// and width, AER counters, VF count: a `pread` each instead of open, read and close),
+/// up to a share of the process's open-file limit (see [`FdBudget::from_rlimit`]):
+/// 4096 descriptors at most, four per function (five with SR-IOV); the agent's systemd
+/// unit raises the limit for that. The one-shot [`discover`] keeps none.
+#[derive(Debug)]
 pub struct Discoverer {
-    cache: std::sync::Mutex<HashMap<PathBuf, Cached>>,
+    memory: std::sync::Mutex<Memory>,
+    keep_open: bool,
+}
+
+impl Default for Discoverer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What a [`Discoverer`] keeps from one pass to the next.
+#[derive(Debug, Default)]
+struct Memory {
+    functions: HashMap<PathBuf, Cached>,
+    slots: SlotMemory,
 }
 
 impl Discoverer {
     pub fn new() -> Self {
-        Self::default()
+        Discoverer {
+            memory: Default::default(),
+            keep_open: true,
+        }
+    }
+
+    /// For a single pass: nothing is kept open for a next one.
+    fn one_shot() -> Self {
+        Discoverer {
+            memory: Default::default(),
+            keep_open: false,
+        }
     }
 
     /// [`discover`] with this discoverer's memory.
@@ -90,86 +124,152 @@ impl Discoverer {
         // lock and functions that disappeared are forgotten. A pass running at the same
         // time on the same discoverer just starts cold.
         let prev = std::mem::take(&mut *self.lock());
-        let (found, next) = walk_tree(sysfs_root, &prev)?;
+        let budget = if self.keep_open {
+            FdBudget::from_rlimit()
+        } else {
+            FdBudget::none()
+        };
+        let (found, next) = walk_tree(sysfs_root, &prev, &budget)?;
         *self.lock() = next;
         Ok(found)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathBuf, Cached>> {
-        // The map holds no invariant a panicking pass could break.
-        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
+        // The maps hold no invariant a panicking pass could break.
+        self.memory.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 fn walk_tree(
     sysfs_root: &Path,
-    prev: &HashMap<PathBuf, Cached>,
-) -> Result<(Discovery, HashMap<PathBuf, Cached>), DiscoveryError> {
+    prev: &Memory,
+    budget: &FdBudget,
+) -> Result<(Discovery, Memory), DiscoveryError> {
     let root = fs::canonicalize(sysfs_root).map_err(|source| DiscoveryError::Root {
         path: sysfs_root.to_path_buf(),
         source,
     })?;
     let list = root.join("bus/pci/devices");
-    let entries = fs::read_dir(&list).map_err(|source| DiscoveryError::List {
+    let list_err = |source| DiscoveryError::List {
         path: list.clone(),
         source,
-    })?;
+    };
+    let entries = fs::read_dir(&list).map_err(list_err)?;
+    // The links are read relative to the listed directory: one path component each.
+    let list_dir = AttrDir::open(&list).map_err(list_err)?;
     let mut out = Discovery::default();
-    let mut paths = Vec::new();
+    let mut names = Vec::new();
     for entry in entries {
         match entry {
-            Ok(e) => paths.push(e.path()),
+            Ok(e) => names.push(e.file_name()),
             Err(e) => out.skipped.push(format!("{}: {e}", list.display())),
         }
     }
-    let shared = Shared::load(&root, &mut out.notes);
+    let (shared, slots) = Shared::load(&root, &prev.slots, &mut out.notes);
+    let ctx = Walk {
+        root: &root,
+        list: &list_dir,
+        shared: &shared,
+        prev: &prev.functions,
+        budget,
+    };
     // Discovery is all small reads, each a system call; spread over a few threads it
-    // finishes in a fraction of the time on a host with hundreds of functions.
+    // finishes in a fraction of the time on a host with hundreds of functions. The
+    // calling thread takes the first share itself.
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, MAX_WORKERS)
-        .min(paths.len().div_ceil(MIN_PER_WORKER).max(1));
-    let chunk = paths.len().div_ceil(workers).max(1);
+        .min(names.len().div_ceil(MIN_PER_WORKER).max(1));
+    let chunk = names.len().div_ceil(workers).max(1);
     let parts: Vec<Part> = if workers == 1 {
-        vec![walk(&root, &paths, &shared, prev)]
+        vec![walk(&ctx, &names)]
     } else {
         std::thread::scope(|scope| {
-            let handles: Vec<_> = paths
-                .chunks(chunk)
+            let mut chunks = names.chunks(chunk);
+            let first = chunks.next().unwrap_or_default();
+            let handles: Vec<_> = chunks
                 .map(|c| {
-                    let (root, shared) = (&root, &shared);
-                    scope.spawn(move || walk(root, c, shared, prev))
+                    let ctx = &ctx;
+                    scope.spawn(move || walk(ctx, c))
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| Part {
-                        skipped: vec![format!("{}: a discovery worker panicked", list.display())],
-                        ..Part::default()
-                    })
+            let mut parts = vec![walk(&ctx, first)];
+            parts.extend(handles.into_iter().map(|h| {
+                h.join().unwrap_or_else(|_| Part {
+                    skipped: vec![format!("{}: a discovery worker panicked", list.display())],
+                    ..Part::default()
                 })
-                .collect()
+            }));
+            parts
         })
     };
-    let mut next = HashMap::new();
+    let mut next = Memory {
+        functions: HashMap::with_capacity(names.len()),
+        slots,
+    };
+    let mut groups: HashMap<u32, Vec<PciAddress>> = HashMap::new();
     for mut p in parts {
         out.devices.append(&mut p.devices);
         out.skipped.append(&mut p.skipped);
         out.notes.append(&mut p.notes);
-        next.extend(p.cached);
+        next.functions.extend(p.cached);
+        for (group, addr) in p.grouped {
+            groups.entry(group).or_default().push(addr);
+        }
     }
     out.devices.sort_by_key(|d| d.address());
     out.devices.dedup_by_key(|d| d.address());
+    fill_group_members(&root, &mut out, groups);
     out.skipped.sort();
     out.notes.sort();
     out.notes.dedup();
     Ok((out, next))
 }
 
+/// Gives every function the members of its IOMMU group: the functions of this pass
+/// whose `iommu_group` link names the same group, skipped ones included. The kernel
+/// makes a device's `iommu_group` link and its entry in the group's `devices/` together
+/// (`iommu_group_add_device`) and removes both together, so this is the group's listing
+/// without listing it (an open, an `fstat`, two `getdents` and a close per group per
+/// pass: a sixth of a warm pass's system calls on the benchmark's tree). It differs only for members that are not PCI functions (a
+/// platform device sharing a group on some ARM systems), which the field, a list of PCI
+/// addresses, could not name anyway.
+fn fill_group_members(root: &Path, out: &mut Discovery, mut groups: HashMap<u32, Vec<PciAddress>>) {
+    for members in groups.values_mut() {
+        members.sort();
+        members.dedup();
+    }
+    for d in &mut out.devices {
+        let (Some(g), Some(details)) = (d.iommu_group, d.details.as_mut()) else {
+            continue;
+        };
+        let Some(members) = groups.get(&g) else {
+            continue;
+        };
+        if members.len() > MAX_GROUP_MEMBERS {
+            out.notes.push(format!(
+                "{}: more than {MAX_GROUP_MEMBERS} members",
+                root.join(format!("kernel/iommu_groups/{g}")).display()
+            ));
+        } else {
+            details.iommu_group_members = members.clone();
+        }
+    }
+}
+
 /// Threads for one discovery pass, and the fewest functions worth a thread of their own.
 const MAX_WORKERS: usize = 4;
 const MIN_PER_WORKER: usize = 32;
+
+/// What every worker of a pass shares.
+struct Walk<'a> {
+    root: &'a Path,
+    /// `bus/pci/devices`, opened for lookups.
+    list: &'a AttrDir,
+    shared: &'a Shared,
+    prev: &'a HashMap<PathBuf, Cached>,
+    budget: &'a FdBudget,
+}
 
 /// What one worker found.
 #[derive(Default)]
@@ -178,18 +278,22 @@ struct Part {
     skipped: Vec<String>,
     notes: Vec<String>,
     cached: Vec<(PathBuf, Cached)>,
+    /// (IOMMU group, function) for every function whose group link was read.
+    grouped: Vec<(u32, PciAddress)>,
 }
 
-fn walk(root: &Path, links: &[PathBuf], shared: &Shared, prev: &HashMap<PathBuf, Cached>) -> Part {
+fn walk(ctx: &Walk<'_>, names: &[std::ffi::OsString]) -> Part {
     let mut part = Part::default();
-    let mut groups = GroupCache::default();
-    for path in links {
-        match describe(root, path, shared, prev, &mut groups, &mut part.notes) {
+    for name in names {
+        match describe(ctx, name, &mut part) {
             Ok((d, real, cached)) => {
                 part.devices.push(d);
                 part.cached.push((real, cached));
             }
-            Err(reason) => part.skipped.push(format!("{}: {reason}", path.display())),
+            Err(reason) => part.skipped.push(format!(
+                "{}: {reason}",
+                ctx.list.path().join(name).display()
+            )),
         }
     }
     part
@@ -197,14 +301,17 @@ fn walk(root: &Path, links: &[PathBuf], shared: &Shared, prev: &HashMap<PathBuf,
 
 /// Where the `bus/pci/devices/<bdf>` link points, resolved without walking the path
 /// component by component (`canonicalize` would cost a system call per component, for
-/// each of hundreds of functions). The kernel's links are relative, one level, to a
-/// directory under `devices/`; a target that climbs out of the root, or a second link
-/// at the end (a loop, or a tree not shaped like sysfs), is refused.
-fn resolve(root: &Path, link: &Path) -> Result<(PathBuf, fs::Metadata), String> {
-    let target = fs::read_link(link).map_err(|e| format!("not a link to a device: {e}"))?;
-    let base = link.parent().unwrap_or(root);
+/// each of hundreds of functions), and that directory opened. The kernel's links are
+/// relative, one level, to a directory under `devices/`; a target that climbs out of the
+/// root, or a second link at the end (a loop, or a tree not shaped like sysfs), is
+/// refused.
+fn resolve(ctx: &Walk<'_>, name: &std::ffi::OsStr) -> Result<(PathBuf, AttrDir), String> {
+    let target = ctx
+        .list
+        .read_link(name)
+        .map_err(|e| format!("not a link to a device: {e}"))?;
     let mut out = PathBuf::new();
-    for c in base.join(&target).components() {
+    for c in ctx.list.path().join(&target).components() {
         match c {
             Component::ParentDir => {
                 out.pop();
@@ -213,35 +320,30 @@ fn resolve(root: &Path, link: &Path) -> Result<(PathBuf, fs::Metadata), String> 
             other => out.push(other),
         }
     }
-    if !out.starts_with(root) {
+    if !out.starts_with(ctx.root) {
         return Err(format!(
             "resolves to {} outside the sysfs root",
             out.display()
         ));
     }
-    let meta = fs::symlink_metadata(&out).map_err(|e| format!("cannot resolve: {e}"))?;
-    if !meta.is_dir() {
-        return Err(format!("resolves to {}, not a directory", out.display()));
+    match AttrDir::open_dir_nofollow(&out) {
+        Ok(dir) => Ok((out, dir)),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NOTDIR.raw_os_error()) => {
+            Err(format!("resolves to {}, not a directory", out.display()))
+        }
+        Err(e) => Err(format!("cannot resolve: {e}")),
     }
-    Ok((out, meta))
 }
 
 fn describe(
-    root: &Path,
-    link: &Path,
-    shared: &Shared,
-    prev: &HashMap<PathBuf, Cached>,
-    groups: &mut GroupCache,
-    notes: &mut Vec<String>,
+    ctx: &Walk<'_>,
+    name: &std::ffi::OsStr,
+    part: &mut Part,
 ) -> Result<(PciDevice, PathBuf, Cached), String> {
-    let name = link
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let addr: PciAddress = name.parse().map_err(|e| format!("{e}"))?;
-    let (real, meta) = resolve(root, link)?;
+    let addr: PciAddress = name.to_string_lossy().parse().map_err(|e| format!("{e}"))?;
+    let (real, dir) = resolve(ctx, name)?;
     let rel = real
-        .strip_prefix(root)
+        .strip_prefix(ctx.root)
         .map_err(|_| format!("resolves to {} outside the sysfs root", real.display()))?;
     let id: DevicePath = format!("/{}", rel.to_string_lossy())
         .parse()
@@ -249,16 +351,30 @@ fn describe(
     if id.address() != addr {
         return Err(format!("resolves to {id}, another function"));
     }
-    let dir = AttrDir::open(&real).map_err(|e| format!("cannot open: {e}"))?;
-    use std::os::unix::fs::MetadataExt;
-    let (dev, ino) = (meta.dev(), meta.ino());
-    let remembered = prev
+    // The group first: a function skipped below for a bad attribute is still a member
+    // of its group, and its group-mates list it.
+    let iommu_group = dir
+        .link_basename("iommu_group")
+        .map_err(|e| format!("iommu_group: {e}"))
+        .and_then(|g| match g {
+            None => Ok(None),
+            Some(g) => g
+                .parse::<u32>()
+                .map(Some)
+                .map_err(|_| format!("iommu_group: {g:?} is not a group number")),
+        });
+    if let Ok(Some(g)) = iommu_group {
+        part.grouped.push((g, addr));
+    }
+    let (dev, ino) = dir.dev_ino().map_err(|e| format!("cannot open: {e}"))?;
+    let remembered = ctx
+        .prev
         .get(&real)
         .filter(|c| c.dev == dev && c.ino == ino)
         .cloned();
-    let ids = match &remembered {
-        Some(c) => c.ids,
-        None => read_ids(&dir)?,
+    let (ids, fixed, mut kept) = match remembered {
+        Some(c) => (c.ids, Some(c.fixed), c.kept),
+        None => (read_ids(&dir)?, None, Kept::default()),
     };
     let driver = dir
         .link_basename("driver")
@@ -266,29 +382,24 @@ fn describe(
     if let Some(d) = &driver {
         validate_driver(d).map_err(|e| format!("driver: {e}"))?;
     }
-    let iommu_group = match dir
-        .link_basename("iommu_group")
-        .map_err(|e| format!("iommu_group: {e}"))?
-    {
-        None => None,
-        Some(g) => Some(
-            g.parse::<u32>()
-                .map_err(|_| format!("iommu_group: {g:?} is not a group number"))?,
-        ),
-    };
+    let iommu_group = iommu_group?;
     let known = Known {
         addr,
         parents: id.parents(),
         vendor: ids.vendor,
         device: ids.device,
         class: ids.class,
-        iommu_group,
     };
-    let fixed = match remembered {
-        Some(c) => c.fixed,
-        None => details::read_fixed(&dir, &known),
-    };
-    let details = details::collect(root, &dir, &known, &fixed, shared, groups, notes);
+    let fixed = fixed.unwrap_or_else(|| details::read_fixed(&dir, &known));
+    let details = details::collect(
+        &dir,
+        &known,
+        &fixed,
+        ctx.shared,
+        &mut kept,
+        ctx.budget,
+        &mut part.notes,
+    );
     let device = PciDevice {
         details: Some(details),
         id,
@@ -307,6 +418,7 @@ fn describe(
         ino,
         ids,
         fixed,
+        kept,
     };
     Ok((device, real, cached))
 }
@@ -466,6 +578,213 @@ mod tests {
             g.details.as_ref().unwrap().device_name.as_deref(),
             Some("GV100GL [Tesla V100 PCIe 16GB]")
         );
+    }
+
+    /// Points the link `name` in `dir` at `target`'s last component replaced by `to`.
+    fn relink(dir: &Path, name: &str, to: &str) {
+        let old = fs::read_link(dir.join(name)).unwrap();
+        fs::remove_file(dir.join(name)).unwrap();
+        std::os::unix::fs::symlink(old.with_file_name(to), dir.join(name)).unwrap();
+    }
+
+    fn find<'a>(d: &'a Discovery, id: &DevicePath) -> &'a PciDevice {
+        d.devices.iter().find(|x| &x.id == id).unwrap()
+    }
+
+    fn members(d: &Discovery, id: &DevicePath) -> Vec<PciAddress> {
+        find(d, id)
+            .details
+            .as_ref()
+            .unwrap()
+            .iommu_group_members
+            .clone()
+    }
+
+    /// A warm discoverer sees every change a host can make between passes, and what it
+    /// reports is what a cold pass reports.
+    #[test]
+    fn a_warm_discoverer_sees_what_changes() {
+        use crate::fake::{FakeOptions, generate_with};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let opts = FakeOptions {
+            gpu_audio: true,
+            ..FakeOptions::default()
+        };
+        generate_with(&root, &FakeSpec::default(), &opts).unwrap();
+        let disc = Discoverer::new();
+        let pass = |what: &str| {
+            let warm = disc.discover(&root);
+            assert_eq!(warm, discover(&root), "warm and cold differ after {what}");
+            assert!(warm.skipped.is_empty(), "{what}: {:?}", warm.skipped);
+            warm
+        };
+        let first = pass("nothing");
+        let first_again = pass("a second pass");
+        assert_eq!(first, first_again);
+        let gpu = first
+            .devices
+            .iter()
+            .find(|d| d.class.is_gpu_like())
+            .unwrap();
+        let gpu_id = gpu.id.clone();
+        let gdir = dev_dir(&root, gpu);
+        let audio = first
+            .devices
+            .iter()
+            .find(|d| d.address().function == 1 && gpu.id.parents() == d.id.parents())
+            .unwrap();
+        let (audio_id, adir) = (audio.id.clone(), dev_dir(&root, audio));
+        assert_eq!(
+            members(&first, &gpu_id),
+            [gpu.address(), audio.address()],
+            "the audio function shares the GPU's group"
+        );
+
+        // A driver rebind, and an unbind.
+        relink(&gdir, "driver", "vfio-pci");
+        let d = pass("a rebind");
+        assert_eq!(find(&d, &gpu_id).driver.as_deref(), Some("vfio-pci"));
+        fs::remove_file(gdir.join("driver")).unwrap();
+        let d = pass("an unbind");
+        assert_eq!(find(&d, &gpu_id).driver, None);
+
+        // The audio function leaves the GPU's group for a group of its own (both sides
+        // change, as the kernel changes them), and comes back.
+        let group = gpu.iommu_group.unwrap();
+        let groups = root.join("kernel/iommu_groups");
+        fs::create_dir_all(groups.join("999/devices")).unwrap();
+        let entry = audio.address().to_string();
+        fs::rename(
+            groups.join(format!("{group}/devices/{entry}")),
+            groups.join(format!("999/devices/{entry}")),
+        )
+        .unwrap();
+        relink(&adir, "iommu_group", "999");
+        let d = pass("a group change");
+        assert_eq!(members(&d, &gpu_id), [gpu.address()]);
+        assert_eq!(find(&d, &audio_id).iommu_group, Some(999));
+        assert_eq!(members(&d, &audio_id), [audio.address()]);
+        fs::rename(
+            groups.join(format!("999/devices/{entry}")),
+            groups.join(format!("{group}/devices/{entry}")),
+        )
+        .unwrap();
+        relink(&adir, "iommu_group", &group.to_string());
+        let d = pass("a group change back");
+        assert_eq!(members(&d, &gpu_id), [gpu.address(), audio.address()]);
+        assert_eq!(members(&d, &audio_id), [gpu.address(), audio.address()]);
+
+        // Error counters, the current link and the VF count.
+        fs::write(
+            gdir.join("aer_dev_nonfatal"),
+            "TLP 5\nTOTAL_ERR_NONFATAL 5\n",
+        )
+        .unwrap();
+        fs::write(gdir.join("current_link_width"), "8\n").unwrap();
+        let pf = first
+            .devices
+            .iter()
+            .find(|d| d.details.as_ref().unwrap().sriov_totalvfs.is_some())
+            .unwrap();
+        fs::write(dev_dir(&root, pf).join("sriov_numvfs"), "4\n").unwrap();
+        let d = pass("counters");
+        let gd = find(&d, &gpu_id).details.clone().unwrap();
+        assert_eq!((gd.aer_nonfatal, gd.current_link_width), (Some(5), Some(8)));
+        let pfd = find(&d, &pf.id).details.clone().unwrap();
+        assert_eq!(pfd.sriov_numvfs, Some(4));
+
+        // Slots: one appears, one goes, one is replaced by another of the same name
+        // (kept aside, so this file system cannot hand its inode to the new one).
+        let slots = root.join("bus/pci/slots");
+        let slot_of =
+            |d: &Discovery, id: &DevicePath| find(d, id).details.as_ref().unwrap().slot.clone();
+        let gpu_slot = slot_of(&first, &gpu_id).unwrap();
+        let unslotted = first
+            .devices
+            .iter()
+            .filter(|d| d.details.as_ref().unwrap().slot.is_none())
+            .map(|d| d.id.clone())
+            .next_back()
+            .unwrap();
+        let ua = unslotted.address();
+        fs::create_dir(slots.join("NEW SLOT")).unwrap();
+        fs::write(
+            slots.join("NEW SLOT/address"),
+            format!("{:04x}:{:02x}:{:02x}\n", ua.domain, ua.bus, ua.device),
+        )
+        .unwrap();
+        let d = pass("a new slot");
+        assert_eq!(slot_of(&d, &unslotted).as_deref(), Some("NEW SLOT"));
+        fs::rename(slots.join("NEW SLOT"), dir.path().join("old-slot")).unwrap();
+        fs::create_dir(slots.join("NEW SLOT")).unwrap();
+        let ga = gpu.address();
+        fs::write(
+            slots.join("NEW SLOT/address"),
+            format!("{:04x}:{:02x}:{:02x}\n", ga.domain, ga.bus, ga.device),
+        )
+        .unwrap();
+        fs::remove_dir_all(slots.join(&gpu_slot)).unwrap();
+        let d = pass("a replaced slot");
+        assert_eq!(slot_of(&d, &unslotted), None);
+        assert_eq!(slot_of(&d, &gpu_id).as_deref(), Some("NEW SLOT"));
+
+        // A function goes away (its bus link and directory), and another's directory is
+        // replaced.
+        fs::remove_file(
+            root.join("bus/pci/devices")
+                .join(audio.address().to_string()),
+        )
+        .unwrap();
+        fs::rename(&adir, dir.path().join("old-audio")).unwrap();
+        let d = pass("a removal");
+        assert!(d.devices.iter().all(|x| x.id != audio_id));
+        assert_eq!(members(&d, &gpu_id), [gpu.address()]);
+        assert_eq!(d.devices.len(), first.devices.len() - 1);
+    }
+
+    /// The members of a function's IOMMU group are the group's listing in
+    /// `kernel/iommu_groups/N/devices`, though discovery never lists it: it gathers the
+    /// functions whose `iommu_group` link names the group, skipped ones too.
+    #[test]
+    fn group_members_match_the_groups_listing() {
+        use crate::fake::{FakeOptions, generate_with};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let opts = FakeOptions {
+            gpu_audio: true,
+            ..FakeOptions::default()
+        };
+        generate_with(&root, &FakeSpec::default(), &opts).unwrap();
+        let d = discover(&root);
+        let listing = |g: u32| {
+            let mut m: Vec<PciAddress> =
+                fs::read_dir(root.join(format!("kernel/iommu_groups/{g}/devices")))
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_str().unwrap().parse().unwrap())
+                    .collect();
+            m.sort();
+            m
+        };
+        let mut shared = 0;
+        for x in &d.devices {
+            let g = x.iommu_group.unwrap();
+            assert_eq!(members(&d, &x.id), listing(g), "{}", x.id);
+            shared += usize::from(listing(g).len() > 1);
+        }
+        assert!(shared >= 16, "the tree has shared groups ({shared})");
+
+        // A member that cannot be listed (no class) is still its group-mates' member.
+        let gpu = d.devices.iter().find(|x| x.class.is_gpu_like()).unwrap();
+        let audio = d
+            .devices
+            .iter()
+            .find(|x| x.address().function == 1 && x.id.parents() == gpu.id.parents())
+            .unwrap();
+        fs::remove_file(dev_dir(&root, audio).join("class")).unwrap();
+        let again = discover(&root);
+        assert_eq!(again.skipped.len(), 1, "{:?}", again.skipped);
+        assert_eq!(members(&again, &gpu.id), [gpu.address(), audio.address()]);
     }
 
     #[test]

@@ -14,8 +14,10 @@ pub use resources::{ResourcesError, count_cpu_list, host_resources, mem_total_ki
 
 use std::fs;
 use std::io::{self, Read};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The file at the root of a generated tree: its presence means writes must go through
 /// the fake kernel, because no real kernel stands behind those files.
@@ -111,24 +113,95 @@ impl AttrDir {
         })
     }
 
+    /// [`AttrDir::open`], refusing a symbolic link as the last component
+    /// (`ENOTDIR`), as an `lstat` first would but without a second walk of the path.
+    pub(crate) fn open_dir_nofollow(path: &Path) -> io::Result<Self> {
+        use rustix::fs::{Mode, OFlags};
+        let fd = rustix::fs::open(
+            path,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(AttrDir {
+            fd,
+            path: path.to_path_buf(),
+        })
+    }
+
     pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
+    /// The directory's device and inode numbers (`fstat` on the handle: no path walk).
+    // The field types of `Stat` differ between targets; on most they are already `u64`.
+    #[allow(clippy::unnecessary_cast)]
+    pub(crate) fn dev_ino(&self) -> io::Result<(u64, u64)> {
+        let st = rustix::fs::fstat(&self.fd)?;
+        Ok((st.st_dev as u64, st.st_ino as u64))
+    }
+
+    /// The target of the link `name` in this directory.
+    pub(crate) fn read_link(&self, name: &std::ffi::OsStr) -> io::Result<PathBuf> {
+        let target = rustix::fs::readlinkat(&self.fd, name, Vec::new())?;
+        Ok(PathBuf::from(
+            <std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(target.into_bytes()),
+        ))
+    }
+
     /// [`read_attr`] for the attribute `name` in this directory.
     pub(crate) fn read(&self, name: &str) -> io::Result<String> {
+        let fd = self.open_attr(name)?;
+        let mut buf = [0u8; MAX_ATTR_LEN];
+        let n = rustix::io::read(&fd, &mut buf)?;
+        attr_text(&buf[..n])
+    }
+
+    fn open_attr(&self, name: &str) -> io::Result<OwnedFd> {
         use rustix::fs::{Mode, OFlags};
-        let fd = rustix::fs::openat(
+        Ok(rustix::fs::openat(
             &self.fd,
             name,
             OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
             Mode::empty(),
-        )?;
+        )?)
+    }
+
+    /// [`AttrDir::read`] through `kept`, the attribute held open since an earlier pass
+    /// over this same directory: one `pread` at offset 0 instead of open, read and
+    /// close. Sysfs attributes are `seq_file`s, and a read at offset 0 starts them over,
+    /// so the kernel formats the value afresh (checked on this kernel: a network
+    /// counter read twice through one descriptor changes). A kept descriptor whose read
+    /// fails (the attribute was removed: `ENODEV`) is dropped and the attribute opened
+    /// again. A newly opened attribute is kept while `budget` allows.
+    ///
+    /// On a regular file system (a generated tree) the value written in place is what
+    /// is read; a file replaced by another would go on being read through the old one.
+    /// The kernel never does that to an attribute of a directory that still exists.
+    pub(crate) fn read_kept(
+        &self,
+        name: &str,
+        kept: &mut KeptFd,
+        budget: &FdBudget,
+    ) -> io::Result<String> {
         let mut buf = [0u8; MAX_ATTR_LEN];
+        if let Some(fd) = kept.take()
+            && budget.take()
+        {
+            match rustix::io::pread(&*fd, &mut buf, 0) {
+                Ok(n) => {
+                    *kept = Some(fd);
+                    return attr_text(&buf[..n]);
+                }
+                Err(_) => budget.give_back(),
+            }
+        }
+        let fd = self.open_attr(name)?;
         let n = rustix::io::read(&fd, &mut buf)?;
-        let text = std::str::from_utf8(&buf[..n])
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        Ok(text.trim_end().to_string())
+        let text = attr_text(&buf[..n])?;
+        if budget.take() {
+            *kept = Some(Arc::new(fd));
+        }
+        Ok(text)
     }
 
     /// [`link_basename`] for the link `name` in this directory.
@@ -145,6 +218,66 @@ impl AttrDir {
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+}
+
+fn attr_text(bytes: &[u8]) -> io::Result<String> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok(text.trim_end().to_string())
+}
+
+/// An attribute held open between discovery passes (see [`AttrDir::read_kept`]).
+pub(crate) type KeptFd = Option<Arc<OwnedFd>>;
+
+/// How many attributes one discovery pass may hold open for the next.
+#[derive(Debug)]
+pub(crate) struct FdBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+/// The most attributes a discoverer holds open: four per function for about a
+/// thousand functions.
+const MAX_KEPT_FDS: u64 = 4096;
+/// Descriptors left to everything else the agent opens (sockets, state files, QMP
+/// connections, scrub programs' pipes).
+const FD_RESERVE: u64 = 512;
+
+impl FdBudget {
+    pub(crate) fn none() -> Self {
+        FdBudget {
+            limit: 0,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// Half of what the process's open-file limit leaves after [`FD_RESERVE`], at most
+    /// [`MAX_KEPT_FDS`]: 256 under systemd's default soft limit of 1024 (the agent's
+    /// unit raises it), 4096 under a limit of 8704 or more.
+    pub(crate) fn from_rlimit() -> Self {
+        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        let limit = (soft.saturating_sub(FD_RESERVE) / 2).min(MAX_KEPT_FDS);
+        FdBudget {
+            limit: usize::try_from(limit).unwrap_or(0),
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    fn take(&self) -> bool {
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                (u < self.limit).then_some(u + 1)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| u.checked_sub(1));
     }
 }
 
@@ -166,4 +299,78 @@ pub fn device_dir(root: &Path, dev: &passage_model::DevicePath) -> PathBuf {
 /// The driver bound to the function at `dir`, if any.
 pub fn bound_driver(dir: &Path) -> io::Result<Option<String>> {
     link_basename(&dir.join("driver"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(limit: usize) -> FdBudget {
+        FdBudget {
+            limit,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    #[test]
+    fn kept_attributes_are_read_again_through_their_descriptor() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("a"), "1\n").unwrap();
+        fs::write(tmp.path().join("b"), "x\n").unwrap();
+        let dir = AttrDir::open(tmp.path()).unwrap();
+        let one = budget(1);
+        let (mut a, mut b) = (KeptFd::None, KeptFd::None);
+        assert_eq!(dir.read_kept("a", &mut a, &one).unwrap(), "1");
+        assert!(a.is_some(), "kept within the budget");
+        assert_eq!(dir.read_kept("b", &mut b, &one).unwrap(), "x");
+        assert!(b.is_none(), "the budget is spent");
+
+        // The next pass: a value written in place is read through the kept descriptor.
+        let next = budget(1);
+        let held = a.clone().unwrap();
+        fs::write(tmp.path().join("a"), "22\n").unwrap();
+        assert_eq!(dir.read_kept("a", &mut a, &next).unwrap(), "22");
+        assert!(
+            Arc::ptr_eq(a.as_ref().unwrap(), &held),
+            "the same descriptor"
+        );
+
+        // A descriptor that cannot be read any more (here: a directory's, EISDIR; in
+        // sysfs a removed attribute's, ENODEV) is replaced by a fresh open.
+        let sub = tmp.path().join("sub");
+        fs::create_dir(&sub).unwrap();
+        let mut broken = Some(Arc::new(
+            rustix::fs::open(&sub, rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap(),
+        ));
+        let third = budget(1);
+        assert_eq!(dir.read_kept("b", &mut broken, &third).unwrap(), "x");
+        let fresh = broken.unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(rustix::io::pread(&*fresh, &mut buf, 0).unwrap(), 2);
+
+        // A missing attribute is NotFound and keeps nothing; no budget keeps nothing.
+        let mut c = KeptFd::None;
+        let e = dir.read_kept("c", &mut c, &budget(4)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(c.is_none());
+        assert_eq!(dir.read_kept("a", &mut c, &FdBudget::none()).unwrap(), "22");
+        assert!(c.is_none());
+        // A kept descriptor without budget on this pass is let go.
+        assert_eq!(dir.read_kept("a", &mut a, &FdBudget::none()).unwrap(), "22");
+        assert!(a.is_none());
+    }
+
+    #[test]
+    fn the_budget_follows_the_open_file_limit() {
+        let b = FdBudget::from_rlimit();
+        let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        assert!(b.limit as u64 <= MAX_KEPT_FDS);
+        assert!((b.limit as u64) * 2 + FD_RESERVE <= soft.max(FD_RESERVE));
+        let two = budget(2);
+        assert!(two.take() && two.take() && !two.take());
+        two.give_back();
+        assert!(two.take());
+    }
 }

@@ -15,7 +15,8 @@ mod reset;
 pub use env::{GPU_ZERO_HELPER, NVIDIA_SMI, ScrubEnv, ScrubOverrides};
 pub use process::MAX_STDERR;
 pub use programs::{
-    DEFAULT_COMMAND_TIMEOUT_SECS, GPU_ZERO_TIMEOUT, MAX_COMMAND_TIMEOUT_SECS, NVIDIA_SMI_TIMEOUT,
+    DEFAULT_COMMAND_TIMEOUT_SECS, GPU_ZERO_NO_DRIVER, GPU_ZERO_TIMEOUT, MAX_COMMAND_TIMEOUT_SECS,
+    NVIDIA_SMI_TIMEOUT,
 };
 
 use crate::host::{SysfsOps, bound_driver, device_dir, read_attr};

@@ -16,6 +16,16 @@
 //! byte read back, exits non-zero with a one-line reason on stderr (the agent puts the
 //! first 2 KiB of stderr into the report). It gets [`GPU_ZERO_TIMEOUT`] to finish; it
 //! needs no arguments beyond `--bdf` and reads nothing from stdin.
+//!
+//! Exit [`GPU_ZERO_NO_DRIVER`] (3) means the host has no CUDA driver library
+//! (`libcuda.so.1`) and nothing was done: the step is reported skipped with the helper's
+//! line, as when the helper itself is not installed. Every other non-zero exit, or a
+//! death by signal, fails the step and the device is quarantined.
+//!
+//! The workspace's own helper is the `passage-gpu-zero` crate (`node-agent/gpu-zero/`):
+//! it loads `libcuda.so.1` at run time, clears with `cuMemsetD32` and reads back into
+//! page-locked host buffers checked on several threads; its exit codes are 0, 1
+//! (failed), 2 (bad arguments), 3 (no driver) and 4 (memory not zero).
 
 use super::Outcome;
 use super::env::{GPU_ZERO_HELPER, NVIDIA_SMI, ScrubEnv};
@@ -27,6 +37,8 @@ use std::time::Duration;
 pub const NVIDIA_SMI_TIMEOUT: Duration = Duration::from_secs(60);
 /// Clearing and reading back 80 GiB or more of HBM takes seconds; minutes means stuck.
 pub const GPU_ZERO_TIMEOUT: Duration = Duration::from_secs(300);
+/// The helper's exit code for "no CUDA driver on this host; nothing done".
+pub const GPU_ZERO_NO_DRIVER: i32 = 3;
 pub const DEFAULT_COMMAND_TIMEOUT_SECS: u64 = 60;
 /// A longer step would outlive any task timeout the control plane would wait out.
 pub const MAX_COMMAND_TIMEOUT_SECS: u64 = 3600;
@@ -51,6 +63,15 @@ pub(super) fn zero_gpu_memory(env: &ScrubEnv, addr: PciAddress) -> Outcome {
     };
     let bdf = addr.to_string();
     let r = run(&helper, &["--bdf", &bdf], GPU_ZERO_TIMEOUT);
+    if let Ok(f) = &r
+        && f.status.code() == Some(GPU_ZERO_NO_DRIVER)
+    {
+        return Outcome::Skipped(if f.stderr.is_empty() {
+            format!("{GPU_ZERO_HELPER} found no CUDA driver; GPU memory not zeroed")
+        } else {
+            f.stderr.clone()
+        });
+    }
     match describe_failure(GPU_ZERO_HELPER, r, GPU_ZERO_TIMEOUT) {
         None => Outcome::Done(Some(format!("zeroed and verified by {}", helper.display()))),
         Some(why) => Outcome::Failed(why),
