@@ -196,3 +196,127 @@ both!(
     concurrent_reservations_of_one_device_on,
     concurrent_reservations_of_one_device
 );
+
+/// A batch of creations gets, for each, what it would have got alone in that order: the
+/// first to name a device gets it, a device taken outside the batch is lost, quota and
+/// room are spent in order; only the winners are written.
+async fn a_batch_decides_each_creation_in_order(b: Backend) {
+    use passage_model::api::{Role, VmState};
+    use passage_model::{JobId, PackageId};
+    use passage_server::store::{accounts, batch, jobs, room, vms};
+    let (_tdb, db, server, ids) = seeded(b).await;
+    assert!(ids.len() >= 4);
+    // 8 vCPUs to give: 4 CPUs at a ratio of 2, and memory to spare.
+    room::set_host(
+        &db,
+        server,
+        Some(passage_model::protocol::HostResources {
+            cpus: 4,
+            memory_mib: 1 << 20,
+        }),
+    )
+    .await
+    .unwrap();
+    let alloc = room::Allocation {
+        cpu_ratio: 2.0,
+        reserved_memory_mib: 0,
+    };
+    let account = |login: &'static str, quota| accounts::NewAccount {
+        login,
+        password_hash: "x",
+        role: Role::Tenant,
+        gpu_quota: quota,
+    };
+    let a = accounts::insert(&db, account("a", Some(1))).await.unwrap();
+    let t = accounts::insert(&db, account("t", None)).await.unwrap();
+    // Taken before the batch, by a VM of its own.
+    devices::move_devices(
+        &db,
+        server,
+        &ids[3..4],
+        DeviceEvent::Reserve,
+        Some(VmId::new_random()),
+        "elsewhere",
+    )
+    .await
+    .unwrap();
+    let dev = |i: usize| vec![ids[i].parse::<passage_model::DevicePath>().unwrap()];
+    let (d0, d1, d2, d3) = (dev(0), dev(1), dev(2), dev(3));
+    let new = |owner, devices: &'static [passage_model::DevicePath], vcpus| vms::NewVm {
+        uuid: VmId::new_ordered(),
+        alias: "b",
+        owner,
+        package: Some(PackageId::new_random()),
+        vcpus,
+        memory_mib: 1024,
+        server: Some(server),
+        devices,
+        job: JobId::new_ordered(),
+        job_steps: &["reserve", "bind"],
+        alloc,
+    };
+    let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
+        Box::leak(v.into_boxed_slice())
+    };
+    let (d0, d1, d2, d3) = (leak(d0), leak(d1), leak(d2), leak(d3));
+    let batch_vms = vec![
+        new(t.uuid, d0, 2),
+        new(a.uuid, d0, 2), // d0 went to the first
+        new(t.uuid, d3, 2), // d3 was taken before the batch
+        new(a.uuid, d1, 2), // a's one device
+        new(a.uuid, d2, 2), // a's quota is spent
+        new(t.uuid, d2, 5), // 2 + 2 taken of 8: no room for 5
+        new(t.uuid, d2, 4),
+    ];
+    let out = batch::create_many(&db, &batch_vms, alloc).await.unwrap();
+    let kinds: Vec<String> = out
+        .iter()
+        .map(|o| match o {
+            Ok(_) => "ok".into(),
+            Err(StoreError::Retry) => "retry".into(),
+            Err(StoreError::Quota(_)) => "quota".into(),
+            Err(StoreError::NoRoom(_)) => "room".into(),
+            Err(e) => format!("{e}"),
+        })
+        .collect();
+    assert_eq!(kinds, ["ok", "retry", "retry", "ok", "quota", "room", "ok"]);
+    for (vm, o) in batch_vms.iter().zip(&out) {
+        match o {
+            Ok(view) => {
+                // What was answered is what was written.
+                let stored = vms::get(&db, vm.uuid).await.unwrap();
+                assert_eq!(&stored, view);
+                assert_eq!(stored.state, VmState::Provisioning);
+                let job = jobs::get(&db, vm.job).await.unwrap();
+                assert_eq!(job.view.steps.len(), 2);
+                let held = devices::held_by(&db, vm.uuid).await.unwrap();
+                assert_eq!(held.len(), 1);
+                assert_eq!(held[0].state, DeviceState::Provisioning);
+            }
+            Err(_) => {
+                assert!(
+                    vms::get(&db, vm.uuid).await.is_err(),
+                    "a loser is not written"
+                );
+                assert!(jobs::get(&db, vm.job).await.is_err());
+            }
+        }
+    }
+    assert_eq!(accounts::gpu_held(&db, a.uuid).await.unwrap(), 1);
+    assert_eq!(accounts::gpu_held(&db, t.uuid).await.unwrap(), 2);
+    // The free-device index followed: the hinted placement read sees what is left.
+    let left = ids.len() - 4;
+    let view = devices::placement_view(&db, "H100", 1, &["H100".into()], 0, false, 100, 100, alloc)
+        .await
+        .unwrap();
+    assert_eq!(view.candidates.len(), left);
+    let hinted = devices::hinted_servers(&db, "H100", 1, 0, false, 10)
+        .await
+        .unwrap();
+    assert_eq!(hinted, vec![(server, left as i64)]);
+    assert_eq!(view.rooms[&server].vcpus_used, 8);
+}
+both!(
+    a_batch_decides_each_creation_in_order_on,
+    a_batch_decides_each_creation_in_order
+);

@@ -8,6 +8,10 @@ use tokio::sync::mpsc;
 
 /// Items that may wait for a batch; past this, callers wait to queue.
 const QUEUE: usize = 4096;
+/// How long a batch may wait for more items when the last one was large.
+const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+/// The batch size from which the next one lingers.
+const LINGER_AFTER: usize = 8;
 
 pub struct Batcher<T> {
     queue: mpsc::Sender<T>,
@@ -49,15 +53,29 @@ where
     F: Fn(Ctx, Vec<T>) -> Fut,
     Fut: Future<Output = ()>,
 {
+    let mut last = 0;
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
-        while batch.len() < max {
-            match rx.try_recv() {
-                Ok(item) => batch.push(item),
-                Err(_) => break,
-            }
+        take(&mut rx, &mut batch, max);
+        // Under load, the callers the last batch answered are sending their next requests
+        // now: a moment's wait lets them join this batch instead of forming a small one
+        // of their own. A lone caller never waits.
+        if last >= LINGER_AFTER && batch.len() < last / 2 {
+            tokio::time::sleep(LINGER).await;
+            take(&mut rx, &mut batch, max);
         }
+        last = batch.len();
         let Some(ctx) = ctx.upgrade() else { return };
         run(ctx, batch).await;
+    }
+}
+
+/// Moves what is queued into `batch`, up to `max` items in all.
+fn take<T>(rx: &mut mpsc::Receiver<T>, batch: &mut Vec<T>, max: usize) {
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(item) => batch.push(item),
+            Err(_) => break,
+        }
     }
 }

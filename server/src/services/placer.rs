@@ -219,7 +219,9 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
     // Servers enough for every request's devices and some to spare, for servers that turn
     // out short of vCPUs or memory or of NUMA-local sets; never more than one per request.
     let wanted = i64::from(count).saturating_mul(i64::try_from(reqs.len()).unwrap_or(i64::MAX));
-    let need = wanted.saturating_mul(2).saturating_add(i64::from(count) * 8);
+    let need = wanted
+        .saturating_mul(2)
+        .saturating_add(i64::from(count) * 8);
     let limit = i64::try_from(reqs.len() + 8).unwrap_or(i64::MAX);
     let read = devices::placement_view(
         &ctx.db,

@@ -59,7 +59,10 @@ fn decide(
                     .iter()
                     .map(|d| (server.clone(), d.to_string()))
                     .collect();
-                if keys.iter().any(|k| !free.contains_key(k) || taken.contains(k)) {
+                if keys
+                    .iter()
+                    .any(|k| !free.contains_key(k) || taken.contains(k))
+                {
                     return Err(StoreError::Retry);
                 }
                 taken.extend(keys);
@@ -229,6 +232,8 @@ struct Writes {
     events: Option<String>,
     /// The free-device index, less what the batch takes.
     free: Option<String>,
+    /// Owners charged (rows the quota update must change).
+    owners: usize,
     devices: usize,
 }
 
@@ -255,7 +260,19 @@ fn writes(
             Arg::Int(now),
         ]
         .map(|a| q.arg(a));
-        let [uuid, alias, owner, server, package, vcpus, mem, devs, job, at, at2] = vals;
+        let [
+            uuid,
+            alias,
+            owner,
+            server,
+            package,
+            vcpus,
+            mem,
+            devs,
+            job,
+            at,
+            at2,
+        ] = vals;
         rows.push(format!(
             "({uuid}, {alias}, {owner}, {server}, {package}, 'provisioning', {vcpus}, {mem}, \
              {devs}, {job}, {at}, {at2})"
@@ -313,6 +330,7 @@ fn writes(
         reserve: None,
         events: None,
         free: None,
+        owners: held.len(),
         devices: devs.len(),
     };
     if devs.is_empty() {
@@ -327,7 +345,8 @@ fn writes(
         .collect();
     w.quotas = Some(format!(
         "UPDATE accounts SET gpu_held = gpu_held + v.column2 FROM (VALUES {}) AS v \
-         WHERE accounts.uuid = v.column1",
+         WHERE accounts.uuid = v.column1 \
+         AND (accounts.gpu_quota IS NULL OR accounts.gpu_held + v.column2 <= accounts.gpu_quota)",
         rows.join(", ")
     ));
     // The states are the machine's own: `Reserve` takes `unassigned` to `provisioning`.
@@ -352,8 +371,15 @@ fn writes(
         .iter()
         .map(|(server, id, vm)| {
             let (s, i) = (q.text(server), q.text(id));
-            let (why, at) = (q.text(format!("reserved for VM {vm}")), q.arg(Arg::Int(now)));
-            format!("({s}, {i}, '{}', '{}', {why}, {at})", from.as_str(), to.as_str())
+            let (why, at) = (
+                q.text(format!("reserved for VM {vm}")),
+                q.arg(Arg::Int(now)),
+            );
+            format!(
+                "({s}, {i}, '{}', '{}', {why}, {at})",
+                from.as_str(),
+                to.as_str()
+            )
         })
         .collect();
     w.events = Some(format!(
@@ -367,7 +393,9 @@ fn writes(
     let mut taken: BTreeMap<(String, String), i64> = BTreeMap::new();
     for (server, id, _) in &devs {
         if let Some(Some(variant)) = free.get(&(server.to_string(), id.clone())) {
-            *taken.entry((server.to_string(), variant.clone())).or_default() += 1;
+            *taken
+                .entry((server.to_string(), variant.clone()))
+                .or_default() += 1;
         }
     }
     if !taken.is_empty() {
@@ -422,17 +450,18 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Sqlite> {
             let w = writes(&mut q, &won, &found.free, now)?;
             let mut all = vec![w.vms, w.jobs];
             all.extend(w.steps);
-            all.extend(w.quotas);
-            // The only statement answering rows: the devices it reserved.
-            all.extend(w.reserve.map(|r| format!("{r} RETURNING devices.id")));
+            // The statements answering rows, one per owner charged and one per device
+            // reserved, which must be all of them.
+            all.extend(w.quotas.map(|a| format!("{a} RETURNING 0")));
+            all.extend(w.reserve.map(|r| format!("{r} RETURNING 1")));
             all.extend(w.events);
             all.extend(w.free);
             let sql = all.join(";\n");
-            let reserved = bind_args!(sqlx::query(&sql), &q.args)
+            let rows: Vec<(i64,)> = bind_args!(sqlx::query_as(&sql), &q.args)
                 .fetch_all(&mut **self)
-                .await?
-                .len();
-            if reserved != w.devices {
+                .await?;
+            let reserved = rows.iter().filter(|(k,)| *k == 1).count();
+            if reserved != w.devices || rows.len() - reserved != w.owners {
                 // Checked under the writer's lock just before: only a bug gets here.
                 return Err(StoreError::Retry);
             }
@@ -448,33 +477,21 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
         alloc: Allocation,
     ) -> StoreResult<Vec<StoreResult<Vm>>> {
         let (servers, owners) = keys(vms);
-        // Rows are locked in one order everywhere: servers, accounts, devices, each by
-        // key, as a single creation does, so that two replicas' batches cannot deadlock.
-        let lock = |table: &str, key: &str, list: &str, more: &str| {
-            format!(
-                "SELECT 1 FROM {table} WHERE {key} IN ({list}){more} ORDER BY {key} \
-                 FOR NO KEY UPDATE"
-            )
-        };
-        let mut locks = Vec::new();
+        // The servers' rows are locked first (in key order, as a single creation locks
+        // its server): their vCPUs and memory are summed from VM rows, which no
+        // conditional write can guard. Devices and quotas need no lock: their writes
+        // below are conditional, and a count short of the plan undoes the whole batch.
+        // The check reads after the lock, in a statement of its own, so that it sees
+        // what a creation that held the lock before has committed.
+        let trace = std::env::var_os("PASSAGE_TRACE_SQL").is_some();
+        let t0 = std::time::Instant::now();
         if !servers.is_empty() {
             let mut q = Sql::default();
             let list = q.list(&servers);
-            locks.push((lock("servers", "uuid", &list, ""), q.args.clone()));
-            if !owners.is_empty() {
-                let mut q = Sql::default();
-                let list = q.list(&owners);
-                locks.push((lock("accounts", "uuid", &list, ""), q.args));
-                let mut q = Sql::default();
-                let list = q.list(&servers);
-                let free = " AND state = 'unassigned'";
-                locks.push((lock("devices", "server_uuid", &list, free), q.args));
-            }
-        }
-        let trace = std::env::var_os("PASSAGE_TRACE_SQL").is_some();
-        let t0 = std::time::Instant::now();
-        for (sql, args) in &locks {
-            let _: Vec<(i32,)> = bind_args!(sqlx::query_as(sql), args)
+            let sql = format!(
+                "SELECT 1 FROM servers WHERE uuid IN ({list}) ORDER BY uuid FOR NO KEY UPDATE"
+            );
+            let _: Vec<(i32,)> = bind_args!(sqlx::query_as(&sql), &q.args)
                 .fetch_all(&mut **self)
                 .await?;
         }
@@ -499,7 +516,7 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
             if let Some(s) = w.steps {
                 ctes.push(format!("st AS ({s} RETURNING 1)"));
             }
-            if let Some(s) = w.quotas {
+            if let Some(s) = &w.quotas {
                 ctes.push(format!("a AS ({s} RETURNING 1)"));
             }
             if let Some(s) = w.events {
@@ -512,17 +529,35 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
                 format!("{s} RETURNING 1")
             });
             ctes.push(format!("d AS ({reserve})"));
-            let sql = format!("WITH {} SELECT COUNT(*) FROM d", ctes.join(", "));
+            let charged = if w.quotas.is_some() {
+                "(SELECT COUNT(*) FROM a)"
+            } else {
+                "0"
+            };
+            let sql = format!(
+                "WITH {} SELECT (SELECT COUNT(*) FROM d), {charged}",
+                ctes.join(", ")
+            );
             let t1 = t0.elapsed();
-            let reserved: i64 = bind_args!(sqlx::query_scalar(&sql), &q.args)
+            let (reserved, charges): (i64, i64) = bind_args!(sqlx::query_as(&sql), &q.args)
                 .fetch_one(&mut **self)
                 .await?;
+            if charges != w.owners as i64 {
+                // A quota changed since the check (another replica's creation).
+                return Err(StoreError::Retry);
+            }
             let t2 = t0.elapsed();
             if reserved != w.devices as i64 {
                 return Err(StoreError::Retry);
             }
             if trace {
-                eprintln!("pg {} locks+check {:?} cte {:?} free {:?}", won.len(), t1, t2 - t1, t0.elapsed() - t2);
+                eprintln!(
+                    "pg {} locks+check {:?} cte {:?} free {:?}",
+                    won.len(),
+                    t1,
+                    t2 - t1,
+                    t0.elapsed() - t2
+                );
             }
         }
         Ok(answers(vms, verdicts, now))
