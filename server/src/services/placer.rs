@@ -97,9 +97,11 @@ async fn place_batch(ctx: &Ctx, batch: Vec<Request>) {
         planned.extend(p);
         alone.extend(rest.into_iter().map(|r| (r, Vec::new())));
     }
-    if std::env::var_os("PASSAGE_TRACE_BATCH").is_some() {
-        eprintln!("plan {} alone {}", planned.len(), alone.len());
-    }
+    tracing::debug!(
+        planned = planned.len(),
+        alone = alone.len(),
+        "placement batch planned"
+    );
     place_alone(ctx, alone);
     write(ctx, planned).await;
 }
@@ -125,21 +127,12 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
     let t0 = std::time::Instant::now();
     let written = batch::create_many(&ctx.db, &news, ctx.cfg.alloc).await;
     drop(news);
-    if std::env::var_os("PASSAGE_TRACE_BATCH").is_some() {
-        let lost: Vec<String> = written
-            .as_ref()
-            .map(|o| {
-                o.iter()
-                    .filter_map(|r| r.as_ref().err().map(|e| format!("{e:?}")))
-                    .collect()
-            })
-            .unwrap_or_default();
-        eprintln!(
-            "write {} in {:?} lost {lost:?}",
-            planned.len(),
-            t0.elapsed()
-        );
-    }
+    tracing::debug!(
+        vms = planned.len(),
+        took_ms = t0.elapsed().as_secs_f64() * 1e3,
+        ok = written.is_ok(),
+        "placement batch written"
+    );
     let mut alone: Vec<(Request, Vec<ServerId>)> = Vec::new();
     match written {
         Ok(outcomes) => {

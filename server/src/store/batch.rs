@@ -362,7 +362,8 @@ fn writes(
     w.reserve = Some(format!(
         "UPDATE devices SET state = '{}', used_by = v.column3, generation = generation + 1, \
          updated_at = {at} FROM (VALUES {}) AS v WHERE devices.server_uuid = v.column1 \
-         AND devices.id = v.column2 AND devices.state = '{}'",
+         AND devices.id = v.column2 AND devices.state = '{}' AND devices.missing = 0 \
+         AND devices.taint IS NULL",
         to.as_str(),
         keys.join(", "),
         from.as_str()
@@ -483,8 +484,6 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
         // below are conditional, and a count short of the plan undoes the whole batch.
         // The check reads after the lock, in a statement of its own, so that it sees
         // what a creation that held the lock before has committed.
-        let trace = std::env::var_os("PASSAGE_TRACE_SQL").is_some();
-        let t0 = std::time::Instant::now();
         if !servers.is_empty() {
             let mut q = Sql::default();
             let list = q.list(&servers);
@@ -538,7 +537,6 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
                 "WITH {} SELECT (SELECT COUNT(*) FROM d), {charged}",
                 ctes.join(", ")
             );
-            let t1 = t0.elapsed();
             let (reserved, charges): (i64, i64) = bind_args!(sqlx::query_as(&sql), &q.args)
                 .fetch_one(&mut **self)
                 .await?;
@@ -546,18 +544,8 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Postgres> {
                 // A quota changed since the check (another replica's creation).
                 return Err(StoreError::Retry);
             }
-            let t2 = t0.elapsed();
             if reserved != w.devices as i64 {
                 return Err(StoreError::Retry);
-            }
-            if trace {
-                eprintln!(
-                    "pg {} locks+check {:?} cte {:?} free {:?}",
-                    won.len(),
-                    t1,
-                    t2 - t1,
-                    t0.elapsed() - t2
-                );
             }
         }
         Ok(answers(vms, verdicts, now))
