@@ -140,3 +140,106 @@ async fn every_route_is_documented_and_served() {
         "bearer"
     );
 }
+
+/// Follows a `$ref` to the schema it names.
+fn resolve<'a>(doc: &'a Value, mut node: &'a Value) -> &'a Value {
+    while let Some(r) = node["$ref"].as_str() {
+        node = doc.pointer(r.trim_start_matches('#')).unwrap();
+    }
+    node
+}
+
+/// The schema a JSON pointer into a value of `schema` lands on, if the schema has it.
+fn at<'a>(doc: &'a Value, schema: &'a Value, pointer: &str) -> Option<&'a Value> {
+    let mut node = resolve(doc, schema);
+    for seg in pointer.trim_start_matches('/').split('/') {
+        node = if seg.parse::<usize>().is_ok() {
+            resolve(doc, node.get("items")?)
+        } else {
+            resolve(doc, node.get("properties")?.get(seg)?)
+        };
+    }
+    Some(node)
+}
+
+/// Answers link to the operations their values feed, so that a client (or Schemathesis's
+/// stateful phase) reaches real objects: each link names an operation that exists, fills
+/// parameters it has from fields the source's answer has, and every operation on one
+/// object is reached by some link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_link_to_the_calls_they_feed() {
+    let s = TestServer::start(Backend::Sqlite, fast_config()).await;
+    let doc: Value = s
+        .http
+        .get(s.url("/v1/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut ops = std::collections::BTreeMap::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            ops.insert(
+                op["operationId"].as_str().unwrap().to_string(),
+                (format!("{method} {path}"), op),
+            );
+        }
+    }
+    let mut targets = std::collections::BTreeSet::new();
+    let mut count = 0;
+    for (label, op) in ops.values() {
+        for (status, response) in op["responses"].as_object().unwrap() {
+            let Some(links) = response["links"].as_object() else {
+                continue;
+            };
+            let schema = &response["content"]["application/json"]["schema"];
+            for (name, link) in links {
+                count += 1;
+                let to = link["operationId"].as_str().unwrap();
+                let (_, target) = ops
+                    .get(to)
+                    .unwrap_or_else(|| panic!("{label} {status} {name}: no operation {to}"));
+                targets.insert(to.to_string());
+                let mut exprs: Vec<&str> = Vec::new();
+                for (param, expr) in link["parameters"].as_object().into_iter().flatten() {
+                    assert!(
+                        target["parameters"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .any(|p| p["name"] == param.as_str()),
+                        "{label} {status} {name}: {to} has no parameter {param}"
+                    );
+                    exprs.push(expr.as_str().unwrap());
+                }
+                for (field, expr) in link["requestBody"].as_object().into_iter().flatten() {
+                    let body = &target["requestBody"]["content"]["application/json"]["schema"];
+                    assert!(
+                        at(&doc, body, field).is_some(),
+                        "{label} {status} {name}: {to}'s body has no {field}"
+                    );
+                    exprs.push(expr.as_str().unwrap());
+                }
+                assert!(!exprs.is_empty(), "{label} {status} {name} passes nothing");
+                for expr in exprs {
+                    let pointer = expr.strip_prefix("$response.body#").unwrap();
+                    assert!(
+                        at(&doc, schema, pointer).is_some(),
+                        "{label} {status} {name}: the answer has no {pointer}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(count >= 40, "{count} links");
+    // Operations on one object, less the three that would cut off the caller or its nodes.
+    for (id, (label, _)) in &ops {
+        let on_object = label.contains('{');
+        let cut_off = ["logout", "delete_token", "revoke_credential"].contains(&id.as_str());
+        if on_object && !cut_off {
+            assert!(targets.contains(id), "{label} ({id}) is no link's target");
+        }
+    }
+}

@@ -4,6 +4,7 @@ pub mod agent;
 pub mod audit;
 pub mod extract;
 pub mod hardening;
+pub mod links;
 pub mod metrics;
 pub mod v1;
 
@@ -83,7 +84,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
 /// The served document: utoipa's, plus the rules its attributes cannot state. The body
 /// decoder and the query parser refuse NUL in every string, so every free string says so;
 /// a package's device counts are keyed by variant names; a VM's `assigned_devices` needs
-/// its `server_uuid`.
+/// its `server_uuid`; answers link to the calls their values feed ([`links`]).
 fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
     use serde_json::{Value, json};
     let mut v = serde_json::to_value(doc).unwrap_or(Value::Null);
@@ -108,6 +109,7 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         }
     }
     no_nul(&mut v);
+    links::add(&mut v);
     let schemas = &mut v["components"]["schemas"];
     if let Some(devices) = schemas
         .pointer_mut("/CreatePackage/properties/devices")

@@ -1,0 +1,174 @@
+//! OpenAPI links: how one answer's values feed the next call (RFC: OpenAPI 3.1 "Link
+//! Object"). Clients can follow them, and Schemathesis's stateful phase chains calls with
+//! them, so operations on `/vms/{uuid}`, `/jobs/{uuid}` or `/servers/{uuid}` are fuzzed with
+//! objects that exist instead of random uuids that only ever get a 404.
+
+use serde_json::{Map, Value, json};
+
+/// One link: from an operation's answer to another operation.
+pub struct Link {
+    pub from: &'static str,
+    pub status: &'static str,
+    pub to: &'static str,
+    /// Target parameter → runtime expression on the source's answer.
+    pub parameters: &'static [(&'static str, &'static str)],
+    /// Fields of the target's body taken from the answer (merged into a generated body).
+    pub body: &'static [(&'static str, &'static str)],
+}
+
+const fn link(
+    from: &'static str,
+    status: &'static str,
+    to: &'static str,
+    parameters: &'static [(&'static str, &'static str)],
+) -> Link {
+    Link {
+        from,
+        status,
+        to,
+        parameters,
+        body: &[],
+    }
+}
+
+const UUID: &[(&str, &str)] = &[("uuid", "$response.body#/uuid")];
+const FIRST_UUID: &[(&str, &str)] = &[("uuid", "$response.body#/0/uuid")];
+const JOB: &[(&str, &str)] = &[("uuid", "$response.body#/job_uuid")];
+const NAME: &[(&str, &str)] = &[("name", "$response.body#/name")];
+const FIRST_NAME: &[(&str, &str)] = &[("name", "$response.body#/0/name")];
+const DEVICE_SERVER: &[(&str, &str)] = &[("uuid", "$response.body#/0/server_uuid")];
+
+/// Every link the document states. `logout`, `delete_token` and `revoke_credential` are not
+/// targets: following them would cut off the caller or its nodes.
+pub const LINKS: &[Link] = &[
+    // Instances and their jobs.
+    link("create_vm", "202", "get_vm", UUID),
+    link("create_vm", "202", "stop_vm", UUID),
+    link("create_vm", "202", "start_vm", UUID),
+    link("create_vm", "202", "resize_vm", UUID),
+    link("create_vm", "202", "migrate_vm", UUID),
+    link("create_vm", "202", "delete_vm", UUID),
+    link("create_vm", "202", "get_job", JOB),
+    link("list_vms", "200", "get_vm", FIRST_UUID),
+    link("list_vms", "200", "stop_vm", FIRST_UUID),
+    link("list_vms", "200", "start_vm", FIRST_UUID),
+    link("list_vms", "200", "resize_vm", FIRST_UUID),
+    link("list_vms", "200", "migrate_vm", FIRST_UUID),
+    link("stop_vm", "202", "get_job", JOB),
+    link("stop_vm", "202", "start_vm", UUID),
+    link("start_vm", "202", "get_job", JOB),
+    link("resize_vm", "202", "get_job", JOB),
+    link("migrate_vm", "202", "get_job", JOB),
+    link("delete_vm", "202", "get_job", JOB),
+    link("list_jobs", "200", "get_job", FIRST_UUID),
+    // Accounts.
+    link("create_account", "201", "get_account", UUID),
+    link("create_account", "201", "update_account", UUID),
+    link("create_account", "201", "delete_account", UUID),
+    link("list_accounts", "200", "get_account", FIRST_UUID),
+    // Variants and packages.
+    link("create_variant", "201", "get_variant", NAME),
+    link("create_variant", "201", "put_variant", NAME),
+    link("create_variant", "201", "delete_variant", NAME),
+    link("list_variants", "200", "get_variant", FIRST_NAME),
+    link("create_package", "201", "get_package", UUID),
+    link("create_package", "201", "package_availability", UUID),
+    link("create_package", "201", "delete_package", UUID),
+    Link {
+        from: "create_package",
+        status: "201",
+        to: "create_vm",
+        parameters: &[],
+        body: &[("package", "$response.body#/uuid")],
+    },
+    link("list_packages", "200", "get_package", FIRST_UUID),
+    link("list_packages", "200", "package_availability", FIRST_UUID),
+    Link {
+        from: "list_packages",
+        status: "200",
+        to: "create_vm",
+        parameters: &[],
+        body: &[("package", "$response.body#/0/name")],
+    },
+    // Servers and their devices.
+    link("list_servers", "200", "get_server", FIRST_UUID),
+    link("list_servers", "200", "update_server", FIRST_UUID),
+    link("list_servers", "200", "device_events", FIRST_UUID),
+    link("list_servers", "200", "scrub_reports", FIRST_UUID),
+    link("list_devices", "200", "get_server", DEVICE_SERVER),
+    Link {
+        from: "list_devices",
+        status: "200",
+        to: "device_action",
+        parameters: DEVICE_SERVER,
+        body: &[("device", "$response.body#/0/id")],
+    },
+];
+
+/// Adds [`LINKS`] to the served document (a JSON value, after utoipa's own output).
+pub fn add(doc: &mut Value) {
+    for l in LINKS {
+        let Some(response) = operation_mut(doc, l.from)
+            .and_then(|op| op.pointer_mut(&format!("/responses/{}", l.status)))
+            .and_then(Value::as_object_mut)
+        else {
+            continue;
+        };
+        let mut def = Map::new();
+        def.insert("operationId".into(), json!(l.to));
+        if !l.parameters.is_empty() {
+            let params: Map<String, Value> = l
+                .parameters
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), json!(v)))
+                .collect();
+            def.insert("parameters".into(), Value::Object(params));
+        }
+        if !l.body.is_empty() {
+            let body: Map<String, Value> = l
+                .body
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), json!(v)))
+                .collect();
+            def.insert("requestBody".into(), Value::Object(body));
+        }
+        let links = response
+            .entry("links")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Some(links) = links.as_object_mut() {
+            links.insert(name(l.to), Value::Object(def));
+        }
+    }
+}
+
+/// `get_vm` → `GetVm`: link names are keys, unique per response because each response
+/// links once to each target.
+fn name(operation: &str) -> String {
+    operation
+        .split('_')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+fn operation_mut<'a>(doc: &'a mut Value, id: &str) -> Option<&'a mut Value> {
+    doc.get_mut("paths")?
+        .as_object_mut()?
+        .values_mut()
+        .filter_map(Value::as_object_mut)
+        .flat_map(|item| item.values_mut())
+        .find(|op| op.get("operationId").and_then(Value::as_str) == Some(id))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn names() {
+        assert_eq!(super::name("get_vm"), "GetVm");
+        assert_eq!(super::name("package_availability"), "PackageAvailability");
+    }
+}
