@@ -4,6 +4,9 @@ use clap::Parser;
 use passage_server::config::Config;
 use std::time::Duration;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "server",

@@ -1,7 +1,8 @@
 //! `cargo xtask fuzz-api`: property-based fuzzing of the REST API with Schemathesis,
 //! driven by the OpenAPI document the server serves at `/v1/openapi.json`.
 //!
-//! 1. makes sure the pinned Schemathesis is installed (`python3 -m pip install`);
+//! 1. makes sure the pinned Schemathesis is installed (`python3 -m pip install`, or the
+//!    Python `--python` names);
 //! 2. builds `server`, starts it on a free loopback port with a throwaway database (SQLite
 //!    in a temp folder, or a fresh `passage_fuzz_<random>` PostgreSQL database) and two
 //!    simulated compute nodes, logs in as `admin`, creates a variant and a package, and
@@ -61,10 +62,20 @@ pub struct Args {
     #[arg(long, value_name = "M", default_value_t = 20,
           value_parser = clap::value_parser!(u64).range(1..))]
     max_minutes: u64,
-    /// Concurrent Schemathesis workers
-    #[arg(long, value_name = "W", default_value_t = 2,
+    /// Concurrent Schemathesis workers. One by default: with two, Hypothesis parses lambdas'
+    /// source in two threads at once, which CPython 3.11 can fail with "SystemError: AST
+    /// constructor recursion depth mismatch" (cpython#106905), reported as API errors
+    #[arg(long, value_name = "W", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     workers: u32,
+    /// The Python that runs Schemathesis (pip installs it there if missing)
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "PASSAGE_FUZZ_PYTHON",
+        default_value = "python3"
+    )]
+    python: String,
     /// Arguments for `schemathesis run`
     #[arg(value_name = "ARGS", last = true)]
     passthrough: Vec<String>,
@@ -97,7 +108,7 @@ pub fn run(opts: &Args) -> Result<()> {
     }
 
     println!("==> schemathesis");
-    ensure_schemathesis()?;
+    ensure_schemathesis(&opts.python)?;
 
     println!("==> building the server");
     util::run_checked(cargo().args(["build", "-p", "passage-server", "--bin", "server"]))?;
@@ -247,9 +258,9 @@ pub fn run(opts: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Installs the pinned Schemathesis unless `python3 -m schemathesis.cli` is that version.
-fn ensure_schemathesis() -> Result<()> {
-    let installed = installed_schemathesis();
+/// Installs the pinned Schemathesis unless `PYTHON -m schemathesis.cli` is that version.
+fn ensure_schemathesis(python: &str) -> Result<()> {
+    let installed = installed_schemathesis(python);
     if installed.as_deref() == Some(SCHEMATHESIS_VERSION) {
         println!("schemathesis {SCHEMATHESIS_VERSION} is installed");
         return Ok(());
@@ -258,7 +269,7 @@ fn ensure_schemathesis() -> Result<()> {
         Some(v) => println!("schemathesis {v} is installed; installing {SCHEMATHESIS_VERSION}"),
         None => println!("schemathesis is not installed; installing {SCHEMATHESIS_VERSION}"),
     }
-    util::run_checked(Command::new("python3").args([
+    util::run_checked(Command::new(python).args([
         "-m",
         "pip",
         "install",
@@ -266,17 +277,17 @@ fn ensure_schemathesis() -> Result<()> {
         "--quiet",
         &format!("schemathesis=={SCHEMATHESIS_VERSION}"),
     ]))
-    .context("installing schemathesis (needs python3 with pip)")?;
-    match installed_schemathesis() {
+    .with_context(|| format!("installing schemathesis (needs {python} with pip)"))?;
+    match installed_schemathesis(python) {
         Some(v) if v == SCHEMATHESIS_VERSION => Ok(()),
         Some(v) => bail!("pip installed schemathesis {v}, not {SCHEMATHESIS_VERSION}"),
-        None => bail!("`python3 -m schemathesis.cli --version` still fails after pip install"),
+        None => bail!("`{python} -m schemathesis.cli --version` still fails after pip install"),
     }
 }
 
-/// The version `python3 -m schemathesis.cli --version` reports, if it runs.
-fn installed_schemathesis() -> Option<String> {
-    let out = Command::new("python3")
+/// The version `PYTHON -m schemathesis.cli --version` reports, if it runs.
+fn installed_schemathesis(python: &str) -> Option<String> {
+    let out = Command::new(python)
         .args(["-m", "schemathesis.cli", "--version"])
         .stdin(Stdio::null())
         .output()
@@ -439,7 +450,7 @@ impl FuzzRun {
         stop: &AtomicBool,
     ) -> Result<Outcome> {
         let reports = self.dir.join("reports");
-        let mut cmd = Command::new("python3");
+        let mut cmd = Command::new(&opts.python);
         // Its example database (.hypothesis/, .schemathesis/) goes in the temp folder.
         cmd.current_dir(&self.dir)
             .args(["-m", "schemathesis.cli", "run"])
@@ -462,7 +473,7 @@ impl FuzzRun {
         println!("{shown}");
         let mut child = cmd
             .spawn()
-            .context("cannot start `python3 -m schemathesis.cli run`")?;
+            .with_context(|| format!("cannot start `{} -m schemathesis.cli run`", opts.python))?;
 
         // Echo both streams and keep them in schemathesis.log.
         let log_path = self.dir.join("schemathesis.log");

@@ -12,8 +12,9 @@ pub struct Link {
     pub to: &'static str,
     /// Target parameter → runtime expression on the source's answer.
     pub parameters: &'static [(&'static str, &'static str)],
-    /// Fields of the target's body taken from the answer (merged into a generated body).
-    pub body: &'static [(&'static str, &'static str)],
+    /// Fields of the target's body taken from the answer (merged into a generated body);
+    /// `None` sends null.
+    pub body: &'static [(&'static str, Option<&'static str>)],
 }
 
 const fn link(
@@ -36,6 +37,24 @@ const FIRST_UUID: &[(&str, &str)] = &[("uuid", "$response.body#/0/uuid")];
 const JOB: &[(&str, &str)] = &[("uuid", "$response.body#/job_uuid")];
 const NAME: &[(&str, &str)] = &[("name", "$response.body#/name")];
 const FIRST_NAME: &[(&str, &str)] = &[("name", "$response.body#/0/name")];
+/// A creation from a package names nothing else, so that a generated body merged with
+/// the package is one the API takes (operator-only fields left out, no explicit size).
+const PACKAGE_UUID: &[(&str, Option<&str>)] = &[
+    ("package", Some("$response.body#/uuid")),
+    ("owner_uuid", None),
+    ("assigned_devices", None),
+    ("server_uuid", None),
+    ("vcpus", None),
+    ("memory_mib", None),
+];
+const FIRST_PACKAGE: &[(&str, Option<&str>)] = &[
+    ("package", Some("$response.body#/0/name")),
+    ("owner_uuid", None),
+    ("assigned_devices", None),
+    ("server_uuid", None),
+    ("vcpus", None),
+    ("memory_mib", None),
+];
 const DEVICE_SERVER: &[(&str, &str)] = &[("uuid", "$response.body#/0/server_uuid")];
 
 /// Every link the document states. `logout`, `delete_token` and `revoke_credential` are not
@@ -79,7 +98,7 @@ pub const LINKS: &[Link] = &[
         status: "201",
         to: "create_vm",
         parameters: &[],
-        body: &[("package", "$response.body#/uuid")],
+        body: PACKAGE_UUID,
     },
     link("list_packages", "200", "get_package", FIRST_UUID),
     link("list_packages", "200", "package_availability", FIRST_UUID),
@@ -88,7 +107,7 @@ pub const LINKS: &[Link] = &[
         status: "200",
         to: "create_vm",
         parameters: &[],
-        body: &[("package", "$response.body#/0/name")],
+        body: FIRST_PACKAGE,
     },
     // Servers and their devices.
     link("list_servers", "200", "get_server", FIRST_UUID),
@@ -101,7 +120,7 @@ pub const LINKS: &[Link] = &[
         status: "200",
         to: "device_action",
         parameters: DEVICE_SERVER,
-        body: &[("device", "$response.body#/0/id")],
+        body: &[("device", Some("$response.body#/0/id"))],
     },
 ];
 
