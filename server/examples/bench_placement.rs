@@ -168,6 +168,7 @@ async fn main() {
     );
     let _ = child.kill();
     let _ = child.wait();
+    common::drop_database(&db).await;
 
     // Multi-GPU NUMA-affine decisions over 2,000 servers, in-process.
     let mut cands = Vec::new();

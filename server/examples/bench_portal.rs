@@ -227,4 +227,5 @@ async fn main() {
     }
     let _ = child.kill();
     let _ = child.wait();
+    common::drop_database(&db).await;
 }

@@ -72,6 +72,28 @@ pub async fn database(backend: &str, dir: &std::path::Path) -> String {
     }
 }
 
+/// Drops the Postgres database `database` made, once its server has stopped, so that runs
+/// do not pile up databases; a SQLite file goes with its temp folder.
+pub async fn drop_database(url: &str) {
+    let Some((base, name)) = url.rsplit_once('/') else {
+        return;
+    };
+    if !name.starts_with("passage_bench_") {
+        return;
+    }
+    let admin = std::env::var("PASSAGE_TEST_PG_URL").unwrap_or_else(|_| format!("{base}/postgres"));
+    let dropped = match sqlx::PgPool::connect(&admin).await {
+        Ok(pool) => sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+            .execute(&pool)
+            .await
+            .map(|_| ()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = dropped {
+        eprintln!("could not drop the bench database {name}: {e}");
+    }
+}
+
 pub const ADMIN_PASSWORD: &str = "bench-admin-password";
 
 /// Starts `server_bin` on a free port; answers the child and its base URL. Nodes stay
