@@ -136,20 +136,10 @@ pub fn add(doc: &mut Value) {
         let mut def = Map::new();
         def.insert("operationId".into(), json!(l.to));
         if !l.parameters.is_empty() {
-            let params: Map<String, Value> = l
-                .parameters
-                .iter()
-                .map(|(k, v)| ((*k).to_string(), json!(v)))
-                .collect();
-            def.insert("parameters".into(), Value::Object(params));
+            def.insert("parameters".into(), object(l.parameters));
         }
         if !l.body.is_empty() {
-            let body: Map<String, Value> = l
-                .body
-                .iter()
-                .map(|(k, v)| ((*k).to_string(), json!(v)))
-                .collect();
-            def.insert("requestBody".into(), Value::Object(body));
+            def.insert("requestBody".into(), object(l.body));
         }
         let links = response
             .entry("links")
@@ -158,6 +148,15 @@ pub fn add(doc: &mut Value) {
             links.insert(name(l.to), Value::Object(def));
         }
     }
+}
+
+fn object<V: serde::Serialize>(pairs: &[(&str, V)]) -> Value {
+    Value::Object(
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), json!(v)))
+            .collect(),
+    )
 }
 
 /// `get_vm` → `GetVm`: link names are keys, unique per response because each response
