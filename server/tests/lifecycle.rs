@@ -251,3 +251,81 @@ async fn a_vm_that_exits_is_reported(b: Backend) {
     assert_eq!(node.running_vms(), vec![uuid]);
 }
 both!(a_vm_that_exits_is_reported_on, a_vm_that_exits_is_reported);
+
+/// Polls the VM as fast as a script would until it is in `state`.
+async fn seen(s: &TestServer, token: &str, uuid: &str, state: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, v) = s
+            .call("GET", &format!("/v1/vms/{uuid}"), Some(token), None)
+            .await;
+        if v["state"] == state {
+            return;
+        }
+        if v["state"] == "failed" {
+            let job = s.wait_job(v["job_uuid"].as_str().unwrap()).await;
+            panic!("the VM failed: {job}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the VM never became {state}: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// The last step of a job makes the VM running (or stopped) a moment before the job is
+/// marked done; a client acting on what it sees must not get a 409 for that job.
+async fn a_vm_seen_settled_takes_the_next_action_at_once(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(2).await;
+    s.h100_catalog(1).await;
+    let (_, tenant) = s.tenant("t").await;
+    for round in 0..6 {
+        let (st, vm) = s
+            .call(
+                "POST",
+                "/v1/vms",
+                Some(&tenant),
+                Some(json!({"alias": format!("quick{round}"), "package":"gpu-1x"})),
+            )
+            .await;
+        if st != 202 {
+            let cap = s.admin_call("GET", "/v1/capacity", None).await.1;
+            let srv = s.server(&node.uuid).await;
+            let devs = s.admin_call("GET", "/v1/devices", None).await.1;
+            panic!(
+                "round {round}: {vm}\n{cap}\n{}\n{}\n{devs}",
+                srv["resources"], srv["device_counts"]
+            );
+        }
+        let uuid = vm["uuid"].as_str().unwrap().to_string();
+        seen(&s, &tenant, &uuid, "running").await;
+        let (st, v) = s
+            .call("POST", &format!("/v1/vms/{uuid}/stop"), Some(&tenant), None)
+            .await;
+        assert_eq!(st, 202, "round {round}: stop as soon as running: {v}");
+        seen(&s, &tenant, &uuid, "stopped").await;
+        let (st, v) = s
+            .call(
+                "POST",
+                &format!("/v1/vms/{uuid}/start"),
+                Some(&tenant),
+                None,
+            )
+            .await;
+        assert_eq!(st, 202, "round {round}: start as soon as stopped: {v}");
+        seen(&s, &tenant, &uuid, "running").await;
+        let (st, v) = s
+            .call("DELETE", &format!("/v1/vms/{uuid}"), Some(&tenant), None)
+            .await;
+        assert_eq!(st, 202, "round {round}: delete as soon as running: {v}");
+        s.wait_job(v["job_uuid"].as_str().unwrap()).await;
+        // Scrubbed and free again before the next round.
+        free_again(&s, &node.uuid, 2).await;
+    }
+}
+both!(
+    a_vm_seen_settled_takes_the_next_action_at_once_on,
+    a_vm_seen_settled_takes_the_next_action_at_once
+);

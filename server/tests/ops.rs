@@ -447,7 +447,7 @@ async fn health_taints(b: Backend) {
     );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(s.server(&node.uuid).await["assignable_devices"][0]["taint"].is_null());
-    let (st, _) = s
+    let (st, vm) = s
         .admin_call(
             "POST",
             "/v1/vms",
@@ -455,5 +455,27 @@ async fn health_taints(b: Backend) {
         )
         .await;
     assert_eq!(st, 202);
+    let job = s.wait_job(vm["job_uuid"].as_str().unwrap()).await;
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert!(s.server(&node.uuid).await["assignable_devices"][0]["taint"].is_null());
+
+    // Someone on the host takes the device of a running VM back from vfio-pci: tainted.
+    let link = node.sysfs.join(gpu.trim_start_matches('/')).join("driver");
+    let target = std::fs::read_link(&link).unwrap();
+    assert_eq!(target.file_name().unwrap(), "vfio-pci");
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(target.with_file_name("nvidia"), &link).unwrap();
+    let taint = wait_for(Duration::from_secs(30), || async {
+        let srv = s.server(&node.uuid).await;
+        srv["assignable_devices"][0]["taint"]
+            .as_str()
+            .map(String::from)
+    })
+    .await
+    .expect("the driver change tainted the device");
+    assert!(
+        taint.contains("bound to nvidia while attached to a VM"),
+        "{taint}"
+    );
 }
 both!(health_taints_on, health_taints);

@@ -40,6 +40,11 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(60);
 /// the third revokes a node's credential, which stops the simulated nodes for the rest of
 /// the run (and with them every placement).
 const EXCLUDED_OPERATIONS: &[&str] = &["logout", "delete_token", "revoke_credential"];
+/// Simulated nodes and GPUs on each. Every phase creates VMs whose devices stay held (their
+/// deletes name random ids) and drains the servers its links reach: with a fleet of two
+/// nodes the stateful phase found no room left and its creations answered 409 throughout.
+const SIM_SERVERS: usize = 8;
+const SIM_GPUS: usize = 8;
 
 /// `cargo xtask fuzz-api [options] [-- ARGS]`.
 #[derive(clap::Args)]
@@ -177,6 +182,7 @@ pub fn run(opts: &Args) -> Result<()> {
 
     // The fuzzer must not have lost its own credentials part way through.
     let token_alive = api.get("/v1/tokens").map(|r| r.status == 200).ok();
+    let fleet = fleet_at_end(&api).unwrap_or_else(|e| vec![format!("(could not read it: {e:#})")]);
     let server_exit = run.server_exit();
     let panics = count_panics(&run.server_log);
 
@@ -201,6 +207,10 @@ pub fn run(opts: &Args) -> Result<()> {
                 println!("      {c}");
             }
         }
+    }
+    println!("fleet at the end:");
+    for line in &fleet {
+        println!("  {line}");
     }
     let mut problems = Vec::new();
     if outcome.timed_out {
@@ -368,7 +378,11 @@ impl FuzzRun {
         let mut cmd = Command::new(bin);
         cmd.current_dir(&self.dir)
             .args(["--listen", addr, "--database", database])
-            .args(["--sim-servers", "2", "--sim-gpus", "8", "--sim-dir"])
+            .arg("--sim-servers")
+            .arg(SIM_SERVERS.to_string())
+            .arg("--sim-gpus")
+            .arg(SIM_GPUS.to_string())
+            .arg("--sim-dir")
             .arg(self.dir.join("sim"))
             .env("PASSAGE_ADMIN_PASSWORD", pw)
             .env_remove("PASSAGE_LISTEN")
@@ -642,7 +656,7 @@ fn failures_by_operation(lines: &[String]) -> Vec<(String, Vec<String>)> {
     out
 }
 
-/// Waits (best effort) until the two simulated nodes are running, so that devices exist.
+/// Waits (best effort) until the simulated nodes are running, so that devices exist.
 fn wait_for_nodes(api: &Client, stop: &AtomicBool) -> Result<()> {
     let start = Instant::now();
     loop {
@@ -660,19 +674,64 @@ fn wait_for_nodes(api: &Client, stop: &AtomicBool) -> Result<()> {
             .iter()
             .map(|s| s["assignable_devices"].as_array().map_or(0, Vec::len))
             .sum();
-        if running >= 2 {
+        if running >= SIM_SERVERS {
             println!("{running} simulated server(s) running with {devices} assignable device(s)");
             return Ok(());
         }
         if start.elapsed() > NODES_WAIT {
             println!(
-                "warning: only {running} of 2 simulated servers running after {} s",
+                "warning: only {running} of {SIM_SERVERS} simulated servers running after {} s",
                 NODES_WAIT.as_secs()
             );
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// What the run left behind: devices by state per variant, servers drained or down, VMs
+/// by state. Tells whether later phases still had room to create VMs in.
+fn fleet_at_end(api: &Client) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let cap = expect(&api.get("/v1/capacity")?, 200, "read the capacity")?;
+    for v in cap.as_array().into_iter().flatten() {
+        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+        lines.push(format!(
+            "{}: {} devices, {} free, {} held, {} dirty, {} quarantined, {} disabled",
+            v["variant"].as_str().unwrap_or("?"),
+            n("total"),
+            n("free"),
+            n("held"),
+            n("dirty"),
+            n("quarantined"),
+            n("disabled"),
+        ));
+    }
+    let servers = expect(
+        &api.get("/v1/servers?brief=true&limit=1000")?,
+        200,
+        "list servers",
+    )?;
+    let servers = servers.as_array().cloned().unwrap_or_default();
+    let drained = servers.iter().filter(|s| s["disabled"] == true).count();
+    let running = servers
+        .iter()
+        .filter(|s| s["status"].as_str() == Some("running"))
+        .count();
+    lines.push(format!(
+        "servers: {} in all, {running} running, {drained} drained",
+        servers.len()
+    ));
+    let vms = expect(&api.get("/v1/vms?limit=1000")?, 200, "list VMs")?;
+    let mut by_state = std::collections::BTreeMap::<String, usize>::new();
+    for vm in vms.as_array().into_iter().flatten() {
+        *by_state
+            .entry(vm["state"].as_str().unwrap_or("?").to_string())
+            .or_default() += 1;
+    }
+    let states: Vec<String> = by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    lines.push(format!("VMs (first 1,000): {}", states.join(", ")));
+    Ok(lines)
 }
 
 fn expect(r: &Response, want: u16, what: &str) -> Result<serde_json::Value> {

@@ -16,7 +16,7 @@ const ATTEMPTS: usize = 16;
 async fn owned(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     let vm = super::vms::get(ctx, caller, uuid).await?;
     caller.may_change(vm.owner_uuid)?;
-    Ok(vm)
+    super::vms::settled(ctx, vm).await
 }
 
 pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {

@@ -443,6 +443,7 @@ pub async fn list(
 pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     let vm = get(ctx, caller, uuid).await?;
     caller.may_change(vm.owner_uuid)?;
+    let vm = settled(ctx, vm).await?;
     if vm.state == VmState::Destroyed {
         return Err(ApiError::invalid_state("the VM is already destroyed"));
     }
@@ -451,6 +452,45 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
         vms::begin_destroy(&ctx.db, uuid, vm.owner_uuid, job, workflows::DESTROY_STEPS).await?;
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
+}
+
+/// How long a call on a VM waits for a job in its last step to be marked done.
+const FINISHING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `vm`, once a job whose last step has already put it where the job leads has been
+/// marked done. That step makes the VM `running` or `stopped` a moment before the job is
+/// marked done: a client that sees the VM running and deletes it at once must not be
+/// refused for a job that is over in all but name. Any other job is left alone, and the
+/// call is refused as before.
+pub async fn settled(ctx: &Ctx, mut vm: Vm) -> ApiResult<Vm> {
+    let deadline = tokio::time::Instant::now() + FINISHING_WAIT;
+    loop {
+        let Some(job) = vm.job_uuid else {
+            return Ok(vm);
+        };
+        let rec = match jobs::get(&ctx.db, job).await {
+            Ok(r) => r,
+            Err(StoreError::NotFound(_)) => return Ok(vm),
+            Err(e) => return Err(e.into()),
+        };
+        let leads_to = match rec.view.name.as_str() {
+            "provision" | "start" => Some(VmState::Running),
+            "stop" => Some(VmState::Stopped),
+            _ => None,
+        };
+        let finishing = matches!(rec.view.state, JobState::Queued | JobState::Running)
+            && leads_to == Some(vm.state)
+            && rec
+                .view
+                .steps
+                .last()
+                .is_some_and(|s| s.started_at.is_some());
+        if !finishing || tokio::time::Instant::now() >= deadline {
+            return Ok(vm);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        vm = vms::get(&ctx.db, vm.uuid).await?;
+    }
 }
 
 pub async fn job(ctx: &Ctx, caller: &Caller, uuid: JobId) -> ApiResult<Job> {

@@ -555,16 +555,23 @@ pub async fn apply_inventory(
     let server_s = server.to_string();
     let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
     in_tx!(db, |tx| {
-        type Known = (String, String, Option<String>, Option<String>);
+        type Known = (String, String, Option<String>, Option<String>, i64);
+        // `at_rest`: used by a VM that no job is working on (see `health::taint`).
         let known: Vec<Known> = sqlx::query_as(
-            "SELECT id, state, variant, details FROM devices WHERE server_uuid = $1",
+            "SELECT d.id, d.state, d.variant, d.details, CAST(CASE WHEN d.state = 'used' \
+             AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
+             (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
+             AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) \
+             FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by WHERE d.server_uuid = $1",
         )
         .bind(&server_s)
         .fetch_all(&mut *tx)
         .await?;
-        let known: HashMap<String, (String, Option<String>, Option<String>)> = known
+        let known: HashMap<String, (String, Option<String>, Option<String>, bool)> = known
             .into_iter()
-            .map(|(id, state, variant, details)| (id, (state, variant, details)))
+            .map(|(id, state, variant, details, at_rest)| {
+                (id, (state, variant, details, at_rest == 1))
+            })
             .collect();
         for d in report {
             let id = d.id.to_string();
@@ -602,11 +609,11 @@ pub async fn apply_inventory(
                     .execute(&mut *tx)
                     .await?;
                 }
-                Some((state, old_variant, old_details)) => {
+                Some((state, old_variant, old_details, at_rest)) => {
                     let previous: Option<passage_model::PciDetails> = old_details
                         .as_deref()
                         .and_then(|j| serde_json::from_str(j).ok());
-                    let health = crate::health::taint(state, previous.as_ref(), d);
+                    let health = crate::health::taint(*at_rest, previous.as_ref(), d);
                     // A held or dirty device keeps its variant until it is free again.
                     let variant = if matches!(state.as_str(), "unassigned" | "disabled") {
                         matched
@@ -641,7 +648,7 @@ pub async fn apply_inventory(
                 }
             }
         }
-        for (id, (state, _, _)) in &known {
+        for (id, (state, _, _, _)) in &known {
             if reported.contains(id) {
                 continue;
             }
