@@ -4,17 +4,20 @@
 //! 1. makes sure the pinned Schemathesis is installed (`python3 -m pip install`, or the
 //!    Python `--python` names);
 //! 2. builds `server`, starts it on a free loopback port with a throwaway database (SQLite
-//!    in a temp folder, or a fresh `passage_fuzz_<random>` PostgreSQL database) and two
-//!    simulated compute nodes, logs in as `admin`, creates a variant and a package, and
-//!    makes an API token for the fuzzer (API tokens outlive password changes, which end
-//!    login sessions);
-//! 3. runs `schemathesis run` with every check, N cases per operation and all phases
-//!    (examples, coverage, fuzzing, stateful over the links it infers), leaving out the two
-//!    operations that would revoke the fuzzer's own token (`POST /v1/auth/logout`,
-//!    `DELETE /v1/tokens/{uuid}`) and the one that would cut off the simulated nodes
-//!    (`DELETE /v1/servers/{uuid}/credential`);
-//! 4. prints a summary, stops the server, and fails on any failure; on failure the temp
-//!    folder (server log, Schemathesis output and JUnit report) is kept and named.
+//!    in a temp folder, or a fresh `passage_fuzz_<random>` PostgreSQL database) and eight
+//!    simulated compute nodes, logs in as `admin`, makes an API token for the fuzzer (API
+//!    tokens outlive password changes, which end login sessions), and seeds a variant and
+//!    a package;
+//! 3. runs `schemathesis run` with every check and N cases per operation, twice: the
+//!    examples, coverage and fuzzing phases, then (with the seeds made again and every
+//!    server and device back in service) the stateful phase over the document's links.
+//!    It leaves out the two operations that would revoke the fuzzer's own token
+//!    (`POST /v1/auth/logout`, `DELETE /v1/tokens/{uuid}`) and the one that would cut off
+//!    the simulated nodes (`DELETE /v1/servers/{uuid}/credential`). `-- --phases …` runs
+//!    once, with the phases named;
+//! 4. prints a summary and the fleet it left, stops the server, and fails on any failure;
+//!    on failure (or with `--keep`) the temp folder (database, server log, Schemathesis
+//!    output and JUnit report) is kept and named.
 
 use crate::http::{Client, Response, truncate};
 use crate::util::{self, cargo, secs};
@@ -81,6 +84,10 @@ pub struct Args {
         default_value = "python3"
     )]
     python: String,
+    /// Keep the temp folder (database, server log, Schemathesis output) even when the run
+    /// passes
+    #[arg(long)]
+    keep: bool,
     /// Arguments for `schemathesis run`
     #[arg(value_name = "ARGS", last = true)]
     passthrough: Vec<String>,
@@ -123,6 +130,7 @@ pub fn run(opts: &Args) -> Result<()> {
     }
 
     let mut run = FuzzRun::new()?;
+    run.keep = opts.keep;
     println!("work folder: {}", run.dir.display());
 
     let database = match opts.backend {
@@ -150,19 +158,6 @@ pub fn run(opts: &Args) -> Result<()> {
         .ok_or_else(|| anyhow!("login answer has no token"))?
         .to_string();
     api.set_token(&session);
-    let r = api.post(
-        "/v1/variants",
-        Some(&json!({"name": "NVIDIA_H100", "type": "gpu", "vendor": "10de", "device": "2330"})),
-    )?;
-    expect(&r, 201, "create the variant NVIDIA_H100")?;
-    let r = api.post(
-        "/v1/packages",
-        Some(&json!({
-            "name": "gpu-1x", "vcpus": 2, "memory_mib": 2048,
-            "devices": {"NVIDIA_H100": 1}
-        })),
-    )?;
-    expect(&r, 201, "create the package gpu-1x")?;
     let r = api.post("/v1/tokens", Some(&json!({"name": "fuzz"})))?;
     let token = expect(&r, 201, "create an API token")?["token"]
         .as_str()
@@ -170,6 +165,7 @@ pub fn run(opts: &Args) -> Result<()> {
         .to_string();
     api.set_token(&token);
     wait_for_nodes(&api, &stop)?;
+    seed(&api)?;
 
     println!(
         "==> schemathesis run: {} case(s) per operation, all checks, {} worker(s), \
@@ -177,7 +173,29 @@ pub fn run(opts: &Args) -> Result<()> {
         opts.cases, opts.workers, opts.max_minutes
     );
     let fuzz_started = Instant::now();
-    let outcome = run.schemathesis(opts, &addr, &token, &stop)?;
+    let deadline = fuzz_started + Duration::from_secs(opts.max_minutes * 60);
+    let outcome = if opts.passthrough.iter().any(|a| a.starts_with("--phases")) {
+        run.schemathesis(opts, &addr, &token, &stop, None, deadline)?
+    } else {
+        // The stateful phase starts from a fleet in service: the phases before it delete
+        // the seeded package and variant and drain servers, after which every creation it
+        // chains from a package answers 409 and the calls on VMs are never reached.
+        let mut outcome = run.schemathesis(
+            opts,
+            &addr,
+            &token,
+            &stop,
+            Some("examples,coverage,fuzzing"),
+            deadline,
+        )?;
+        if !outcome.timed_out && !outcome.interrupted {
+            println!("==> back in service for the stateful phase");
+            seed(&api)?;
+            let more = run.schemathesis(opts, &addr, &token, &stop, Some("stateful"), deadline)?;
+            outcome.merge(more);
+        }
+        outcome
+    };
     let fuzz_time = fuzz_started.elapsed();
 
     // The fuzzer must not have lost its own credentials part way through.
@@ -324,6 +342,21 @@ struct Outcome {
     failures: Vec<(String, Vec<String>)>,
 }
 
+impl Outcome {
+    /// One outcome for two runs, the second after the first: the worse exit.
+    fn merge(&mut self, later: Outcome) {
+        self.exit = match (self.exit, later.exit) {
+            (Some(0), e) => e,
+            (e, _) => e,
+        };
+        self.timed_out |= later.timed_out;
+        self.interrupted |= later.interrupted;
+        self.found_failures |= later.found_failures;
+        self.summary.extend(later.summary);
+        self.failures.extend(later.failures);
+    }
+}
+
 /// One run's temp folder, server and database; dropping it stops and removes them.
 struct FuzzRun {
     dir: PathBuf,
@@ -456,12 +489,15 @@ impl FuzzRun {
         let _ = child.wait();
     }
 
+    /// Runs Schemathesis once: `phases` (all when `None`), until `deadline`.
     fn schemathesis(
         &self,
         opts: &Args,
         addr: &str,
         token: &str,
         stop: &AtomicBool,
+        phases: Option<&str>,
+        deadline: Instant,
     ) -> Result<Outcome> {
         let reports = self.dir.join("reports");
         let mut cmd = Command::new(&opts.python);
@@ -475,6 +511,9 @@ impl FuzzRun {
             .args(["--workers", &opts.workers.to_string()]);
         for op in EXCLUDED_OPERATIONS {
             cmd.args(["--exclude-operation-id", op]);
+        }
+        if let Some(p) = phases {
+            cmd.args(["--phases", p]);
         }
         cmd.args(["--no-color", "--report", "junit", "--report-dir"])
             .arg(&reports)
@@ -492,8 +531,11 @@ impl FuzzRun {
         // Echo both streams and keep them in schemathesis.log.
         let log_path = self.dir.join("schemathesis.log");
         let log = Arc::new(std::sync::Mutex::new(
-            File::create(&log_path)
-                .with_context(|| format!("cannot create {}", log_path.display()))?,
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .with_context(|| format!("cannot open {}", log_path.display()))?,
         ));
         let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let mut pumps = Vec::new();
@@ -524,7 +566,6 @@ impl FuzzRun {
             }));
         }
 
-        let deadline = Instant::now() + Duration::from_secs(opts.max_minutes * 60);
         let mut timed_out = false;
         let mut interrupted = false;
         let mut signalled_at: Option<Instant> = None;
@@ -687,6 +728,84 @@ fn wait_for_nodes(api: &Client, stop: &AtomicBool) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// The fleet the fuzzer starts from, made again before the stateful phase: variant
+/// `NVIDIA_H100` matching the simulated GPUs, package `gpu-1x` with one of them, every
+/// server and device back in service.
+fn seed(api: &Client) -> Result<()> {
+    let variant = json!({"name": "NVIDIA_H100", "type": "gpu", "vendor": "10de", "device": "2330"});
+    let r = api.request("PUT", "/v1/variants/NVIDIA_H100", Some(&variant))?;
+    if r.status == 404 {
+        let r = api.post("/v1/variants", Some(&variant))?;
+        expect(&r, 201, "create the variant NVIDIA_H100")?;
+    } else {
+        expect(&r, 200, "put the variant NVIDIA_H100")?;
+    }
+    let r = api.post(
+        "/v1/packages",
+        Some(&json!({
+            "name": "gpu-1x", "vcpus": 2, "memory_mib": 2048,
+            "devices": {"NVIDIA_H100": 1}
+        })),
+    )?;
+    if r.status != 409 {
+        expect(&r, 201, "create the package gpu-1x")?;
+    }
+    let servers = expect(
+        &api.get("/v1/servers?brief=true&limit=1000")?,
+        200,
+        "list servers",
+    )?;
+    let mut undrained = 0;
+    for s in servers.as_array().into_iter().flatten() {
+        if s["disabled"] == true {
+            let uuid = s["uuid"].as_str().unwrap_or_default();
+            let r = api.request(
+                "PATCH",
+                &format!("/v1/servers/{uuid}"),
+                Some(&json!({"disabled": false})),
+            )?;
+            expect(&r, 200, "put a server back in service")?;
+            undrained += 1;
+        }
+    }
+    let devices = expect(&api.get("/v1/devices?limit=1000")?, 200, "list devices")?;
+    let mut restored = 0;
+    for d in devices.as_array().into_iter().flatten() {
+        let actions: &[&str] = match (d["state"].as_str(), d["taint"].is_string()) {
+            (Some("disabled"), t) => {
+                if t {
+                    &["enable", "clear_taint"]
+                } else {
+                    &["enable"]
+                }
+            }
+            (Some("quarantined"), t) => {
+                if t {
+                    &["requeue", "clear_taint"]
+                } else {
+                    &["requeue"]
+                }
+            }
+            (_, true) => &["clear_taint"],
+            _ => &[],
+        };
+        let server = d["server_uuid"].as_str().unwrap_or_default();
+        for action in actions {
+            let body = json!({
+                "device": d["id"], "action": action,
+                "reason": "fuzz-api: back in service for the next phase"
+            });
+            let r = api.post(&format!("/v1/servers/{server}/device-actions"), Some(&body))?;
+            expect(&r, 200, &format!("{action} a device"))?;
+        }
+        restored += usize::from(!actions.is_empty());
+    }
+    if undrained + restored > 0 {
+        println!("{undrained} server(s) and {restored} device(s) put back in service");
+    }
+    Ok(())
 }
 
 /// What the run left behind: devices by state per variant, servers drained or down, VMs
