@@ -73,12 +73,10 @@ pub async fn heartbeat(
         return Err(ApiError::invalid("running_vms", "too many"));
     }
     let grace = i64::try_from(ctx.cfg.vm_exit_grace.as_millis()).unwrap_or(i64::MAX);
+    // Never silently lost: the VM shows stopped, its devices stay with it, and the
+    // operator sees why in an alert written with the state.
     for vm in crate::store::vms::reconcile_exits(&ctx.db, server, &running, grace).await? {
-        // Never silently lost: the VM shows stopped, its devices stay with it, and the
-        // operator sees why.
-        let msg = format!("VM {vm} stopped running on server {server} without being asked");
         tracing::warn!(%vm, %server, "VM exited on its node");
-        crate::store::ops::alert(&ctx.db, "vm_exited", &msg, None, None).await?;
     }
     Ok(())
 }

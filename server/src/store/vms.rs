@@ -560,7 +560,8 @@ pub async fn commit_replacement(db: &Db, uuid: VmId, r: Replacement<'_>) -> Stor
 }
 
 /// Running VMs of a server that its node no longer runs (and no job is working on, and
-/// that have been running longer than `grace_ms`) become `stopped`; returns them.
+/// that have been running longer than `grace_ms`) become `stopped`, each with a
+/// `vm_exited` alert; returns them.
 pub async fn reconcile_exits(
     db: &Db,
     server: ServerId,
@@ -582,16 +583,32 @@ pub async fn reconcile_exits(
         if running.contains(&vm) {
             continue;
         }
-        let n = on_write!(db, |p| sqlx::query(&format!(
-            "UPDATE vms SET state = 'stopped', updated_at = $2 WHERE uuid = $1 \
-             AND state = 'running' AND {NO_JOB_RUNNING}"
-        ))
-        .bind(&u)
-        .bind(now)
-        .execute(p)
-        .await
-        .map(|r| r.rows_affected()))?;
-        if n == 1 {
+        // The alert goes with the state: whoever sees the VM stopped sees why.
+        let stopped = in_tx!(db, |tx| {
+            let n = sqlx::query(&format!(
+                "UPDATE vms SET state = 'stopped', updated_at = $2 WHERE uuid = $1 \
+                 AND state = 'running' AND {NO_JOB_RUNNING}"
+            ))
+            .bind(&u)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if n == 1 {
+                sqlx::query(
+                    "INSERT INTO alerts (kind, message, variant, count, at) \
+                     VALUES ('vm_exited', $1, NULL, NULL, $2)",
+                )
+                .bind(format!(
+                    "VM {vm} stopped running on server {server} without being asked"
+                ))
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Ok(n == 1)
+        })?;
+        if stopped {
             gone.push(vm);
         }
     }

@@ -91,7 +91,9 @@ pub fn spawn(ctx: Ctx, job: JobId) {
         // Bounded: a burst of provisions queues here instead of flooding the database
         // and the agents; the semaphore is never closed.
         let permit = ctx.job_permits.clone().acquire_owned().await;
-        if let Err(e) = run(&ctx, job).await {
+        // Boxed: a waiting task's size is then that of the wait, not of the whole job's
+        // state machine, and a burst of 10,000 creations queues 10,000 waiting tasks.
+        if let Err(e) = Box::pin(run(&ctx, job)).await {
             tracing::error!(%job, error = %e, "job runner failed");
         }
         drop(permit);
