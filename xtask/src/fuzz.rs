@@ -8,9 +8,11 @@
 //!    simulated compute nodes, logs in as `admin`, makes an API token for the fuzzer (API
 //!    tokens outlive password changes, which end login sessions), and seeds a variant and
 //!    a package;
-//! 3. runs `schemathesis run` with every check and N cases per operation, twice: the
-//!    examples, coverage and fuzzing phases, then (with the seeds made again and every
-//!    server and device back in service) the stateful phase over the document's links.
+//! 3. runs `schemathesis run` with every check and N cases per operation, three times:
+//!    the examples, coverage and fuzzing phases; then (with the seeds made again and
+//!    every server and device back in service) the stateful phase over the document's
+//!    links; then the fuzzing phase again for the deletions alone, which the first pass
+//!    gives only the few ids it captured from earlier answers.
 //!    It leaves out the two operations that would revoke the fuzzer's own token
 //!    (`POST /v1/auth/logout`, `DELETE /v1/tokens/{uuid}`) and the one that would cut off
 //!    the simulated nodes (`DELETE /v1/servers/{uuid}/credential`). `-- --phases …` runs
@@ -175,23 +177,45 @@ pub fn run(opts: &Args) -> Result<()> {
     let fuzz_started = Instant::now();
     let deadline = fuzz_started + Duration::from_secs(opts.max_minutes * 60);
     let outcome = if opts.passthrough.iter().any(|a| a.starts_with("--phases")) {
-        run.schemathesis(opts, &addr, &token, &stop, None, deadline)?
+        run.schemathesis(opts, &addr, &token, &stop, &[], deadline)?
     } else {
-        // The stateful phase starts from a fleet in service: the phases before it delete
-        // the seeded package and variant and drain servers, after which every creation it
-        // chains from a package answers 409 and the calls on VMs are never reached.
         let mut outcome = run.schemathesis(
             opts,
             &addr,
             &token,
             &stop,
-            Some("examples,coverage,fuzzing"),
+            &["--phases", "examples,coverage,fuzzing"],
             deadline,
         )?;
+        // The stateful phase starts from a fleet in service: the phases before it delete
+        // the seeded package and variant and drain servers, after which every creation it
+        // chains from a package answers 409 and the calls on VMs are never reached.
         if !outcome.timed_out && !outcome.interrupted {
             println!("==> back in service for the stateful phase");
             seed(&api)?;
-            let more = run.schemathesis(opts, &addr, &token, &stop, Some("stateful"), deadline)?;
+            let more = run.schemathesis(
+                opts,
+                &addr,
+                &token,
+                &stop,
+                &["--phases", "stateful"],
+                deadline,
+            )?;
+            outcome.merge(more);
+        }
+        // In the first pass, the deletions draw their ids from those Schemathesis saw in
+        // earlier answers (4.17 and later), a handful, and Hypothesis stops after about
+        // twenty distinct cases; in a run of their own they get their N.
+        if !outcome.timed_out && !outcome.interrupted {
+            println!("==> the deletions, fuzzed on their own");
+            let more = run.schemathesis(
+                opts,
+                &addr,
+                &token,
+                &stop,
+                &["--phases", "fuzzing", "--include-method", "DELETE"],
+                deadline,
+            )?;
             outcome.merge(more);
         }
         outcome
@@ -489,14 +513,15 @@ impl FuzzRun {
         let _ = child.wait();
     }
 
-    /// Runs Schemathesis once: `phases` (all when `None`), until `deadline`.
+    /// Runs Schemathesis once, with `extra` arguments (which phases, which operations),
+    /// until `deadline`.
     fn schemathesis(
         &self,
         opts: &Args,
         addr: &str,
         token: &str,
         stop: &AtomicBool,
-        phases: Option<&str>,
+        extra: &[&str],
         deadline: Instant,
     ) -> Result<Outcome> {
         let reports = self.dir.join("reports");
@@ -512,9 +537,7 @@ impl FuzzRun {
         for op in EXCLUDED_OPERATIONS {
             cmd.args(["--exclude-operation-id", op]);
         }
-        if let Some(p) = phases {
-            cmd.args(["--phases", p]);
-        }
+        cmd.args(extra);
         cmd.args(["--no-color", "--report", "junit", "--report-dir"])
             .arg(&reports)
             .args(&opts.passthrough)
