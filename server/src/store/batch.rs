@@ -96,31 +96,20 @@ fn view(vm: &NewVm<'_>, now: i64) -> Vm {
     }
 }
 
-/// The values of one or more statements and their placeholders, each used once, in the
-/// order of the text. Postgres numbers them (`$N`); SQLite gets anonymous `?`s, which it
-/// binds in order across the statements of one call without looking each name up.
+/// The values of one or more SQLite statements and their placeholders, each used once, in
+/// the order of the text: anonymous `?`s, which SQLite binds in order across the
+/// statements of one call without looking each name up. (Postgres takes arrays instead:
+/// `PG_CHECK`, `PG_WRITE`.)
 #[derive(Default)]
 struct Sql {
     args: Vec<Arg>,
-    anonymous: bool,
 }
 
 impl Sql {
-    fn for_sqlite() -> Sql {
-        Sql {
-            args: Vec::new(),
-            anonymous: true,
-        }
-    }
-
     /// Records a value; answers its placeholder, to be used once, after those before it.
     fn arg(&mut self, a: Arg) -> String {
         self.args.push(a);
-        if self.anonymous {
-            "?".to_string()
-        } else {
-            format!("${}", self.args.len())
-        }
+        "?".to_string()
     }
 
     fn text(&mut self, s: impl std::fmt::Display) -> String {
@@ -455,7 +444,7 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Sqlite> {
         // The one writer connection is lock enough; every statement is a round trip to
         // its thread, so the checks are one query and the writes one call.
         let (servers, owners) = keys(vms);
-        let (sql, args) = check_query(Sql::for_sqlite(), &servers, &owners);
+        let (sql, args) = check_query(Sql::default(), &servers, &owners);
         let rows: Vec<CheckRow> = if sql.is_empty() {
             Vec::new()
         } else {
@@ -468,7 +457,7 @@ impl BatchTx for sqlx::Transaction<'_, sqlx::Sqlite> {
         let won = winners(vms, &verdicts);
         let now = now_ms();
         if !won.is_empty() {
-            let mut q = Sql::for_sqlite();
+            let mut q = Sql::default();
             let w = writes(&mut q, &won, &found.free, now)?;
             let mut all = vec![w.vms, w.jobs];
             all.extend(w.steps);
