@@ -23,6 +23,9 @@ use tokio::sync::Notify;
 
 pub struct Services {
     pub db: Db,
+    /// The placement batches' own connections: a creation waits for its batch, never
+    /// for the job steps of the creations before it.
+    pub placer_db: Db,
     pub cfg: Config,
     /// Wakes agents' long-polls when a task is queued.
     pub tasks_queued: Notify,
@@ -48,11 +51,15 @@ pub struct Services {
 
 pub type Ctx = Arc<Services>;
 
+/// Batches are placed one at a time (`batcher::drain`): one connection is all they use.
+const PLACER_CONNECTIONS: u32 = 1;
+
 impl Services {
     pub fn new(db: Db, cfg: Config) -> Ctx {
         let cfg_limits = cfg.login_limits.clone();
         let job_concurrency = cfg.job_concurrency.max(1);
         Arc::new(Services {
+            placer_db: db.lane(PLACER_CONNECTIONS),
             db,
             cfg,
             tasks_queued: Notify::new(),

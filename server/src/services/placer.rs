@@ -125,7 +125,7 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
         })
         .collect();
     let t0 = std::time::Instant::now();
-    let written = batch::create_many(&ctx.db, &news, ctx.cfg.alloc).await;
+    let written = batch::create_many(&ctx.placer_db, &news, ctx.cfg.alloc).await;
     drop(news);
     tracing::debug!(
         vms = planned.len(),
@@ -217,7 +217,7 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         .saturating_add(i64::from(count) * 8);
     let limit = i64::try_from(reqs.len() + 8).unwrap_or(i64::MAX);
     let read = devices::placement_view(
-        &ctx.db,
+        &ctx.placer_db,
         primary,
         count,
         &variants,

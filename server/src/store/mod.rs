@@ -192,6 +192,22 @@ impl Db {
         }
     }
 
+    /// A lane of its own for latency-critical work, beside the shared pool: on Postgres a
+    /// second pool of `connections` to the same database, so that work queued for the main
+    /// pool (a burst of job steps) never delays it; on SQLite the same pools, as every
+    /// write takes the one writer in turn anyway.
+    pub fn lane(&self, connections: u32) -> Db {
+        match self {
+            Db::Sqlite { .. } => self.clone(),
+            Db::Postgres(p) => Db::Postgres(
+                PgPoolOptions::new()
+                    .max_connections(connections.max(1))
+                    .acquire_timeout(Duration::from_secs(60))
+                    .connect_lazy_with((*p.connect_options()).clone()),
+            ),
+        }
+    }
+
     pub fn backend(&self) -> &'static str {
         match self {
             Db::Sqlite { .. } => "sqlite",
