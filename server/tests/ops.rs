@@ -389,6 +389,18 @@ async fn placement_policies(b: Backend) {
 }
 both!(placement_policies_on, placement_policies);
 
+/// The taint of the server's first device, once it has one.
+async fn tainted(s: &TestServer, server: &str, cause: &str) -> String {
+    wait_for(Duration::from_secs(30), || async {
+        let srv = s.server(server).await;
+        srv["assignable_devices"][0]["taint"]
+            .as_str()
+            .map(String::from)
+    })
+    .await
+    .unwrap_or_else(|| panic!("{cause} did not taint the device"))
+}
+
 /// AER errors rising on a device taint it: out of placement, shown with the reason, until
 /// an operator clears it after a check.
 async fn health_taints(b: Backend) {
@@ -402,14 +414,7 @@ async fn health_taints(b: Backend) {
         .join("aer_dev_fatal");
     let text = std::fs::read_to_string(&aer).unwrap();
     std::fs::write(&aer, text.replace("TOTAL_ERR_FATAL 0", "TOTAL_ERR_FATAL 3")).unwrap();
-    let taint = wait_for(Duration::from_secs(30), || async {
-        let srv = s.server(&node.uuid).await;
-        srv["assignable_devices"][0]["taint"]
-            .as_str()
-            .map(String::from)
-    })
-    .await
-    .expect("the rising AER counter tainted the device");
+    let taint = tainted(&s, &node.uuid, "the rising AER counter").await;
     assert!(
         taint.contains("AER fatal errors rose from 0 to 3"),
         "{taint}"
@@ -465,14 +470,7 @@ async fn health_taints(b: Backend) {
     assert_eq!(target.file_name().unwrap(), "vfio-pci");
     std::fs::remove_file(&link).unwrap();
     std::os::unix::fs::symlink(target.with_file_name("nvidia"), &link).unwrap();
-    let taint = wait_for(Duration::from_secs(30), || async {
-        let srv = s.server(&node.uuid).await;
-        srv["assignable_devices"][0]["taint"]
-            .as_str()
-            .map(String::from)
-    })
-    .await
-    .expect("the driver change tainted the device");
+    let taint = tainted(&s, &node.uuid, "the driver change").await;
     assert!(
         taint.contains("bound to nvidia while attached to a VM"),
         "{taint}"
