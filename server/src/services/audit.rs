@@ -5,6 +5,10 @@ use super::Ctx;
 use crate::store::ops::{self, AuditRecord};
 use tokio::sync::oneshot;
 
+/// How long a batch waits for the callers of the last one: an insert takes a millisecond
+/// or two, so not long.
+pub const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Records written together at most.
 const MAX_BATCH: usize = 256;
 
@@ -26,9 +30,15 @@ pub async fn record(ctx: &Ctx, record: AuditRecord) -> Result<(), String> {
 
 async fn write(ctx: Ctx, batch: Vec<Pending>) {
     let records: Vec<AuditRecord> = batch.iter().map(|p| p.record.clone()).collect();
-    let r = ops::audit(&ctx.db, &records)
+    let t0 = std::time::Instant::now();
+    let r = ops::audit(&ctx.audit_db, &records)
         .await
         .map_err(|e| e.to_string());
+    tracing::debug!(
+        records = records.len(),
+        took_ms = t0.elapsed().as_secs_f64() * 1e3,
+        "audit batch written"
+    );
     for p in batch {
         let _ = p.written.send(r.clone());
     }

@@ -149,16 +149,14 @@ pub async fn caller_from_token(ctx: &Ctx, token: &str) -> ApiResult<Account> {
     let now = chrono::Utc::now().timestamp_millis();
     let idle = millis(ctx.cfg.session_idle);
     let idle_since = now.saturating_sub(idle);
-    let mut live = match ctx.tokens.get(&hash) {
-        Some(t) => t,
-        None => {
-            let t = accounts::by_token(&ctx.db, &hash, idle_since)
+    let mut live = ctx
+        .tokens
+        .get_or_load(&hash, || async {
+            accounts::by_token(&ctx.db, &hash, idle_since)
                 .await?
-                .ok_or_else(ApiError::unauthorized)?;
-            ctx.tokens.put(&hash, t.clone());
-            t
-        }
-    };
+                .ok_or_else(ApiError::unauthorized)
+        })
+        .await?;
     if !live.live(now, idle_since) {
         ctx.tokens.forget(&hash);
         return Err(ApiError::unauthorized());

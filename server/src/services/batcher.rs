@@ -4,12 +4,11 @@
 
 use super::{Ctx, Services};
 use std::sync::{Mutex, Weak};
+use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// Items that may wait for a batch; past this, callers wait to queue.
 const QUEUE: usize = 4096;
-/// How long a batch may wait for more items when the last one was large.
-const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
 /// The batch size from which the next one lingers.
 const LINGER_AFTER: usize = 8;
 
@@ -17,14 +16,18 @@ pub struct Batcher<T> {
     queue: mpsc::Sender<T>,
     /// Taken by the first submission, which starts the task that drains the queue.
     idle: Mutex<Option<mpsc::Receiver<T>>>,
+    /// How long a batch may wait for the callers the last one answered.
+    linger: Duration,
 }
 
-impl<T> Default for Batcher<T> {
-    fn default() -> Self {
+impl<T> Batcher<T> {
+    /// A batcher whose batches wait at most `linger` for more items after a large one.
+    pub fn new(linger: Duration) -> Self {
         let (queue, rx) = mpsc::channel(QUEUE);
         Batcher {
             queue,
             idle: Mutex::new(Some(rx)),
+            linger,
         }
     }
 }
@@ -40,7 +43,14 @@ impl<T: Send + 'static> Batcher<T> {
     {
         let idle = self.idle.lock().ok().and_then(|mut idle| idle.take());
         if let Some(rx) = idle {
-            tokio::spawn(drain(std::sync::Arc::downgrade(ctx), rx, max.max(1), run));
+            let linger = self.linger;
+            tokio::spawn(drain(
+                std::sync::Arc::downgrade(ctx),
+                rx,
+                max.max(1),
+                linger,
+                run,
+            ));
         }
         self.queue.send(item).await.map_err(|e| e.0)
     }
@@ -48,8 +58,13 @@ impl<T: Send + 'static> Batcher<T> {
 
 /// The queue's one consumer. It holds the services weakly: when they go, the queue's
 /// sender goes with them and this ends.
-async fn drain<T, F, Fut>(ctx: Weak<Services>, mut rx: mpsc::Receiver<T>, max: usize, run: F)
-where
+async fn drain<T, F, Fut>(
+    ctx: Weak<Services>,
+    mut rx: mpsc::Receiver<T>,
+    max: usize,
+    linger: Duration,
+    run: F,
+) where
     F: Fn(Ctx, Vec<T>) -> Fut,
     Fut: Future<Output = ()>,
 {
@@ -58,11 +73,21 @@ where
         let mut batch = vec![first];
         take(&mut rx, &mut batch, max);
         // Under load, the callers the last batch answered are sending their next requests
-        // now: a moment's wait lets them join this batch instead of forming a small one
-        // of their own. A lone caller never waits.
-        if last >= LINGER_AFTER && batch.len() < last / 2 {
-            tokio::time::sleep(LINGER).await;
-            take(&mut rx, &mut batch, max);
+        // now, each a moment after the other. Waiting for them (until `linger` has
+        // passed) makes one batch of them instead of a batch of the first alone, which
+        // all the others would then wait behind. A lone caller never waits.
+        if last >= LINGER_AFTER {
+            let until = tokio::time::Instant::now() + linger;
+            let want = last.min(max);
+            while batch.len() < want {
+                match tokio::time::timeout_at(until, rx.recv()).await {
+                    Ok(Some(item)) => {
+                        batch.push(item);
+                        take(&mut rx, &mut batch, max);
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
         }
         last = batch.len();
         let Some(ctx) = ctx.upgrade() else { return };

@@ -4,7 +4,7 @@
 //! change is seen within [`TTL`].
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How stale an entry may be: long enough that a client's burst reads the database once,
@@ -16,12 +16,17 @@ const MAX_ENTRIES: usize = 10_000;
 
 pub struct TtlCache<V> {
     map: Mutex<HashMap<String, (Instant, V)>>,
+    /// Keys being read from the database now. A burst of requests that all miss (the
+    /// first after a start, or every `TTL` under load) waits for one read instead of
+    /// sending the same query once per request.
+    loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl<V> Default for TtlCache<V> {
     fn default() -> Self {
         TtlCache {
             map: Mutex::new(HashMap::new()),
+            loading: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -32,6 +37,39 @@ impl<V: Clone> TtlCache<V> {
         map.get(key)
             .filter(|(at, _)| at.elapsed() < TTL)
             .map(|(_, v)| v.clone())
+    }
+
+    /// The entry for `key`, read by `load` on a miss. Concurrent misses for one key share
+    /// one `load`: the first caller reads, the others wait for it and take what it put.
+    /// A failed load is not remembered: the next waiter tries again.
+    pub async fn get_or_load<E, Fut>(&self, key: &str, load: impl FnOnce() -> Fut) -> Result<V, E>
+    where
+        Fut: Future<Output = Result<V, E>>,
+    {
+        if let Some(v) = self.get(key) {
+            return Ok(v);
+        }
+        let gate = self.loading.lock().ok().map(|mut loading| {
+            loading
+                .entry(key.to_string())
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+                .clone()
+        });
+        let _turn = match &gate {
+            Some(g) => Some(g.lock().await),
+            None => None,
+        };
+        if let Some(v) = self.get(key) {
+            return Ok(v);
+        }
+        let r = load().await;
+        if let Ok(v) = &r {
+            self.put(key, v.clone());
+        }
+        if let Ok(mut loading) = self.loading.lock() {
+            loading.remove(key);
+        }
+        r
     }
 
     pub fn put(&self, key: &str, value: V) {
@@ -64,6 +102,36 @@ impl<V: Clone> TtlCache<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[tokio::test]
+    async fn concurrent_misses_share_one_load() {
+        let c = Arc::new(TtlCache::<u32>::default());
+        let loads = Arc::new(AtomicUsize::new(0));
+        let mut waiting = Vec::new();
+        for _ in 0..32 {
+            let (c, loads) = (c.clone(), loads.clone());
+            waiting.push(tokio::spawn(async move {
+                c.get_or_load("k", || async {
+                    loads.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok::<_, ()>(7)
+                })
+                .await
+            }));
+        }
+        for w in waiting {
+            assert_eq!(w.await.ok(), Some(Ok(7)));
+        }
+        assert_eq!(loads.load(Ordering::SeqCst), 1);
+        // A failed load is not kept: the next caller reads again.
+        c.forget("k");
+        let failed: Result<u32, &str> = c.get_or_load("k", || async { Err("down") }).await;
+        assert_eq!(failed, Err("down"));
+        let again: Result<u32, &str> = c.get_or_load("k", || async { Ok(8) }).await;
+        assert_eq!(again, Ok(8));
+        assert!(c.loading.lock().map(|l| l.is_empty()).unwrap_or(false));
+    }
 
     #[test]
     fn entries_are_forgotten() {

@@ -142,14 +142,15 @@ pub async fn get_package(ctx: &Ctx, uuid: PackageId) -> ApiResult<Package> {
 
 /// By uuid or by name.
 pub async fn find_package(ctx: &Ctx, key: &str) -> ApiResult<Package> {
-    if let Some(p) = ctx.packages.get(key) {
-        return Ok(p);
-    }
-    let p = match key.parse::<PackageId>() {
-        Ok(id) => packages::get(&ctx.db, id).await?,
-        Err(_) => packages::by_name(&ctx.db, key).await?,
-    };
-    ctx.packages.put(key, p.clone());
+    let p = ctx
+        .packages
+        .get_or_load(key, || async {
+            match key.parse::<PackageId>() {
+                Ok(id) => packages::get(&ctx.db, id).await,
+                Err(_) => packages::by_name(&ctx.db, key).await,
+            }
+        })
+        .await?;
     Ok(p)
 }
 

@@ -26,6 +26,13 @@ pub struct Services {
     /// The placement batches' own connections: a creation waits for its batch, never
     /// for the job steps of the creations before it.
     pub placer_db: Db,
+    /// The audit writer's own connection: every state-changing answer waits for its
+    /// record, so a burst of job steps in the shared pool must not hold that up.
+    pub audit_db: Db,
+    /// Job steps' connections, fewer than the shared pool's: a burst of jobs starting
+    /// together runs a few statements at a time in the database instead of sixteen, so
+    /// the requests being answered meanwhile keep their share of its CPUs.
+    pub jobs_db: Db,
     pub cfg: Config,
     /// Wakes agents' long-polls when a task is queued.
     pub tasks_queued: Notify,
@@ -53,6 +60,9 @@ pub type Ctx = Arc<Services>;
 
 /// Batches are placed one at a time (`batcher::drain`): one connection is all they use.
 const PLACER_CONNECTIONS: u32 = 1;
+/// Audit batches are written one at a time too.
+const AUDIT_CONNECTIONS: u32 = 1;
+const JOB_CONNECTIONS: u32 = 4;
 
 impl Services {
     pub fn new(db: Db, cfg: Config) -> Ctx {
@@ -60,6 +70,8 @@ impl Services {
         let job_concurrency = cfg.job_concurrency.max(1);
         Arc::new(Services {
             placer_db: db.lane(PLACER_CONNECTIONS),
+            audit_db: db.lane(AUDIT_CONNECTIONS),
+            jobs_db: db.lane(JOB_CONNECTIONS),
             db,
             cfg,
             tasks_queued: Notify::new(),
@@ -69,8 +81,8 @@ impl Services {
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
             login_guard: login_guard::LoginGuard::new(cfg_limits),
             job_permits: Arc::new(tokio::sync::Semaphore::new(job_concurrency)),
-            placer: placer::Placer::default(),
-            audit: batcher::Batcher::default(),
+            placer: placer::Placer::new(placer::LINGER),
+            audit: batcher::Batcher::new(audit::LINGER),
             tokens: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
         })

@@ -202,6 +202,9 @@ impl Db {
             Db::Postgres(p) => Db::Postgres(
                 PgPoolOptions::new()
                     .max_connections(connections.max(1))
+                    // Opened in the background at start: the first request that needs
+                    // the lane does not wait for a connection to be set up.
+                    .min_connections(connections.max(1))
                     .acquire_timeout(Duration::from_secs(60))
                     .connect_lazy_with((*p.connect_options()).clone()),
             ),

@@ -33,14 +33,14 @@ pub async fn run_raw(
     task: Task,
 ) -> Result<TaskResult, String> {
     let name = task.name();
-    let id = tasks::enqueue(&ctx.db, server, job, &task)
+    let id = tasks::enqueue(&ctx.jobs_db, server, job, &task)
         .await
         .map_err(|e| format!("could not queue {name}: {e}"))?;
     ctx.tasks_queued.notify_waiters();
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
     loop {
         let done = ctx.task_done.notified();
-        match tasks::result(&ctx.db, id).await {
+        match tasks::result(&ctx.jobs_db, id).await {
             Ok(Some(r)) => return Ok(r),
             Ok(None) => {}
             Err(e) => return Err(format!("reading the result of {name}: {e}")),

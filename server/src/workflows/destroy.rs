@@ -11,7 +11,7 @@ use passage_model::protocol::Task;
 
 pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
     let vm = vm_of(ctx, job).await?;
-    let held: Vec<String> = devices::held_by(&ctx.db, vm.uuid)
+    let held: Vec<String> = devices::held_by(&ctx.jobs_db, vm.uuid)
         .await
         .map_err(|e| e.to_string())?
         .iter()
@@ -20,7 +20,7 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
     let Some(server) = vm.server_uuid else {
         // Never placed: nothing on any node to stop or clean.
         if step == "release" {
-            vms::release_destroyed(&ctx.db, vm.uuid, None, &[])
+            vms::release_destroyed(&ctx.jobs_db, vm.uuid, None, &[])
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -57,7 +57,7 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
             .await?;
             Ok(())
         }
-        "release" => vms::release_destroyed(&ctx.db, vm.uuid, Some(server), &held)
+        "release" => vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held)
             .await
             .map_err(|e| e.to_string()),
         "scrub" => {
@@ -72,18 +72,18 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
 /// it is `failed`, and its devices are quarantined (never freed without a scrub).
 pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result<(), String> {
     let vm = vm_of(ctx, job).await?;
-    crate::store::ops::end_usage(&ctx.db, vm.uuid)
+    crate::store::ops::end_usage(&ctx.jobs_db, vm.uuid)
         .await
         .map_err(|e| e.to_string())?;
     if let Some(server) = vm.server_uuid {
-        let held: Vec<String> = devices::held_by(&ctx.db, vm.uuid)
+        let held: Vec<String> = devices::held_by(&ctx.jobs_db, vm.uuid)
             .await
             .map_err(|e| e.to_string())?
             .iter()
             .map(|d| d.pci.id.to_string())
             .collect();
         devices::move_devices(
-            &ctx.db,
+            &ctx.jobs_db,
             server,
             &held,
             DeviceEvent::Quarantine,
@@ -93,14 +93,19 @@ pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result
         .await
         .map_err(|e| e.to_string())?;
     }
-    vms::set_state(&ctx.db, vm.uuid, &[VmState::Destroying], VmState::Failed)
-        .await
-        .map_err(|e| e.to_string())?;
+    vms::set_state(
+        &ctx.jobs_db,
+        vm.uuid,
+        &[VmState::Destroying],
+        VmState::Failed,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     // Released but not scrubbed (the failure came after `release`): scrub now rather than
     // wait for the reconciler.
     if let Some(server) = vm.server_uuid {
         let ids: Vec<String> = vm.assigned_devices.iter().map(|d| d.to_string()).collect();
-        let dirty: Vec<String> = devices::for_server(&ctx.db, server)
+        let dirty: Vec<String> = devices::for_server(&ctx.jobs_db, server)
             .await
             .map_err(|e| e.to_string())?
             .into_iter()

@@ -46,7 +46,7 @@ pub(super) async fn stop(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), S
     let task = Task::StopVm { vm_uuid: vm.uuid };
     agent_task::run(ctx, server, Some(job.view.uuid), task).await?;
     vms::set_state(
-        &ctx.db,
+        &ctx.jobs_db,
         vm.uuid,
         &[VmState::Running, VmState::Stopped],
         VmState::Stopped,
@@ -81,7 +81,7 @@ pub(super) async fn start(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), 
             };
             agent_task::run(ctx, server, job_id, task).await?;
             vms::set_state(
-                &ctx.db,
+                &ctx.jobs_db,
                 vm.uuid,
                 &[VmState::Stopped, VmState::Running],
                 VmState::Running,
@@ -100,7 +100,7 @@ pub(super) async fn start_undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result
     if step == "launch" {
         let task = Task::StopVm { vm_uuid: vm.uuid };
         agent_task::run(ctx, server, Some(job.view.uuid), task).await?;
-        vms::set_state(&ctx.db, vm.uuid, &[VmState::Running], VmState::Stopped)
+        vms::set_state(&ctx.jobs_db, vm.uuid, &[VmState::Running], VmState::Stopped)
             .await
             .map_err(|e| e.to_string())?;
     }
@@ -113,7 +113,7 @@ pub(super) async fn replace(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<()
     let job_id = Some(job.view.uuid);
     match step {
         "reserve" => {
-            let held = devices::held_by(&ctx.db, vm.uuid)
+            let held = devices::held_by(&ctx.jobs_db, vm.uuid)
                 .await
                 .map_err(|e| e.to_string())?;
             let missing: Vec<&DevicePath> = plan
@@ -148,7 +148,7 @@ pub(super) async fn replace(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<()
             let mut assigned = plan.keep.clone();
             assigned.extend(plan.add.iter().cloned());
             vms::commit_replacement(
-                &ctx.db,
+                &ctx.jobs_db,
                 vm.uuid,
                 vms::Replacement {
                     from_server: plan.from_server,
@@ -197,7 +197,7 @@ pub(super) async fn replace_undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Resu
     let plan = plan_of(job)?;
     match step {
         "reserve" => devices::move_devices(
-            &ctx.db,
+            &ctx.jobs_db,
             plan.to_server,
             &strings(&plan.add),
             DeviceEvent::CancelUnused,

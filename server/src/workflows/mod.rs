@@ -114,7 +114,7 @@ fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::Join
         let every = (ctx.cfg.job_lease / 3).max(std::time::Duration::from_millis(100));
         loop {
             tokio::time::sleep(every).await;
-            match jobs::claim(&ctx.db, job, &ctx.instance, lease_until(&ctx)).await {
+            match jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(&ctx)).await {
                 Ok(true) => {}
                 Ok(false) => {
                     lost.store(true, Ordering::SeqCst);
@@ -137,7 +137,7 @@ fn fault(ctx: &Ctx, job: &str, step: &str) -> Result<(), String> {
 /// Runs (or resumes) a job to its end. Steps already `succeeded` are skipped, so a job
 /// interrupted by a restart picks up where it stopped.
 pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
-    if !jobs::claim(&ctx.db, job, &ctx.instance, lease_until(ctx)).await? {
+    if !jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await? {
         // Finished, or another replica holds it.
         return Ok(());
     }
@@ -149,13 +149,13 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
 }
 
 async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> {
-    let rec = jobs::get(&ctx.db, job).await?;
+    let rec = jobs::get(&ctx.jobs_db, job).await?;
     if matches!(rec.view.state, JobState::Succeeded | JobState::Failed) {
         return Ok(());
     }
     let saga = Saga::of(&rec.view.name)
         .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
-    jobs::set_state(&ctx.db, job, JobState::Running, None).await?;
+    jobs::set_state(&ctx.jobs_db, job, JobState::Running, None).await?;
     // A job that was already unwinding when its runner died goes on unwinding.
     if let Some((i, failed)) = rec
         .view
@@ -186,8 +186,8 @@ async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> 
             let _ = out.flush();
             std::future::pending::<()>().await;
         }
-        jobs::step_started(&ctx.db, job, i).await?;
-        let fresh = jobs::get(&ctx.db, job).await?;
+        jobs::step_started(&ctx.jobs_db, job, i).await?;
+        let fresh = jobs::get(&ctx.jobs_db, job).await?;
         let started = std::time::Instant::now();
         let result = match saga.action(ctx, &fresh, &step.name).await {
             Ok(()) => fault(ctx, &rec.view.name, &step.name),
@@ -196,15 +196,15 @@ async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> 
         ctx.metrics
             .step(&rec.view.name, &step.name, started.elapsed());
         match result {
-            Ok(()) => jobs::step_ended(&ctx.db, job, i, StepState::Succeeded, None).await?,
+            Ok(()) => jobs::step_ended(&ctx.jobs_db, job, i, StepState::Succeeded, None).await?,
             Err(e) => {
                 tracing::warn!(%job, step = %step.name, error = %e, "job step failed");
-                jobs::step_ended(&ctx.db, job, i, StepState::Failed, Some(&e)).await?;
+                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Failed, Some(&e)).await?;
                 return fail(ctx, saga, job, &step.name, &e).await;
             }
         }
     }
-    jobs::set_state(&ctx.db, job, JobState::Succeeded, None).await?;
+    jobs::set_state(&ctx.jobs_db, job, JobState::Succeeded, None).await?;
     Ok(())
 }
 
@@ -215,18 +215,18 @@ async fn fail(ctx: &Ctx, saga: Saga, job: JobId, step: &str, e: &str) -> ApiResu
     if !undo_errors.is_empty() {
         error.push_str(&format!("; undo failed: {}", undo_errors.join("; ")));
     }
-    let fresh = jobs::get(&ctx.db, job).await?;
+    let fresh = jobs::get(&ctx.jobs_db, job).await?;
     if let Err(e2) = saga.on_failed(ctx, &fresh, &error).await {
         error.push_str(&format!("; cleanup failed: {e2}"));
     }
-    jobs::set_state(&ctx.db, job, JobState::Failed, Some(&error)).await?;
+    jobs::set_state(&ctx.jobs_db, job, JobState::Failed, Some(&error)).await?;
     Ok(())
 }
 
 /// Runs the undo of every step that started, newest first. Undos are idempotent: calling
 /// this again on an unwound job changes nothing. Returns the undos that failed.
 pub async fn unwind(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>> {
-    let rec = jobs::get(&ctx.db, job).await?;
+    let rec = jobs::get(&ctx.jobs_db, job).await?;
     let saga = Saga::of(&rec.view.name)
         .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
     let mut errors = Vec::new();
@@ -235,7 +235,7 @@ pub async fn unwind(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>> {
             continue;
         }
         match saga.undo(ctx, &rec, &step.name).await {
-            Ok(()) => jobs::step_ended(&ctx.db, job, i, StepState::Undone, None).await?,
+            Ok(()) => jobs::step_ended(&ctx.jobs_db, job, i, StepState::Undone, None).await?,
             Err(e) => {
                 tracing::warn!(%job, step = %step.name, error = %e, "undo failed");
                 errors.push(format!("{}: {e}", step.name));
@@ -247,7 +247,7 @@ pub async fn unwind(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>> {
 
 /// Jobs whose runner is gone (a server that died, a replica that stopped): resume each.
 pub async fn resume_all(ctx: &Ctx) -> ApiResult<usize> {
-    let pending = jobs::orphaned(&ctx.db, 5_000).await?;
+    let pending = jobs::orphaned(&ctx.jobs_db, 5_000).await?;
     let n = pending.len();
     for job in pending {
         let known = ctx

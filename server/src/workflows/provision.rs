@@ -10,7 +10,7 @@ use passage_model::{DeviceEvent, ServerId};
 
 pub(super) async fn vm_of(ctx: &Ctx, job: &JobRecord) -> Result<Vm, String> {
     let id = job.view.vm_uuid.ok_or("the job has no VM")?;
-    vms::get(&ctx.db, id).await.map_err(|e| e.to_string())
+    vms::get(&ctx.jobs_db, id).await.map_err(|e| e.to_string())
 }
 
 fn server_of(vm: &Vm) -> Result<ServerId, String> {
@@ -28,7 +28,7 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
     match step {
         // The reservation was made with the VM row; check it still holds.
         "reserve" => {
-            let held = devices::held_by(&ctx.db, vm.uuid)
+            let held = devices::held_by(&ctx.jobs_db, vm.uuid)
                 .await
                 .map_err(|e| e.to_string())?;
             let mut held: Vec<String> = held.iter().map(|d| d.pci.id.to_string()).collect();
@@ -67,7 +67,7 @@ pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(),
             agent_task::run(ctx, server, Some(job.view.uuid), task).await?;
             Ok(())
         }
-        "mark_used" => vms::mark_running(&ctx.db, vm.uuid, server, &ids(&vm))
+        "mark_used" => vms::mark_running(&ctx.jobs_db, vm.uuid, server, &ids(&vm))
             .await
             .map_err(|e| e.to_string()),
         other => Err(format!("unknown provision step {other}")),
@@ -92,7 +92,7 @@ pub(super) async fn undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), S
                 DeviceEvent::CancelUnused
             };
             let moved = devices::move_devices(
-                &ctx.db,
+                &ctx.jobs_db,
                 server,
                 &ids(&vm),
                 event,
@@ -101,7 +101,7 @@ pub(super) async fn undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), S
             )
             .await
             .map_err(|e| e.to_string())?;
-            crate::store::ops::end_usage(&ctx.db, vm.uuid)
+            crate::store::ops::end_usage(&ctx.jobs_db, vm.uuid)
                 .await
                 .map_err(|e| e.to_string())?;
             if launched && !moved.is_empty() {
@@ -140,13 +140,13 @@ pub(super) async fn undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), S
 pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result<(), String> {
     let vm = vm_of(ctx, job).await?;
     if let Some(server) = vm.server_uuid {
-        let still_held = devices::held_by(&ctx.db, vm.uuid)
+        let still_held = devices::held_by(&ctx.jobs_db, vm.uuid)
             .await
             .map_err(|e| e.to_string())?;
         if !still_held.is_empty() {
             let held: Vec<String> = still_held.iter().map(|d| d.pci.id.to_string()).collect();
             devices::move_devices(
-                &ctx.db,
+                &ctx.jobs_db,
                 server,
                 &held,
                 DeviceEvent::Quarantine,
@@ -158,7 +158,7 @@ pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result
         }
     }
     vms::set_state(
-        &ctx.db,
+        &ctx.jobs_db,
         vm.uuid,
         &[VmState::Provisioning, VmState::Running],
         VmState::Failed,

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 pub async fn scrub_forgotten(ctx: &Ctx) -> crate::store::StoreResult<usize> {
     let grace = i64::try_from(ctx.cfg.scrub_grace.as_millis()).unwrap_or(i64::MAX);
     let dirty = devices::dirty_before(
-        &ctx.db,
+        &ctx.jobs_db,
         now_ms().saturating_sub(grace),
         ctx.alive_after_ms(),
     )

@@ -24,7 +24,7 @@ pub async fn start_job(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResu
     })
     .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
     jobs::insert(
-        &ctx.db,
+        &ctx.jobs_db,
         job,
         "scrub",
         None,
@@ -54,7 +54,7 @@ pub async fn scrub_devices(
     ids: &[String],
 ) -> Result<(), String> {
     let started = devices::move_devices(
-        &ctx.db,
+        &ctx.jobs_db,
         server,
         ids,
         DeviceEvent::ScrubStart,
@@ -77,7 +77,7 @@ pub async fn scrub_devices(
         Err(e) => {
             // No answer: the scrub may not have run. Back to dirty; the reconciler retries.
             devices::move_devices(
-                &ctx.db,
+                &ctx.jobs_db,
                 server,
                 &ids,
                 DeviceEvent::ScrubAborted,
@@ -116,7 +116,7 @@ pub async fn scrub_devices(
         };
         if let Some(r) = report {
             let task_id = passage_model::TaskId::new_random();
-            events::insert_scrub_report(&ctx.db, server, task_id, r)
+            events::insert_scrub_report(&ctx.jobs_db, server, task_id, r)
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -124,7 +124,7 @@ pub async fn scrub_devices(
             failed.push(format!("{id}: {reason}"));
         }
         devices::move_devices(
-            &ctx.db,
+            &ctx.jobs_db,
             server,
             std::slice::from_ref(id),
             event,
@@ -148,10 +148,10 @@ async fn pipelines(
     server: ServerId,
     ids: &[String],
 ) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, String> {
-    let variants = crate::store::variants::list(&ctx.db)
+    let variants = crate::store::variants::list(&ctx.jobs_db)
         .await
         .map_err(|e| e.to_string())?;
-    let devs = devices::for_server(&ctx.db, server)
+    let devs = devices::for_server(&ctx.jobs_db, server)
         .await
         .map_err(|e| e.to_string())?;
     let mut out = std::collections::BTreeMap::new();
