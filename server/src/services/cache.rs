@@ -18,8 +18,8 @@ pub struct TtlCache<V> {
     map: Mutex<HashMap<String, (Instant, V)>>,
     /// Keys being read from the database now. A burst of requests that all miss (the
     /// first after a start, or every `TTL` under load) waits for one read instead of
-    /// sending the same query once per request.
-    loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// sending the same query once per request, and is woken all at once when it is in.
+    loading: Mutex<HashMap<String, Arc<tokio::sync::OnceCell<V>>>>,
 }
 
 impl<V> Default for TtlCache<V> {
@@ -40,7 +40,7 @@ impl<V: Clone> TtlCache<V> {
     }
 
     /// The entry for `key`, read by `load` on a miss. Concurrent misses for one key share
-    /// one `load`: the first caller reads, the others wait for it and take what it put.
+    /// one `load`: the first caller reads, the others wait for it and take what it read.
     /// A failed load is not remembered: the next waiter tries again.
     pub async fn get_or_load<E, Fut>(&self, key: &str, load: impl FnOnce() -> Fut) -> Result<V, E>
     where
@@ -49,24 +49,24 @@ impl<V: Clone> TtlCache<V> {
         if let Some(v) = self.get(key) {
             return Ok(v);
         }
-        let gate = self.loading.lock().ok().map(|mut loading| {
+        let cell = self.loading.lock().ok().map(|mut loading| {
             loading
                 .entry(key.to_string())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+                .or_insert_with(|| Arc::new(tokio::sync::OnceCell::new()))
                 .clone()
         });
-        let _turn = match &gate {
-            Some(g) => Some(g.lock().await),
-            None => None,
+        let Some(cell) = cell else {
+            // A poisoned lock: read alone rather than fail.
+            return load().await;
         };
-        if let Some(v) = self.get(key) {
-            return Ok(v);
-        }
-        let r = load().await;
+        let r = cell.get_or_try_init(load).await.cloned();
         if let Ok(v) = &r {
             self.put(key, v.clone());
         }
-        if let Ok(mut loading) = self.loading.lock() {
+        // The next miss, after `TTL`, reads again; those holding this cell are answered.
+        if let Ok(mut loading) = self.loading.lock()
+            && loading.get(key).is_some_and(|c| Arc::ptr_eq(c, &cell))
+        {
             loading.remove(key);
         }
         r

@@ -11,7 +11,7 @@
 //! alert when nothing fits.
 
 use super::Ctx;
-use super::batcher::Batcher;
+use super::batcher::{Batcher, OnTheWay};
 use crate::error::{ApiError, ApiResult};
 use crate::placement::{self, Policy};
 use crate::store::devices::Candidate;
@@ -54,6 +54,7 @@ pub async fn place(
     uuid: VmId,
     job: JobId,
     package: &Package,
+    on_the_way: OnTheWay,
 ) -> ApiResult<Vm> {
     if package.devices.is_empty() {
         // A VM without devices needs no device index: one server with room will do.
@@ -69,6 +70,7 @@ pub async fn place(
         package: package.clone(),
         answer,
     };
+    drop(on_the_way);
     ctx.placer
         .submit(ctx, req, MAX_BATCH, |ctx, batch| async move {
             place_batch(&ctx, batch).await

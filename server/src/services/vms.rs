@@ -104,6 +104,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
                 "the package sets vcpus and memory_mib",
             ));
         }
+        let on_the_way = ctx.placer.on_the_way();
         let package = match catalog::find_package(ctx, key).await {
             Ok(p) => p,
             Err(e) if e.code == ErrorCode::ResourceNotFound => {
@@ -112,7 +113,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             Err(e) => return Err(e),
         };
         let started = std::time::Instant::now();
-        let r = super::placer::place(ctx, &req.alias, owner, uuid, job, &package).await;
+        let r = super::placer::place(ctx, &req.alias, owner, uuid, job, &package, on_the_way).await;
         let outcome = match &r {
             Ok(_) => "placed",
             Err(e) if e.code == ErrorCode::InsufficientCapacity => "insufficient_capacity",

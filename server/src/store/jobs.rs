@@ -293,10 +293,12 @@ pub async fn list(
     })
 }
 
-/// Takes (or renews) the lease on an unfinished job: free, already ours, or expired.
+/// Takes (or renews) the lease on an unfinished job: free, already ours, or expired. A
+/// claimed job is `running`: its runner has started (one statement for both, as every
+/// job's start pays it).
 pub async fn claim(db: &Db, job: JobId, owner: &str, until_ms: i64) -> StoreResult<bool> {
     let n = on_write!(db, |p| sqlx::query(
-        "UPDATE jobs SET lease_owner = $2, lease_until = $3 WHERE uuid = $1 \
+        "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' WHERE uuid = $1 \
          AND state IN ('queued', 'running') \
          AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < $4)"
     )

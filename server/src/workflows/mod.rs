@@ -149,13 +149,15 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
 }
 
 async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> {
-    let rec = jobs::get(&ctx.jobs_db, job).await?;
+    // Read once: while this runner holds the lease, it alone writes the job's steps, and
+    // it keeps its copy in step with what it writes.
+    let mut rec = jobs::get(&ctx.jobs_db, job).await?;
     if matches!(rec.view.state, JobState::Succeeded | JobState::Failed) {
         return Ok(());
     }
     let saga = Saga::of(&rec.view.name)
         .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
-    jobs::set_state(&ctx.jobs_db, job, JobState::Running, None).await?;
+    rec.view.state = JobState::Running;
     // A job that was already unwinding when its runner died goes on unwinding.
     if let Some((i, failed)) = rec
         .view
@@ -170,7 +172,8 @@ async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> 
             .unwrap_or_else(|| "interrupted while unwinding".into());
         return fail(ctx, saga, job, &rec.view.steps[i].name, &e).await;
     }
-    for (i, step) in rec.view.steps.iter().enumerate() {
+    for i in 0..rec.view.steps.len() {
+        let step = rec.view.steps[i].clone();
         if step.state == StepState::Succeeded {
             continue;
         }
@@ -187,16 +190,23 @@ async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> 
             std::future::pending::<()>().await;
         }
         jobs::step_started(&ctx.jobs_db, job, i).await?;
-        let fresh = jobs::get(&ctx.jobs_db, job).await?;
+        let now = chrono::Utc::now();
+        let s = &mut rec.view.steps[i];
+        s.state = StepState::Running;
+        s.started_at.get_or_insert(now);
+        s.error = None;
         let started = std::time::Instant::now();
-        let result = match saga.action(ctx, &fresh, &step.name).await {
+        let result = match saga.action(ctx, &rec, &step.name).await {
             Ok(()) => fault(ctx, &rec.view.name, &step.name),
             Err(e) => Err(e),
         };
         ctx.metrics
             .step(&rec.view.name, &step.name, started.elapsed());
         match result {
-            Ok(()) => jobs::step_ended(&ctx.jobs_db, job, i, StepState::Succeeded, None).await?,
+            Ok(()) => {
+                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Succeeded, None).await?;
+                rec.view.steps[i].state = StepState::Succeeded;
+            }
             Err(e) => {
                 tracing::warn!(%job, step = %step.name, error = %e, "job step failed");
                 jobs::step_ended(&ctx.jobs_db, job, i, StepState::Failed, Some(&e)).await?;
