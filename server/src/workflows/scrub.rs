@@ -23,8 +23,10 @@ pub async fn start_job(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResu
         devices: ids.to_vec(),
     })
     .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
+    // Through the shared pool, not the job steps' lane: an operator's requeue starts this
+    // from a request, which must not queue behind the steps of running jobs.
     jobs::insert(
-        &ctx.jobs_db,
+        &ctx.db,
         job,
         "scrub",
         None,
