@@ -456,6 +456,11 @@ pub struct JobStep {
     pub started_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
     pub error: Option<String>,
+    /// With `error`: whether the failure was `retryable` (retried within the step's time
+    /// before the job gave up), `refused` (a rule, or the node said no) or `broken` (the
+    /// control plane's own fault).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_kind: Option<crate::jobs::StepErrorKind>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -2,11 +2,13 @@
 //! the server, the node agent and the portal.
 
 pub mod api;
+pub mod capacity;
 pub mod decode;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ids;
+pub mod jobs;
 pub mod pci;
 pub mod protocol;
 mod redact;

@@ -41,6 +41,9 @@ pub struct Config {
     /// Test only: job steps (`provision.launch`, `destroy.stop`, …) made to fail after
     /// their action ran, to prove every undo.
     pub faults: Vec<String>,
+    /// Test only: every job step's action, and every undo, runs twice in a row; the
+    /// second run must succeed and change nothing (each is idempotent).
+    pub repeat_steps: bool,
 }
 
 impl Default for Config {
@@ -62,6 +65,7 @@ impl Default for Config {
             job_concurrency: 256,
             vm_exit_grace: Duration::from_secs(10),
             faults: Vec::new(),
+            repeat_steps: false,
         }
     }
 }

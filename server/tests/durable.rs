@@ -6,7 +6,7 @@
 mod common;
 
 use common::{Backend, TestDb, TestServer, fast_config, wait_for};
-use passage_server::workflows::{DESTROY_STEPS, PROVISION_STEPS};
+use passage_model::jobs::JobKind;
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -219,7 +219,7 @@ async fn killed_at_every_boundary(b: Backend) {
     drop(server);
 
     let mut running_vms = Vec::new();
-    for step in PROVISION_STEPS {
+    for step in JobKind::Provision.step_names() {
         let key = format!("provision.{step}");
         let paused = start(&db, port, Some(&key));
         let op = api.login().await;
@@ -249,7 +249,7 @@ async fn killed_at_every_boundary(b: Backend) {
         assert_eq!(v["state"], "running", "{key}");
         running_vms.push(v);
     }
-    for (step, vm) in DESTROY_STEPS.iter().zip(&running_vms) {
+    for (step, vm) in JobKind::Destroy.step_names().iter().zip(&running_vms) {
         let key = format!("destroy.{step}");
         let paused = start(&db, port, Some(&key));
         let op = api.login().await;

@@ -4,8 +4,11 @@
 mod common;
 
 use common::{Backend, TestDb};
-use passage_model::{DeviceEvent, DeviceState, VmId};
-use passage_server::store::{Db, StoreError, devices, servers, variants};
+use passage_model::api::Role;
+use passage_model::{AccountId, DeviceEvent, DevicePath, DeviceState, JobId, ServerId, VmId};
+use passage_server::store::create::{self, NewVm};
+use passage_server::store::room::Allocation;
+use passage_server::store::{Db, StoreError, accounts, devices, servers, variants};
 
 async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>) {
     let tdb = TestDb::new(b).await;
@@ -43,6 +46,53 @@ async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>
         .collect();
     assert!(!ids.is_empty());
     (tdb, db, server, ids)
+}
+
+async fn tenant(db: &Db, login: &'static str, quota: Option<u32>) -> AccountId {
+    accounts::insert(
+        db,
+        accounts::NewAccount {
+            login,
+            password_hash: "x",
+            role: Role::Tenant,
+            gpu_quota: quota,
+        },
+    )
+    .await
+    .unwrap()
+    .uuid
+}
+
+fn paths(ids: &[String]) -> Vec<DevicePath> {
+    ids.iter().map(|i| i.parse().unwrap()).collect()
+}
+
+fn new_vm<'a>(
+    owner: AccountId,
+    server: ServerId,
+    devices: &'a [DevicePath],
+    vcpus: u32,
+) -> NewVm<'a> {
+    NewVm {
+        uuid: VmId::new_ordered(),
+        alias: "v",
+        owner,
+        package: None,
+        vcpus,
+        memory_mib: 1024,
+        server: Some(server),
+        devices,
+        job: JobId::new_ordered(),
+    }
+}
+
+/// A VM of its own holding `ids`, reserved as every reservation is (`store::reserve`).
+async fn reserved(db: &Db, server: ServerId, owner: AccountId, ids: &[String]) -> VmId {
+    let devs = paths(ids);
+    create::create_one(db, new_vm(owner, server, &devs, 0), Allocation::default())
+        .await
+        .unwrap()
+        .uuid
 }
 
 async fn migrations_and_inventory(b: Backend) {
@@ -99,13 +149,15 @@ async fn transitions_follow_the_machine(b: Backend) {
         .await
         .unwrap();
     assert!(m.is_empty());
-    let m = devices::move_devices(&db, server, &one, DeviceEvent::Reserve, Some(vm), "t")
-        .await
-        .unwrap();
-    assert_eq!(
-        (m[0].from, m[0].to),
-        (DeviceState::Unassigned, DeviceState::Provisioning)
-    );
+    // Reservations have one writer, which claims quota and room with the devices.
+    assert!(matches!(
+        devices::move_devices(&db, server, &one, DeviceEvent::Reserve, Some(vm), "t").await,
+        Err(StoreError::Corrupt(_))
+    ));
+    let owner = tenant(&db, "t", None).await;
+    let vm = reserved(&db, server, owner, &one).await;
+    let d = devices::held_by(&db, vm).await.unwrap();
+    assert_eq!((d.len(), d[0].state), (1, DeviceState::Provisioning));
     // Only the holder moves a held device.
     let m = devices::move_devices(
         &db,
@@ -162,21 +214,23 @@ both!(
     transitions_follow_the_machine
 );
 
+/// 64 creations race for the last free device: exactly one gets it, one device is
+/// charged, and the free-device index shows none left.
 async fn concurrent_reservations_of_one_device(b: Backend) {
     let (_tdb, db, server, ids) = seeded(b).await;
-    let target = vec![ids[0].clone()];
+    let owner = tenant(&db, "t", None).await;
+    // All but the last device taken first.
+    reserved(&db, server, owner, &ids[1..]).await;
+    let target = paths(&ids[..1]);
     let mut tasks = Vec::new();
-    for _ in 0..32 {
+    for _ in 0..64 {
         let db = db.clone();
         let target = target.clone();
         tasks.push(tokio::spawn(async move {
-            devices::move_devices(
+            create::create_one(
                 &db,
-                server,
-                &target,
-                DeviceEvent::Reserve,
-                Some(VmId::new_random()),
-                "race",
+                new_vm(owner, server, &target, 1),
+                Allocation::default(),
             )
             .await
         }));
@@ -184,13 +238,22 @@ async fn concurrent_reservations_of_one_device(b: Backend) {
     let mut winners = 0;
     for t in tasks {
         match t.await.unwrap() {
-            Ok(m) if m.len() == 1 => winners += 1,
-            Ok(m) => assert!(m.is_empty()),
+            Ok(_) => winners += 1,
             Err(StoreError::Retry) => {}
             Err(e) => panic!("{e}"),
         }
     }
     assert_eq!(winners, 1);
+    assert_eq!(
+        accounts::gpu_held(&db, owner).await.unwrap(),
+        ids.len() as i64
+    );
+    assert!(
+        devices::hinted_servers(&db, "H100", 1, 0, false, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 both!(
     concurrent_reservations_of_one_device_on,
@@ -203,7 +266,7 @@ both!(
 async fn a_batch_decides_each_creation_in_order(b: Backend) {
     use passage_model::api::{Role, VmState};
     use passage_model::{JobId, PackageId};
-    use passage_server::store::{accounts, batch, jobs, room, vms};
+    use passage_server::store::{jobs, room, vms};
     let (_tdb, db, server, ids) = seeded(b).await;
     assert!(ids.len() >= 4);
     // 8 vCPUs to give: 4 CPUs at a ratio of 2, and memory to spare.
@@ -230,19 +293,11 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
     let a = accounts::insert(&db, account("a", Some(1))).await.unwrap();
     let t = accounts::insert(&db, account("t", None)).await.unwrap();
     // Taken before the batch, by a VM of its own.
-    devices::move_devices(
-        &db,
-        server,
-        &ids[3..4],
-        DeviceEvent::Reserve,
-        Some(VmId::new_random()),
-        "elsewhere",
-    )
-    .await
-    .unwrap();
+    let other = tenant(&db, "o", None).await;
+    reserved(&db, server, other, &ids[3..4]).await;
     let dev = |i: usize| vec![ids[i].parse::<passage_model::DevicePath>().unwrap()];
     let (d0, d1, d2, d3) = (dev(0), dev(1), dev(2), dev(3));
-    let new = |owner, devices: &'static [passage_model::DevicePath], vcpus| vms::NewVm {
+    let new = |owner, devices: &'static [passage_model::DevicePath], vcpus| NewVm {
         uuid: VmId::new_ordered(),
         alias: "b",
         owner,
@@ -252,8 +307,6 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         server: Some(server),
         devices,
         job: JobId::new_ordered(),
-        job_steps: &["reserve", "bind"],
-        alloc,
     };
     let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
         Box::leak(v.into_boxed_slice())
@@ -268,7 +321,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         new(t.uuid, d2, 5), // 2 + 2 taken of 8: no room for 5
         new(t.uuid, d2, 4),
     ];
-    let out = batch::create_many(&db, &batch_vms, alloc).await.unwrap();
+    let out = create::create_many(&db, &batch_vms, alloc).await.unwrap();
     let kinds: Vec<String> = out
         .iter()
         .map(|o| match o {
@@ -288,7 +341,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
                 assert_eq!(&stored, view);
                 assert_eq!(stored.state, VmState::Provisioning);
                 let job = jobs::get(&db, vm.job).await.unwrap();
-                assert_eq!(job.view.steps.len(), 2);
+                assert_eq!(job.steps.len(), 4, "a provision's steps");
                 let held = devices::held_by(&db, vm.uuid).await.unwrap();
                 assert_eq!(held.len(), 1);
                 assert_eq!(held[0].state, DeviceState::Provisioning);
@@ -319,4 +372,161 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
 both!(
     a_batch_decides_each_creation_in_order_on,
     a_batch_decides_each_creation_in_order
+);
+
+/// Every row a creation can write, as text, with what differs between two databases
+/// seeded alike (account and server uuids, times) replaced by names.
+async fn written_rows(db: &Db) -> Vec<String> {
+    let text = |cols: &[&str]| -> String {
+        cols.iter()
+            .map(|c| format!("COALESCE(CAST({c} AS TEXT), '-')"))
+            .collect::<Vec<_>>()
+            .join(" || '|' || ")
+    };
+    let queries = [
+        format!(
+            "SELECT 'vm|' || {} FROM vms v JOIN accounts a ON a.uuid = v.owner_uuid \
+             LEFT JOIN servers s ON s.uuid = v.server_uuid ORDER BY v.uuid",
+            text(&[
+                "v.uuid",
+                "v.alias",
+                "a.login",
+                "s.hostname",
+                "v.package_uuid",
+                "v.state",
+                "v.vcpus",
+                "v.memory_mib",
+                "v.assigned_devices",
+                "v.job_uuid"
+            ])
+        ),
+        format!(
+            "SELECT 'job|' || {} FROM jobs j LEFT JOIN accounts a ON a.uuid = j.owner_uuid \
+             ORDER BY j.uuid",
+            text(&[
+                "j.uuid",
+                "j.name",
+                "j.vm_uuid",
+                "a.login",
+                "j.payload",
+                "j.state"
+            ])
+        ),
+        format!(
+            "SELECT 'step|' || {} FROM job_steps ORDER BY job_uuid, idx",
+            text(&["job_uuid", "idx", "name", "state", "error"])
+        ),
+        format!(
+            "SELECT 'device|' || {} FROM devices ORDER BY id",
+            text(&["id", "variant", "state", "used_by", "generation", "missing"])
+        ),
+        format!(
+            "SELECT 'event|' || {} FROM device_events ORDER BY device, from_state, to_state",
+            text(&["device", "from_state", "to_state", "reason"])
+        ),
+        format!(
+            "SELECT 'account|' || {} FROM accounts ORDER BY login",
+            text(&["login", "gpu_quota", "gpu_held"])
+        ),
+        format!(
+            "SELECT 'free|' || {} FROM free_devices ORDER BY variant",
+            text(&["variant", "free"])
+        ),
+    ];
+    let mut out = Vec::new();
+    for q in queries {
+        let rows: Vec<String> = match db {
+            Db::Sqlite { read, .. } => sqlx::query_scalar(&q).fetch_all(read).await.unwrap(),
+            Db::Postgres(p) => sqlx::query_scalar(&q).fetch_all(p).await.unwrap(),
+        };
+        out.extend(rows);
+    }
+    out
+}
+
+/// The same creations, once one by one (a lone request's path) and once as one batch (a
+/// burst's path), each on a fresh database seeded alike: the same outcome for each, and
+/// the same rows written, down to the devices' generations and history.
+async fn single_and_batch_paths_write_the_same(b: Backend) {
+    async fn run(b: Backend, batch: bool) -> (Vec<String>, Vec<String>) {
+        use passage_server::store::room;
+        let (_tdb, db, server, ids) = seeded(b).await;
+        room::set_host(
+            &db,
+            server,
+            Some(passage_model::protocol::HostResources {
+                cpus: 4,
+                memory_mib: 1 << 20,
+            }),
+        )
+        .await
+        .unwrap();
+        let alloc = Allocation {
+            cpu_ratio: 2.0,
+            reserved_memory_mib: 0,
+        };
+        let a = tenant(&db, "a", Some(2)).await;
+        let t = tenant(&db, "t", None).await;
+        let d = |r: std::ops::Range<usize>| paths(&ids[r]);
+        let (d0, d1, d2, d3, d01, d23) = (d(0..1), d(1..2), d(2..3), d(3..4), d(0..2), d(2..4));
+        let wants: Vec<(AccountId, &[DevicePath], u32)> = vec![
+            (t, &d0, 2),
+            (a, &d0, 1),  // taken by the first
+            (a, &d01, 1), // one of two taken: all or none
+            (a, &d1, 1),
+            (a, &d23, 1), // a's quota of 2 would be exceeded
+            (t, &d2, 6),  // 2 + 1 of 8 vCPUs taken: no room for 6
+            (t, &[], 4),  // room alone
+            (a, &d2, 1),
+            (t, &d3, 1), // 8 of 8 now: no room
+        ];
+        let vms: Vec<NewVm<'_>> = wants
+            .iter()
+            .enumerate()
+            .map(|(i, (owner, devices, vcpus))| NewVm {
+                uuid: VmId(uuid::Uuid::from_u128(1000 + i as u128)),
+                alias: "same",
+                owner: *owner,
+                package: None,
+                vcpus: *vcpus,
+                memory_mib: 1024,
+                server: Some(server),
+                devices,
+                job: JobId(uuid::Uuid::from_u128(2000 + i as u128)),
+            })
+            .collect();
+        let outcomes = if batch {
+            create::create_many(&db, &vms, alloc).await.unwrap()
+        } else {
+            let mut out = Vec::new();
+            for vm in vms {
+                out.push(create::create_one(&db, vm, alloc).await);
+            }
+            out
+        };
+        let kinds = outcomes
+            .iter()
+            .map(|o| match o {
+                Ok(vm) => format!("ok {}", vm.uuid),
+                Err(e) => format!("{e:?}").replace(&server.to_string(), "SERVER"),
+            })
+            .collect();
+        (kinds, written_rows(&db).await)
+    }
+    let (single, single_rows) = run(b, false).await;
+    let (batch, batch_rows) = run(b, true).await;
+    assert_eq!(single, batch);
+    assert_eq!(
+        single.iter().filter(|k| k.starts_with("ok")).count(),
+        4,
+        "{single:?}"
+    );
+    for (s, b) in single_rows.iter().zip(&batch_rows) {
+        assert_eq!(s, b);
+    }
+    assert_eq!(single_rows.len(), batch_rows.len());
+}
+both!(
+    single_and_batch_paths_write_the_same_on,
+    single_and_batch_paths_write_the_same
 );

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{Backend, Node, TestServer, fast_config, wait_for};
-use passage_server::workflows::{DESTROY_STEPS, PROVISION_STEPS};
+use passage_model::jobs::JobKind;
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -58,7 +58,7 @@ async fn provision_and_destroy(b: Backend) {
         .iter()
         .map(|s| s["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, PROVISION_STEPS);
+    assert_eq!(names, JobKind::Provision.step_names());
     let v = vm(&s, &uuid).await;
     assert_eq!(v["state"], "running");
     let dev = v["assigned_devices"][0].as_str().unwrap().to_string();
@@ -146,7 +146,7 @@ async fn snapshot(s: &TestServer, node: &Node, vm_uuid: &str) -> Value {
 }
 
 async fn provision_faults(b: Backend) {
-    for step in PROVISION_STEPS {
+    for step in JobKind::Provision.step_names() {
         let mut cfg = fast_config();
         cfg.faults = vec![format!("provision.{step}")];
         let mut s = TestServer::start(b, cfg).await;
@@ -198,7 +198,7 @@ async fn provision_faults(b: Backend) {
 both!(provision_faults_on, provision_faults);
 
 async fn destroy_faults(b: Backend) {
-    for step in DESTROY_STEPS {
+    for step in JobKind::Destroy.step_names() {
         let mut cfg = fast_config();
         cfg.faults = vec![format!("destroy.{step}")];
         let mut s = TestServer::start(b, cfg).await;

@@ -14,11 +14,10 @@ use super::Ctx;
 use super::batcher::{Batcher, OnTheWay};
 use crate::error::{ApiError, ApiResult};
 use crate::placement::{self, Policy};
+use crate::store::create::{self, NewVm};
 use crate::store::devices::Candidate;
 use crate::store::room::{self, Room};
-use crate::store::vms::NewVm;
-use crate::store::{StoreError, batch, devices};
-use crate::workflows;
+use crate::store::{StoreError, devices};
 use passage_model::api::{Package, Vm};
 use passage_model::{AccountId, DevicePath, JobId, PackageId, ServerId, VmId};
 use std::collections::{BTreeMap, HashMap};
@@ -127,12 +126,10 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
             server: Some(p.server),
             devices: &p.devices,
             job: p.req.job,
-            job_steps: workflows::PROVISION_STEPS,
-            alloc: ctx.cfg.alloc,
         })
         .collect();
     let t0 = std::time::Instant::now();
-    let written = batch::create_many(&ctx.placer_db, &news, ctx.cfg.alloc).await;
+    let written = create::create_many(&ctx.placer_db, &news, ctx.cfg.alloc).await;
     drop(news);
     tracing::debug!(
         vms = planned.len(),

@@ -5,8 +5,10 @@ use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
 use crate::placement;
+use crate::store::reserve::Claim;
 use crate::store::{StoreError, devices, room, vms};
-use crate::workflows::{self, lifecycle};
+use crate::workflows::lifecycle::{self, Migrate, Resize, Start, Stop};
+use crate::workflows::{self, Workflow};
 use passage_model::api::{Package, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, ServerId, VmId};
 use std::collections::BTreeMap;
@@ -19,42 +21,30 @@ async fn owned(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     super::vms::settled(ctx, vm).await
 }
 
-pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
-    let vm = owned(ctx, caller, uuid).await?;
+/// Writes a job of `W` for a VM in one of `from`, and runs it.
+async fn begin<W: Workflow>(
+    ctx: &Ctx,
+    vm: &Vm,
+    from: &[VmState],
+    payload: &W::Payload,
+    claim: Option<Claim<'_>>,
+) -> Result<Vm, StoreError> {
     let job = JobId::new_random();
-    let vm = vms::begin_job(
-        &ctx.db,
-        uuid,
-        vm.owner_uuid,
-        &[VmState::Running],
-        job,
-        "stop",
-        None,
-        lifecycle::STOP_STEPS,
-        None,
-    )
-    .await?;
+    let new = workflows::new_job::<W>(job, Some(vm.uuid), Some(vm.owner_uuid), payload)
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let vm = vms::begin_job(&ctx.db, vm.uuid, from, new, claim, ctx.cfg.alloc).await?;
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
 }
 
+pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = owned(ctx, caller, uuid).await?;
+    Ok(begin::<Stop>(ctx, &vm, &[VmState::Running], &(), None).await?)
+}
+
 pub async fn start(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     let vm = owned(ctx, caller, uuid).await?;
-    let job = JobId::new_random();
-    let vm = vms::begin_job(
-        &ctx.db,
-        uuid,
-        vm.owner_uuid,
-        &[VmState::Stopped],
-        job,
-        "start",
-        None,
-        lifecycle::START_STEPS,
-        None,
-    )
-    .await?;
-    workflows::spawn(ctx.clone(), job);
-    Ok(vm)
+    Ok(begin::<Start>(ctx, &vm, &[VmState::Stopped], &(), None).await?)
 }
 
 /// The VM's devices by variant, as the fleet knows them.
@@ -87,7 +77,7 @@ pub async fn resize(ctx: &Ctx, caller: &Caller, uuid: VmId, package: &str) -> Ap
         }
         Err(e) => return Err(e),
     };
-    replace(ctx, vm, Some(package), None, "resize").await
+    replace(ctx, vm, Some(package), None).await
 }
 
 /// A stopped VM to another server with free devices of its variants (operators).
@@ -99,7 +89,7 @@ pub async fn migrate(
 ) -> ApiResult<Vm> {
     caller.require_operator()?;
     let vm = owned(ctx, caller, uuid).await?;
-    replace(ctx, vm, None, Some(target), "migrate").await
+    replace(ctx, vm, None, Some(target)).await
 }
 
 async fn replace(
@@ -107,7 +97,6 @@ async fn replace(
     vm: Vm,
     package: Option<Package>,
     migrate_to: Option<Option<ServerId>>,
-    name: &str,
 ) -> ApiResult<Vm> {
     if vm.state != VmState::Stopped {
         return Err(ApiError::invalid_state("stop the VM first"));
@@ -166,32 +155,21 @@ async fn replace(
         plan.package = package.as_ref().map(|p| p.uuid);
         plan.vcpus = vcpus;
         plan.memory_mib = memory_mib;
-        let payload =
-            serde_json::to_string(&plan).map_err(|e| ApiError::internal(format!("plan: {e}")))?;
-        let job = JobId::new_random();
-        let r = vms::begin_job(
-            &ctx.db,
-            vm.uuid,
-            vm.owner_uuid,
-            &[VmState::Stopped],
-            job,
-            name,
-            Some(&payload),
-            lifecycle::REPLACE_STEPS,
-            Some(vms::Extra {
-                server: plan.to_server,
-                devices: &plan.add,
-                vcpus,
-                memory_mib,
-                alloc: ctx.cfg.alloc,
-            }),
-        )
-        .await;
+        let claim = Claim {
+            vm: vm.uuid,
+            owner: vm.owner_uuid,
+            server: Some(plan.to_server),
+            devices: &plan.add,
+            vcpus,
+            memory_mib,
+        };
+        let from = [VmState::Stopped];
+        let r = match migrate_to {
+            None => begin::<Resize>(ctx, &vm, &from, &plan, Some(claim)).await,
+            Some(_) => begin::<Migrate>(ctx, &vm, &from, &plan, Some(claim)).await,
+        };
         match r {
-            Ok(vm) => {
-                workflows::spawn(ctx.clone(), job);
-                return Ok(vm);
-            }
+            Ok(vm) => return Ok(vm),
             Err(StoreError::Retry | StoreError::NoRoom(_)) => avoid.push(plan.to_server),
             Err(e) => return Err(e.into()),
         }

@@ -5,9 +5,10 @@ use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
 use crate::placement;
+use crate::store::create::{self, NewVm};
 use crate::store::page::{Page, PageReq, TimeKey};
 use crate::store::{self, StoreError, accounts, devices, jobs, room, vms};
-use crate::workflows;
+use crate::workflows::{self, destroy::Destroy};
 use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, PackageId, VmId};
 use std::collections::BTreeMap;
@@ -176,9 +177,9 @@ pub(super) async fn place_and_reserve(
             }
             return Err(err);
         };
-        let r = vms::create_reserved(
+        let r = create::create_one(
             &ctx.db,
-            vms::NewVm {
+            NewVm {
                 uuid,
                 alias,
                 owner,
@@ -188,9 +189,8 @@ pub(super) async fn place_and_reserve(
                 server: Some(choice.server),
                 devices: &choice.devices,
                 job,
-                job_steps: workflows::PROVISION_STEPS,
-                alloc: ctx.cfg.alloc,
             },
+            ctx.cfg.alloc,
         )
         .await;
         match r {
@@ -383,9 +383,9 @@ async fn create_with_devices(
             )));
         }
     }
-    let r = vms::create_reserved(
+    let r = create::create_one(
         &ctx.db,
-        vms::NewVm {
+        NewVm {
             uuid,
             alias,
             owner,
@@ -395,15 +395,15 @@ async fn create_with_devices(
             server: Some(server),
             devices: &devs,
             job,
-            job_steps: workflows::PROVISION_STEPS,
-            alloc: ctx.cfg.alloc,
         },
+        ctx.cfg.alloc,
     )
     .await;
     match r {
         Ok(vm) => Ok(vm),
         Err(StoreError::Retry) => Err(ApiError::conflict(
-            "one of the devices is not unassigned (held, dirty, quarantined or disabled)",
+            "one of the devices is not free (held, dirty, quarantined, disabled, missing or \
+             tainted)",
         )),
         Err(e) => Err(e.into()),
     }
@@ -449,8 +449,9 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
         return Err(ApiError::invalid_state("the VM is already destroyed"));
     }
     let job = JobId::new_random();
-    let vm =
-        vms::begin_destroy(&ctx.db, uuid, vm.owner_uuid, job, workflows::DESTROY_STEPS).await?;
+    let new = workflows::new_job::<Destroy>(job, Some(uuid), Some(vm.owner_uuid), &())
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let vm = vms::begin_destroy(&ctx.db, uuid, new).await?;
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
 }
@@ -474,18 +475,9 @@ pub async fn settled(ctx: &Ctx, mut vm: Vm) -> ApiResult<Vm> {
             Err(StoreError::NotFound(_)) => return Ok(vm),
             Err(e) => return Err(e.into()),
         };
-        let leads_to = match rec.view.name.as_str() {
-            "provision" | "start" => Some(VmState::Running),
-            "stop" => Some(VmState::Stopped),
-            _ => None,
-        };
-        let finishing = matches!(rec.view.state, JobState::Queued | JobState::Running)
-            && leads_to == Some(vm.state)
-            && rec
-                .view
-                .steps
-                .last()
-                .is_some_and(|s| s.started_at.is_some());
+        let finishing = matches!(rec.state, JobState::Queued | JobState::Running)
+            && workflows::leads_to(rec.kind) == Some(vm.state)
+            && rec.steps.last().is_some_and(|s| s.started_at.is_some());
         if !finishing || tokio::time::Instant::now() >= deadline {
             return Ok(vm);
         }
@@ -507,7 +499,7 @@ pub async fn job(ctx: &Ctx, caller: &Caller, uuid: JobId) -> ApiResult<Job> {
     if !visible {
         return Err(ApiError::not_found("job"));
     }
-    Ok(rec.view)
+    Ok(rec.view())
 }
 
 /// One page of jobs, newest first: a tenant's own (those on its VMs), or all for staff.

@@ -1,8 +1,13 @@
 //! Reported PCI functions and the state of the assignable ones. Every state change goes
-//! through `DeviceTx::move_devices`: the pure state machine decides, a conditional
-//! `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
+//! through the pure state machine: `Reserve` in `store::reserve` (one VM or a batch),
+//! every other event through `DeviceTx::move_devices`, where the machine decides, a
+//! conditional `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
 
 use super::page::{self, DeviceKey, Page, PageReq, Start, Where};
+use super::reserve::devices::placeable;
+use super::reserve::free_index::FreeIndexTx;
+use super::reserve::quota;
+use super::room::{REPORTED, ROOM_COLS, ROOM_GROUP, VMS_HOLDING};
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
 use passage_model::state::transition;
@@ -291,8 +296,8 @@ pub async fn candidates(
     let sql = format!(
         "SELECT d.server_uuid, d.id, d.variant, d.numa_node FROM devices d \
          JOIN servers s ON s.uuid = d.server_uuid \
-         WHERE d.state = 'unassigned' AND d.missing = 0 AND d.taint IS NULL \
-         AND s.last_heartbeat >= $1 AND s.disabled = 0 AND d.variant IN ({})",
+         WHERE {} AND s.last_heartbeat >= $1 AND s.disabled = 0 AND d.variant IN ({})",
+        placeable("d."),
         marks.join(", ")
     );
     let rows: Vec<(String, String, String, Option<i64>)> = on_read!(db, |p| {
@@ -324,10 +329,10 @@ pub struct Moved {
 
 /// Device changes that must share a transaction with other writes (VM rows, quotas).
 pub trait DeviceTx {
-    /// Applies `event` to each device that can take it. With `vm`: `Reserve` sets it as
-    /// the holder; any other event only moves a held device if `vm` holds it. Devices
-    /// that cannot take the event are left alone (so undo steps are idempotent); a lost
-    /// race is `StoreError::Retry`.
+    /// Applies `event` to each device that can take it; with `vm`, a held device moves
+    /// only if `vm` holds it. Devices that cannot take the event are left alone (so undo
+    /// steps are idempotent); a lost race is `StoreError::Retry`. `Reserve` is not taken
+    /// here: a reservation claims quota and room with its devices (`store::reserve`).
     fn move_devices(
         &mut self,
         server: ServerId,
@@ -336,20 +341,6 @@ pub trait DeviceTx {
         vm: Option<VmId>,
         reason: &str,
     ) -> impl Future<Output = StoreResult<Vec<Moved>>> + Send;
-
-    /// `Reserve` for `vm` of every device in `ids` (all unassigned, else
-    /// `StoreError::Retry`): the common case of `move_devices` in three statements
-    /// whatever the count, for the creation path.
-    fn reserve_devices(
-        &mut self,
-        server: ServerId,
-        ids: &[String],
-        vm: VmId,
-        reason: &str,
-    ) -> impl Future<Output = StoreResult<()>> + Send;
-
-    /// Recounts the server's free devices per variant into `free_devices`.
-    fn refresh_free(&mut self, server: ServerId) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 macro_rules! impl_device_tx {
@@ -363,6 +354,11 @@ macro_rules! impl_device_tx {
                 vm: Option<VmId>,
                 reason: &str,
             ) -> StoreResult<Vec<Moved>> {
+                if event == DeviceEvent::Reserve {
+                    return Err(StoreError::Corrupt(
+                        "devices are reserved through store::reserve".into(),
+                    ));
+                }
                 let now = now_ms();
                 let server_s = server.to_string();
                 let vm_s = vm.map(|v| v.to_string());
@@ -380,11 +376,7 @@ macro_rules! impl_device_tx {
                         continue;
                     };
                     let from = DeviceState::parse(&state).ok_or_else(|| corrupt(&state))?;
-                    if event != DeviceEvent::Reserve
-                        && from.is_held()
-                        && vm_s.is_some()
-                        && used_by != vm_s
-                    {
+                    if from.is_held() && vm_s.is_some() && used_by != vm_s {
                         continue;
                     }
                     let Ok(to) = transition(from, event) else {
@@ -393,13 +385,7 @@ macro_rules! impl_device_tx {
                     if to == from {
                         continue;
                     }
-                    let new_used_by = if !to.is_held() {
-                        None
-                    } else if event == DeviceEvent::Reserve {
-                        vm_s.clone()
-                    } else {
-                        used_by.clone()
-                    };
+                    let new_used_by = if to.is_held() { used_by.clone() } else { None };
                     let n = sqlx::query(
                         "UPDATE devices SET state = $3, used_by = $4, \
                          generation = generation + 1, updated_at = $5 \
@@ -419,13 +405,10 @@ macro_rules! impl_device_tx {
                     }
                     if from.is_held() && !to.is_held() {
                         if let Some(holder) = &used_by {
-                            sqlx::query(
-                                "UPDATE accounts SET gpu_held = gpu_held - 1 WHERE gpu_held > 0 \
-                                 AND uuid = (SELECT owner_uuid FROM vms WHERE uuid = $1)",
-                            )
-                            .bind(holder)
-                            .execute(&mut **self)
-                            .await?;
+                            sqlx::query(quota::RELEASE_ONE)
+                                .bind(holder)
+                                .execute(&mut **self)
+                                .await?;
                         }
                     }
                     sqlx::query(
@@ -450,77 +433,6 @@ macro_rules! impl_device_tx {
                     self.refresh_free(server).await?;
                 }
                 Ok(moved)
-            }
-
-            async fn reserve_devices(
-                &mut self,
-                server: ServerId,
-                ids: &[String],
-                vm: VmId,
-                reason: &str,
-            ) -> StoreResult<()> {
-                if ids.is_empty() {
-                    return Ok(());
-                }
-                let (from, to) = (DeviceState::Unassigned, DeviceState::Provisioning);
-                debug_assert_eq!(transition(from, DeviceEvent::Reserve), Ok(to));
-                let now = now_ms();
-                let sql = format!(
-                    "UPDATE devices SET state = '{}', used_by = $2, \
-                     generation = generation + 1, updated_at = $3 \
-                     WHERE server_uuid = $1 AND state = '{}' AND id IN ({})",
-                    to.as_str(),
-                    from.as_str(),
-                    page::marks(4, ids.len())
-                );
-                let mut q = sqlx::query(&sql)
-                    .bind(server.to_string())
-                    .bind(vm.to_string())
-                    .bind(now);
-                for id in ids {
-                    q = q.bind(id);
-                }
-                let n = q.execute(&mut **self).await?.rows_affected();
-                if n != ids.len() as u64 {
-                    return Err(StoreError::Retry);
-                }
-                let rows: Vec<String> = (0..ids.len())
-                    .map(|i| format!("($1, ${}, '{}', '{}', $2, $3)", i + 4, from.as_str(), to.as_str()))
-                    .collect();
-                let sql = format!(
-                    "INSERT INTO device_events (server_uuid, device, from_state, to_state, \
-                     reason, at) VALUES {}",
-                    rows.join(", ")
-                );
-                let mut q = sqlx::query(&sql)
-                    .bind(server.to_string())
-                    .bind(reason)
-                    .bind(now);
-                for id in ids {
-                    q = q.bind(id);
-                }
-                q.execute(&mut **self).await?;
-                self.refresh_free(server).await
-            }
-
-            async fn refresh_free(&mut self, server: ServerId) -> StoreResult<()> {
-                // Zero first, then count: a variant with no free device left keeps a row
-                // of 0, and concurrent writers on one server queue on these rows.
-                sqlx::query("UPDATE free_devices SET free = 0 WHERE server_uuid = $1")
-                    .bind(server.to_string())
-                    .execute(&mut **self)
-                    .await?;
-                sqlx::query(
-                    "INSERT INTO free_devices (server_uuid, variant, free) \
-                     SELECT server_uuid, variant, COUNT(*) FROM devices \
-                     WHERE server_uuid = $1 AND variant IS NOT NULL AND state = 'unassigned' \
-                     AND missing = 0 AND taint IS NULL GROUP BY server_uuid, variant \
-                     ON CONFLICT (server_uuid, variant) DO UPDATE SET free = excluded.free",
-                )
-                .bind(server.to_string())
-                .execute(&mut **self)
-                .await?;
-                Ok(())
             }
         }
     };
@@ -819,16 +731,13 @@ pub async fn placement_view(
          SELECT 0 AS kind, h.uuid AS k, CAST(NULL AS TEXT) AS id, CAST(NULL AS TEXT) AS v, \
          h.free AS n1, CAST(NULL AS BIGINT) AS n2, CAST(NULL AS BIGINT) AS n3, \
          CAST(NULL AS BIGINT) AS n4 FROM h \
-         UNION ALL SELECT 1, s.uuid, NULL, NULL, s.cpus, s.memory_mib, \
-         CAST(COALESCE(SUM(vm.vcpus), 0) AS BIGINT), \
-         CAST(COALESCE(SUM(vm.memory_mib), 0) AS BIGINT) \
-         FROM h CROSS JOIN servers s \
-         LEFT JOIN vms vm ON vm.server_uuid = s.uuid AND vm.state NOT IN ('destroyed', 'failed') \
-         WHERE s.uuid = h.uuid AND s.cpus IS NOT NULL AND s.memory_mib IS NOT NULL \
-         GROUP BY s.uuid, s.cpus, s.memory_mib \
+         UNION ALL SELECT 1, s.uuid, NULL, NULL, {ROOM_COLS} \
+         FROM h CROSS JOIN servers s LEFT JOIN vms v ON {VMS_HOLDING} \
+         WHERE s.uuid = h.uuid AND {REPORTED} {ROOM_GROUP} \
          UNION ALL SELECT 2, d.server_uuid, d.id, d.variant, d.numa_node, NULL, NULL, NULL \
-         FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.state = 'unassigned' \
-         AND d.missing = 0 AND d.taint IS NULL AND d.variant IS NOT NULL"
+         FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND {} \
+         AND d.variant IS NOT NULL",
+        placeable("d.")
     );
     let args = vec![
         page::Arg::Text(variant.to_string()),
@@ -898,13 +807,15 @@ pub async fn candidates_on(
     server: ServerId,
     variants: &[String],
 ) -> StoreResult<Vec<Candidate>> {
-    let rows: Vec<(String, String, Option<i64>)> = on_read!(db, |p| sqlx::query_as(
-        "SELECT id, variant, numa_node FROM devices WHERE server_uuid = $1 \
-         AND state = 'unassigned' AND missing = 0 AND taint IS NULL AND variant IS NOT NULL"
-    )
-    .bind(server.to_string())
-    .fetch_all(p)
-    .await)?;
+    let sql = format!(
+        "SELECT id, variant, numa_node FROM devices WHERE server_uuid = $1 AND {} \
+         AND variant IS NOT NULL",
+        placeable("")
+    );
+    let rows: Vec<(String, String, Option<i64>)> = on_read!(db, |p| sqlx::query_as(&sql)
+        .bind(server.to_string())
+        .fetch_all(p)
+        .await)?;
     rows.into_iter()
         .filter(|(_, v, _)| variants.contains(v))
         .map(|(id, variant, numa)| {

@@ -1,86 +1,140 @@
-//! Persisted jobs and their steps: the saga log a restarted server resumes from.
+//! Persisted jobs and their steps: the saga log a restarted server resumes from. A job is
+//! written with its kind alone; its steps always come from the kind
+//! (`passage_model::jobs::JobKind::step_names`).
 
 use super::page::{self, Page, PageReq, TimeKey, Where};
+use super::sql::Sql;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
-use crate::{in_tx, on_read, on_write};
+use crate::{bind_args, in_tx, on_read, on_write};
+use chrono::{DateTime, Utc};
 use passage_model::api::{Job, JobState, JobStep, StepState};
+use passage_model::jobs::{JobKind, StepErrorKind};
 use passage_model::{AccountId, JobId, VmId};
 use std::collections::HashMap;
 
-pub trait JobTx {
-    fn insert_job(
-        &mut self,
-        job: JobId,
-        name: &str,
-        vm: Option<VmId>,
-        owner: Option<AccountId>,
-        payload: Option<&str>,
-        steps: &[&str],
-    ) -> impl Future<Output = StoreResult<()>> + Send;
+/// A job to write.
+#[derive(Clone, Debug)]
+pub struct NewJob {
+    pub uuid: JobId,
+    pub kind: JobKind,
+    /// The VM it works on.
+    pub vm: Option<VmId>,
+    /// The account whose VM it is (for access checks).
+    pub owner: Option<AccountId>,
+    /// The workflow's own parameters, as JSON.
+    pub payload: Option<String>,
 }
 
-macro_rules! impl_job_tx {
-    ($db:ty) => {
-        impl JobTx for sqlx::Transaction<'_, $db> {
-            async fn insert_job(
-                &mut self,
-                job: JobId,
-                name: &str,
-                vm: Option<VmId>,
-                owner: Option<AccountId>,
-                payload: Option<&str>,
-                steps: &[&str],
-            ) -> StoreResult<()> {
-                let now = now_ms();
-                sqlx::query(
-                    "INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, \
-                     created_at) VALUES ($1, $2, $3, $4, $6, 'queued', $5)",
-                )
-                .bind(job.to_string())
-                .bind(name)
-                .bind(vm.map(|v| v.to_string()))
-                .bind(owner.map(|o| o.to_string()))
-                .bind(now)
-                .bind(payload)
-                .execute(&mut **self)
-                .await?;
-                if steps.is_empty() {
-                    return Ok(());
-                }
-                // One statement for all steps: a creation's transaction is short of
-                // round trips to the single SQLite writer.
-                let rows: Vec<String> = (0..steps.len())
-                    .map(|i| format!("($1, {i}, ${}, 'pending')", i + 2))
-                    .collect();
-                let sql = format!(
-                    "INSERT INTO job_steps (job_uuid, idx, name, state) VALUES {}",
-                    rows.join(", ")
-                );
-                let mut q = sqlx::query(&sql).bind(job.to_string());
-                for step in steps {
-                    q = q.bind(*step);
-                }
-                q.execute(&mut **self).await?;
-                Ok(())
+/// Jobs written in a transaction beside other writes (a VM row, a reservation).
+pub trait JobTx {
+    /// Writes each job, queued, with its kind's steps pending.
+    fn insert_jobs(&mut self, jobs: &[NewJob]) -> impl Future<Output = StoreResult<()>> + Send;
+}
+
+impl JobTx for sqlx::Transaction<'_, sqlx::Sqlite> {
+    async fn insert_jobs(&mut self, jobs: &[NewJob]) -> StoreResult<()> {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        // One call for the jobs and all their steps: a creation's transaction is short of
+        // round trips to the single SQLite writer.
+        let now = now_ms();
+        let mut q = Sql::default();
+        let rows = q.rows(jobs, |q, j| {
+            format!(
+                "{}, {}, {}, {}, {}, 'queued', {}",
+                q.text(j.uuid),
+                q.text(j.kind),
+                q.arg(j.vm.map_or(page::Arg::Null, |v| page::Arg::Text(v.to_string()))),
+                q.arg(
+                    j.owner
+                        .map_or(page::Arg::Null, |o| page::Arg::Text(o.to_string()))
+                ),
+                q.arg(j.payload.clone().map_or(page::Arg::Null, page::Arg::Text)),
+                q.int(now)
+            )
+        });
+        let steps: Vec<(JobId, usize, &str)> = jobs
+            .iter()
+            .flat_map(|j| {
+                j.kind
+                    .step_names()
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, n)| (j.uuid, i, *n))
+            })
+            .collect();
+        let step_rows = q.rows(&steps, |q, (job, i, name)| {
+            format!(
+                "{}, {}, {}, 'pending'",
+                q.text(job),
+                q.int(*i as i64),
+                q.text(name)
+            )
+        });
+        let sql = format!(
+            "INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, created_at) \
+             VALUES {rows};\n\
+             INSERT INTO job_steps (job_uuid, idx, name, state) VALUES {step_rows}"
+        );
+        bind_args!(sqlx::query(&sql), &q.args)
+            .execute(&mut **self)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The jobs and their steps on Postgres, one statement over arrays whatever their count.
+const PG_INSERT: &str = "WITH \
+     j AS (INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, created_at) \
+       SELECT x.u, x.n, x.v, x.o, x.p, 'queued', $1 \
+       FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
+       AS x(u, n, v, o, p) RETURNING 1), \
+     st AS (INSERT INTO job_steps (job_uuid, idx, name, state) \
+       SELECT x.j, x.i, x.n, 'pending' FROM UNNEST($7::text[], $8::int8[], $9::text[]) \
+       AS x(j, i, n) RETURNING 1) \
+     SELECT (SELECT COUNT(*) FROM j)";
+
+impl JobTx for sqlx::Transaction<'_, sqlx::Postgres> {
+    async fn insert_jobs(&mut self, jobs: &[NewJob]) -> StoreResult<()> {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        let mut steps: (Vec<String>, Vec<i64>, Vec<String>) = Default::default();
+        for j in jobs {
+            for (i, name) in j.kind.step_names().iter().enumerate() {
+                steps.0.push(j.uuid.to_string());
+                steps.1.push(i as i64);
+                steps.2.push((*name).to_string());
             }
         }
-    };
+        let _: (i64,) = sqlx::query_as(PG_INSERT)
+            .bind(now_ms())
+            .bind(jobs.iter().map(|j| j.uuid.to_string()).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>())
+            .bind(
+                jobs.iter()
+                    .map(|j| j.vm.map(|v| v.to_string()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                jobs.iter()
+                    .map(|j| j.owner.map(|o| o.to_string()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(jobs.iter().map(|j| j.payload.clone()).collect::<Vec<_>>())
+            .bind(steps.0)
+            .bind(steps.1)
+            .bind(steps.2)
+            .fetch_one(&mut **self)
+            .await?;
+        Ok(())
+    }
 }
-impl_job_tx!(sqlx::Sqlite);
-impl_job_tx!(sqlx::Postgres);
 
-pub async fn insert(
-    db: &Db,
-    job: JobId,
-    name: &str,
-    vm: Option<VmId>,
-    owner: Option<AccountId>,
-    payload: Option<&str>,
-    steps: &[&str],
-) -> StoreResult<()> {
-    in_tx!(db, |tx| tx
-        .insert_job(job, name, vm, owner, payload, steps)
-        .await)
+/// Writes a job in a transaction of its own.
+pub async fn insert(db: &Db, job: NewJob) -> StoreResult<()> {
+    in_tx!(db, |tx| tx.insert_jobs(std::slice::from_ref(&job)).await)
 }
 
 #[derive(sqlx::FromRow)]
@@ -103,53 +157,121 @@ struct StepRow {
     started_at: Option<i64>,
     ended_at: Option<i64>,
     error: Option<String>,
+    error_kind: Option<String>,
 }
 
+/// Why a step failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepFailure {
+    pub kind: StepErrorKind,
+    pub message: String,
+}
+
+/// A step as its job's runner keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepRecord {
+    pub name: String,
+    pub state: StepState,
+    pub started_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+    pub failure: Option<StepFailure>,
+}
+
+/// A job as its runner keeps it; the API sees [`JobRecord::view`].
+#[derive(Clone, Debug)]
 pub struct JobRecord {
-    pub view: Job,
+    pub uuid: JobId,
+    pub kind: JobKind,
+    pub vm: Option<VmId>,
     /// The account whose VM the job works on (for access checks).
     pub owner: Option<AccountId>,
     pub payload: Option<String>,
+    pub state: JobState,
+    pub steps: Vec<StepRecord>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+}
+
+impl JobRecord {
+    pub fn is_finished(&self) -> bool {
+        matches!(self.state, JobState::Succeeded | JobState::Failed)
+    }
+
+    pub fn view(&self) -> Job {
+        Job {
+            uuid: self.uuid,
+            name: self.kind.as_str().to_string(),
+            vm_uuid: self.vm,
+            state: self.state,
+            steps: self
+                .steps
+                .iter()
+                .map(|s| JobStep {
+                    name: s.name.clone(),
+                    state: s.state,
+                    started_at: s.started_at,
+                    ended_at: s.ended_at,
+                    error: s.failure.as_ref().map(|f| f.message.clone()),
+                    error_kind: s.failure.as_ref().map(|f| f.kind),
+                })
+                .collect(),
+            created_at: self.created_at,
+            ended_at: self.ended_at,
+            error: self.error.clone(),
+        }
+    }
 }
 
 const JOB_COLS: &str =
     "uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at";
 
+const STEP_COLS: &str = "name, state, started_at, ended_at, error, error_kind";
+
+fn step_record(s: StepRow) -> StoreResult<StepRecord> {
+    let failure = match s.error {
+        None => None,
+        Some(message) => Some(StepFailure {
+            // Written before kinds were kept: refused is what such a failure was.
+            kind: match s.error_kind.as_deref() {
+                None => StepErrorKind::Refused,
+                Some(k) => StepErrorKind::parse(k).ok_or_else(|| corrupt(k))?,
+            },
+            message,
+        }),
+    };
+    Ok(StepRecord {
+        state: StepState::parse(&s.state).ok_or_else(|| corrupt(&s.state))?,
+        name: s.name,
+        started_at: s.started_at.map(to_time),
+        ended_at: s.ended_at.map(to_time),
+        failure,
+    })
+}
+
 fn record(row: JobRow, steps: Vec<StepRow>) -> StoreResult<JobRecord> {
-    let owner = row
-        .owner_uuid
-        .as_deref()
-        .map(|o| parse_uuid(o, "account"))
-        .transpose()?;
-    let view = Job {
+    Ok(JobRecord {
         uuid: parse_uuid(&row.uuid, "job")?,
-        name: row.name,
-        vm_uuid: row
+        kind: JobKind::parse(&row.name).ok_or_else(|| corrupt(format!("job kind {}", row.name)))?,
+        vm: row
             .vm_uuid
             .as_deref()
             .map(|v| parse_uuid(v, "vm"))
             .transpose()?,
+        owner: row
+            .owner_uuid
+            .as_deref()
+            .map(|o| parse_uuid(o, "account"))
+            .transpose()?,
+        payload: row.payload,
         state: JobState::parse(&row.state).ok_or_else(|| corrupt(&row.state))?,
         steps: steps
             .into_iter()
-            .map(|s| {
-                Ok(JobStep {
-                    state: StepState::parse(&s.state).ok_or_else(|| corrupt(&s.state))?,
-                    name: s.name,
-                    started_at: s.started_at.map(to_time),
-                    ended_at: s.ended_at.map(to_time),
-                    error: s.error,
-                })
-            })
+            .map(step_record)
             .collect::<StoreResult<_>>()?,
+        error: row.error,
         created_at: to_time(row.created_at),
         ended_at: row.ended_at.map(to_time),
-        error: row.error,
-    };
-    Ok(JobRecord {
-        view,
-        owner,
-        payload: row.payload,
     })
 }
 
@@ -161,10 +283,9 @@ pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
     .fetch_optional(p)
     .await)?;
     let row = row.ok_or(StoreError::NotFound("job"))?;
-    let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT name, state, started_at, ended_at, error FROM job_steps \
-         WHERE job_uuid = $1 ORDER BY idx"
-    )
+    let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT {STEP_COLS} FROM job_steps WHERE job_uuid = $1 ORDER BY idx"
+    ))
     .bind(job.to_string())
     .fetch_all(p)
     .await)?;
@@ -194,7 +315,7 @@ pub async fn set_state(
 pub async fn step_started(db: &Db, job: JobId, idx: usize) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(
         "UPDATE job_steps SET state = 'running', started_at = COALESCE(started_at, $3), \
-         error = NULL WHERE job_uuid = $1 AND idx = $2"
+         error = NULL, error_kind = NULL WHERE job_uuid = $1 AND idx = $2"
     )
     .bind(job.to_string())
     .bind(idx as i64)
@@ -205,22 +326,25 @@ pub async fn step_started(db: &Db, job: JobId, idx: usize) -> StoreResult<()> {
     Ok(())
 }
 
+/// Ends a step in `state`; a failure is kept with its kind (a later end without one keeps
+/// it: an undone step still says why its job failed).
 pub async fn step_ended(
     db: &Db,
     job: JobId,
     idx: usize,
     state: StepState,
-    error: Option<&str>,
+    failure: Option<&StepFailure>,
 ) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(
-        "UPDATE job_steps SET state = $3, ended_at = $4, error = COALESCE($5, error) \
-         WHERE job_uuid = $1 AND idx = $2"
+        "UPDATE job_steps SET state = $3, ended_at = $4, error = COALESCE($5, error), \
+         error_kind = COALESCE($6, error_kind) WHERE job_uuid = $1 AND idx = $2"
     )
     .bind(job.to_string())
     .bind(idx as i64)
     .bind(state.as_str())
     .bind(now_ms())
-    .bind(error)
+    .bind(failure.map(|f| f.message.as_str()))
+    .bind(failure.map(|f| f.kind.as_str()))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
@@ -264,7 +388,7 @@ pub async fn list(
     let mut steps: HashMap<String, Vec<StepRow>> = HashMap::new();
     if !p.items.is_empty() {
         let sql = format!(
-            "SELECT job_uuid, name, state, started_at, ended_at, error FROM job_steps \
+            "SELECT job_uuid, {STEP_COLS} FROM job_steps \
              WHERE job_uuid IN ({}) ORDER BY job_uuid, idx",
             page::marks(1, p.items.len())
         );
@@ -283,7 +407,7 @@ pub async fn list(
         .into_iter()
         .map(|row| {
             let s = steps.remove(&row.uuid).unwrap_or_default();
-            record(row, s).map(|r| r.view)
+            record(row, s).map(|r| r.view())
         })
         .collect::<StoreResult<_>>()?;
     Ok(Page {

@@ -4,15 +4,17 @@
 //! expand the same body against each backend's concrete pool type.
 
 pub mod accounts;
-pub mod batch;
+pub mod create;
 pub mod devices;
 pub mod events;
 pub mod jobs;
 pub mod ops;
 pub mod packages;
 pub mod page;
+pub mod reserve;
 pub mod room;
 pub mod servers;
+pub mod sql;
 pub mod tasks;
 pub mod variants;
 pub mod vms;

@@ -1,14 +1,15 @@
-//! VMs. Creation reserves the devices, charges the owner's quota, and writes the VM and
-//! its provision job in one transaction: the 202 is only sent once all of it holds.
+//! VMs: their rows, their state, and the jobs that change them. Creation is
+//! `store::create`; everything a VM reserves goes through `store::reserve`.
 
 use super::devices::DeviceTx;
-use super::jobs::JobTx;
+use super::jobs::{JobTx, NewJob};
 use super::page::{self, Page, PageReq, TimeKey, Where};
-use super::room::{Allocation, RoomTx};
+use super::reserve::{self, Claim, ReserveTx};
+use super::room::Allocation;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
-use passage_model::{AccountId, DeviceEvent, DevicePath, JobId, PackageId, ServerId, VmId};
+use passage_model::{AccountId, DeviceEvent, PackageId, ServerId, VmId};
 
 #[derive(sqlx::FromRow)]
 struct VmRow {
@@ -56,97 +57,6 @@ impl VmRow {
             created_at: to_time(self.created_at),
         })
     }
-}
-
-pub struct NewVm<'a> {
-    pub uuid: VmId,
-    pub alias: &'a str,
-    pub owner: AccountId,
-    pub package: Option<PackageId>,
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    pub server: Option<ServerId>,
-    pub devices: &'a [DevicePath],
-    pub job: JobId,
-    pub job_steps: &'a [&'a str],
-    /// How the server's reported CPUs and memory become room for VMs.
-    pub alloc: Allocation,
-}
-
-/// Inserts the VM, reserves its devices (all or none) and charges the owner's GPU quota.
-/// `StoreError::Retry` when another reservation took a device first; `Quota` when the
-/// owner's quota would be exceeded.
-pub async fn create_reserved(db: &Db, vm: NewVm<'_>) -> StoreResult<Vm> {
-    let now = now_ms();
-    let ids: Vec<String> = vm.devices.iter().map(|d| d.to_string()).collect();
-    let assigned = serde_json::to_string(&ids).map_err(corrupt)?;
-    in_tx!(db, |tx| {
-        sqlx::query(&format!(
-            "INSERT INTO vms ({COLS}, updated_at) VALUES \
-             ($1, $2, $3, $4, $5, 'provisioning', $6, $7, $8, $9, $10, $10)"
-        ))
-        .bind(vm.uuid.to_string())
-        .bind(vm.alias)
-        .bind(vm.owner.to_string())
-        .bind(vm.server.map(|s| s.to_string()))
-        .bind(vm.package.map(|p| p.to_string()))
-        .bind(i64::from(vm.vcpus))
-        .bind(i64::try_from(vm.memory_mib).unwrap_or(i64::MAX))
-        .bind(&assigned)
-        .bind(vm.job.to_string())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        if let Some(server) = vm.server {
-            tx.check_room(server, vm.alloc, vm.uuid, vm.vcpus, vm.memory_mib)
-                .await?;
-        }
-        if !ids.is_empty() {
-            let n = ids.len() as i64;
-            let charged = sqlx::query(
-                "UPDATE accounts SET gpu_held = gpu_held + $2 WHERE uuid = $1 \
-                 AND (gpu_quota IS NULL OR gpu_held + $2 <= gpu_quota)",
-            )
-            .bind(vm.owner.to_string())
-            .bind(n)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if charged != 1 {
-                let quota: Option<i64> =
-                    sqlx::query_scalar("SELECT gpu_quota FROM accounts WHERE uuid = $1")
-                        .bind(vm.owner.to_string())
-                        .fetch_optional(&mut *tx)
-                        .await?
-                        .flatten();
-                return Err(StoreError::Quota(format!(
-                    "GPU quota of {} device(s) would be exceeded by {n} more",
-                    quota.unwrap_or(0)
-                )));
-            }
-            let server = vm
-                .server
-                .ok_or_else(|| StoreError::Corrupt("devices without a server".into()))?;
-            tx.reserve_devices(
-                server,
-                &ids,
-                vm.uuid,
-                &format!("reserved for VM {}", vm.uuid),
-            )
-            .await?;
-        }
-        tx.insert_job(
-            vm.job,
-            "provision",
-            Some(vm.uuid),
-            Some(vm.owner),
-            None,
-            vm.job_steps,
-        )
-        .await?;
-        Ok(())
-    })?;
-    get(db, vm.uuid).await
 }
 
 pub async fn get(db: &Db, uuid: VmId) -> StoreResult<Vm> {
@@ -224,20 +134,14 @@ pub async fn set_state(db: &Db, uuid: VmId, from: &[VmState], to: VmState) -> St
 }
 
 /// Starts a destroy: the VM goes `destroying` and its destroy job is written, together.
-pub async fn begin_destroy(
-    db: &Db,
-    uuid: VmId,
-    owner: AccountId,
-    job: JobId,
-    steps: &[&str],
-) -> StoreResult<Vm> {
+pub async fn begin_destroy(db: &Db, uuid: VmId, job: NewJob) -> StoreResult<Vm> {
     in_tx!(db, |tx| {
         let n = sqlx::query(&format!(
             "UPDATE vms SET state = 'destroying', job_uuid = $2, updated_at = $3 \
              WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed') AND {NO_JOB_RUNNING}",
         ))
         .bind(uuid.to_string())
-        .bind(job.to_string())
+        .bind(job.uuid.to_string())
         .bind(now_ms())
         .execute(&mut *tx)
         .await?
@@ -249,8 +153,7 @@ pub async fn begin_destroy(
                     .into(),
             ));
         }
-        tx.insert_job(job, "destroy", Some(uuid), Some(owner), None, steps)
-            .await?;
+        tx.insert_jobs(std::slice::from_ref(&job)).await?;
         Ok(())
     })?;
     get(db, uuid).await
@@ -385,29 +288,17 @@ pub async fn release_destroyed(
 const NO_JOB_RUNNING: &str = "(job_uuid IS NULL OR job_uuid NOT IN \
     (SELECT uuid FROM jobs WHERE state IN ('queued', 'running')))";
 
-/// Devices a job reserves for a VM when it is written (charged to the owner's quota).
-pub struct Extra<'a> {
-    pub server: ServerId,
-    pub devices: &'a [DevicePath],
-    /// The VM's shape once the job is done, checked against the server's room.
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    pub alloc: Allocation,
-}
-
-/// Writes a job for a VM in one of `from`, with no other job running, reserving `extra`
-/// devices first (all or none: `StoreError::Retry` when one was taken).
-#[allow(clippy::too_many_arguments)]
+/// Writes `job` for a VM in one of `from` with no other job running, reserving first what
+/// `claim` asks (all or none: `StoreError::Retry` when a device was taken, `NoRoom`,
+/// `Quota`). The VM row keeps its old server and shape until the job ends; the claim
+/// counts it at its new one on the target server.
 pub async fn begin_job(
     db: &Db,
     uuid: VmId,
-    owner: AccountId,
     from: &[VmState],
-    job: JobId,
-    name: &str,
-    payload: Option<&str>,
-    steps: &[&str],
-    extra: Option<Extra<'_>>,
+    job: NewJob,
+    claim: Option<Claim<'_>>,
+    alloc: Allocation,
 ) -> StoreResult<Vm> {
     let states: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
     in_tx!(db, |tx| {
@@ -417,7 +308,7 @@ pub async fn begin_job(
             states.join(", ")
         ))
         .bind(uuid.to_string())
-        .bind(job.to_string())
+        .bind(job.uuid.to_string())
         .bind(now_ms())
         .execute(&mut *tx)
         .await?
@@ -431,52 +322,15 @@ pub async fn begin_job(
                     .join(" or ")
             )));
         }
-        if let Some(extra) = &extra {
-            // The VM row keeps its old server and shape until the job ends; the check
-            // counts it at the new one on the target server.
-            tx.check_room(
-                extra.server,
-                extra.alloc,
-                uuid,
-                extra.vcpus,
-                extra.memory_mib,
-            )
-            .await?;
+        if let Some(claim) = claim {
+            let verdict = tx
+                .reserve(&[claim], alloc, job.kind.as_str())
+                .await?
+                .pop()
+                .unwrap_or(Ok(()));
+            verdict.map_err(reserve::refused)?;
         }
-        if let Some(extra) = &extra
-            && !extra.devices.is_empty()
-        {
-            let n = extra.devices.len() as i64;
-            let charged = sqlx::query(
-                "UPDATE accounts SET gpu_held = gpu_held + $2 WHERE uuid = $1 \
-                 AND (gpu_quota IS NULL OR gpu_held + $2 <= gpu_quota)",
-            )
-            .bind(owner.to_string())
-            .bind(n)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if charged != 1 {
-                return Err(StoreError::Quota(format!(
-                    "GPU quota would be exceeded by {n} more device(s)"
-                )));
-            }
-            let ids: Vec<String> = extra.devices.iter().map(|d| d.to_string()).collect();
-            let moved = tx
-                .move_devices(
-                    extra.server,
-                    &ids,
-                    DeviceEvent::Reserve,
-                    Some(uuid),
-                    &format!("reserved for VM {uuid} ({name})"),
-                )
-                .await?;
-            if moved.len() != ids.len() {
-                return Err(StoreError::Retry);
-            }
-        }
-        tx.insert_job(job, name, Some(uuid), Some(owner), payload, steps)
-            .await?;
+        tx.insert_jobs(std::slice::from_ref(&job)).await?;
         Ok(())
     })?;
     get(db, uuid).await

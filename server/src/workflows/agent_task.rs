@@ -1,41 +1,43 @@
 //! A job step that needs a node: queue a task for its agent and wait for the answer.
 
+use super::StepError;
 use crate::services::Ctx;
 use crate::store::tasks;
 use passage_model::protocol::{Task, TaskResult};
 use passage_model::{JobId, ServerId};
 use std::time::Duration;
 
-/// Waits for a successful answer; a failure on the node is an error.
+/// Waits for a successful answer; the node's refusal is one, in its own words.
 pub async fn run(
     ctx: &Ctx,
     server: ServerId,
     job: Option<JobId>,
     task: Task,
-) -> Result<TaskResult, String> {
+) -> Result<TaskResult, StepError> {
     let name = task.name();
     let r = run_raw(ctx, server, job, task).await?;
     if r.ok {
         Ok(r)
     } else {
-        Err(format!(
+        Err(StepError::Refused(format!(
             "{name} failed on the node: {}",
             r.error.as_deref().unwrap_or("no reason given")
-        ))
+        )))
     }
 }
 
-/// Waits for the node's answer, whatever it says; an error only if none came.
+/// Waits for the node's answer, whatever it says; an error only if none came (retryable:
+/// the node may be back, and every task is idempotent on the node).
 pub async fn run_raw(
     ctx: &Ctx,
     server: ServerId,
     job: Option<JobId>,
     task: Task,
-) -> Result<TaskResult, String> {
+) -> Result<TaskResult, StepError> {
     let name = task.name();
     let id = tasks::enqueue(&ctx.jobs_db, server, job, &task)
         .await
-        .map_err(|e| format!("could not queue {name}: {e}"))?;
+        .map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
     ctx.tasks_queued.notify_waiters();
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
     loop {
@@ -43,13 +45,15 @@ pub async fn run_raw(
         match tasks::result(&ctx.jobs_db, id).await {
             Ok(Some(r)) => return Ok(r),
             Ok(None) => {}
-            Err(e) => return Err(format!("reading the result of {name}: {e}")),
+            Err(e) => {
+                return Err(StepError::from(e).context(format!("reading the result of {name}")));
+            }
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(format!(
+            return Err(StepError::Retryable(format!(
                 "the node did not answer {name} within {} s",
                 timeout_for(ctx, &task).as_secs()
-            ));
+            )));
         }
         // Polling as well covers a result given to another replica.
         let _ = tokio::time::timeout(Duration::from_millis(500), done).await;

@@ -1,124 +1,91 @@
 //! The destroy saga: stop → unbind → release → scrub. Forward only.
 
-use super::provision::vm_of;
-use super::{agent_task, scrub};
+use super::provision::{held, ids};
+use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
-use crate::store::jobs::JobRecord;
 use crate::store::{devices, vms};
-use passage_model::DeviceEvent;
 use passage_model::api::VmState;
+use passage_model::jobs::{DestroyStep, JobKind};
 use passage_model::protocol::Task;
+use passage_model::{DeviceEvent, DeviceState};
 
-pub(super) async fn action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    let held: Vec<String> = devices::held_by(&ctx.jobs_db, vm.uuid)
-        .await
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|d| d.pci.id.to_string())
-        .collect();
-    let Some(server) = vm.server_uuid else {
-        // Never placed: nothing on any node to stop or clean.
-        if step == "release" {
-            vms::release_destroyed(&ctx.jobs_db, vm.uuid, None, &[])
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        return Ok(());
-    };
-    match step {
-        "stop" => {
-            agent_task::run(
-                ctx,
-                server,
-                Some(job.view.uuid),
-                Task::StopVm { vm_uuid: vm.uuid },
-            )
-            .await?;
-            Ok(())
-        }
-        "unbind" => {
-            if held.is_empty() {
-                return Ok(());
+pub struct Destroy;
+
+impl Workflow for Destroy {
+    const KIND: JobKind = JobKind::Destroy;
+    type Step = DestroyStep;
+    type Payload = ();
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: DestroyStep) -> Result<(), StepError> {
+        let vm = run.vm(ctx).await?;
+        let held = held(ctx, &vm).await?;
+        let job = Some(run.job);
+        let Some(server) = vm.server_uuid else {
+            // Never placed: nothing on any node to stop or clean.
+            if step == DestroyStep::Release {
+                vms::release_destroyed(&ctx.jobs_db, vm.uuid, None, &[]).await?;
             }
-            let devices = held
-                .iter()
-                .filter_map(|d| d.parse().ok())
-                .collect::<Vec<_>>();
-            agent_task::run(
-                ctx,
-                server,
-                Some(job.view.uuid),
-                Task::UnbindPassthrough {
+            return Ok(());
+        };
+        match step {
+            DestroyStep::Stop => {
+                let task = Task::StopVm { vm_uuid: vm.uuid };
+                agent_task::run(ctx, server, job, task).await.map(drop)
+            }
+            DestroyStep::Unbind if held.is_empty() => Ok(()),
+            DestroyStep::Unbind => {
+                let devices = held.iter().filter_map(|d| d.parse().ok()).collect();
+                let task = Task::UnbindPassthrough {
                     vm_uuid: vm.uuid,
                     devices,
-                },
+                };
+                agent_task::run(ctx, server, job, task).await.map(drop)
+            }
+            DestroyStep::Release => {
+                Ok(vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held).await?)
+            }
+            DestroyStep::Scrub => scrub::scrub_devices(ctx, server, job, &ids(&vm)).await,
+        }
+    }
+
+    /// A destroy that failed before `release` leaves a VM whose state on the node is
+    /// unknown: it is `failed`, and its devices are quarantined (never freed without a
+    /// scrub).
+    async fn on_failed(ctx: &Ctx, run: &Run<Self>, error: &str) -> Result<(), StepError> {
+        let vm = run.vm(ctx).await?;
+        crate::store::ops::end_usage(&ctx.jobs_db, vm.uuid).await?;
+        if let Some(server) = vm.server_uuid {
+            devices::move_devices(
+                &ctx.jobs_db,
+                server,
+                &held(ctx, &vm).await?,
+                DeviceEvent::Quarantine,
+                Some(vm.uuid),
+                &format!("destroy failed: {error}"),
             )
             .await?;
-            Ok(())
         }
-        "release" => vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held)
-            .await
-            .map_err(|e| e.to_string()),
-        "scrub" => {
-            let ids: Vec<String> = vm.assigned_devices.iter().map(|d| d.to_string()).collect();
-            scrub::scrub_devices(ctx, server, Some(job.view.uuid), &ids).await
-        }
-        other => Err(format!("unknown destroy step {other}")),
-    }
-}
-
-/// A destroy that failed before `release` leaves a VM whose state on the node is unknown:
-/// it is `failed`, and its devices are quarantined (never freed without a scrub).
-pub(super) async fn on_failed(ctx: &Ctx, job: &JobRecord, error: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    crate::store::ops::end_usage(&ctx.jobs_db, vm.uuid)
-        .await
-        .map_err(|e| e.to_string())?;
-    if let Some(server) = vm.server_uuid {
-        let held: Vec<String> = devices::held_by(&ctx.jobs_db, vm.uuid)
-            .await
-            .map_err(|e| e.to_string())?
-            .iter()
-            .map(|d| d.pci.id.to_string())
-            .collect();
-        devices::move_devices(
+        vms::set_state(
             &ctx.jobs_db,
-            server,
-            &held,
-            DeviceEvent::Quarantine,
-            Some(vm.uuid),
-            &format!("destroy failed: {error}"),
+            vm.uuid,
+            &[VmState::Destroying],
+            VmState::Failed,
         )
-        .await
-        .map_err(|e| e.to_string())?;
-    }
-    vms::set_state(
-        &ctx.jobs_db,
-        vm.uuid,
-        &[VmState::Destroying],
-        VmState::Failed,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    // Released but not scrubbed (the failure came after `release`): scrub now rather than
-    // wait for the reconciler.
-    if let Some(server) = vm.server_uuid {
-        let ids: Vec<String> = vm.assigned_devices.iter().map(|d| d.to_string()).collect();
-        let dirty: Vec<String> = devices::for_server(&ctx.jobs_db, server)
-            .await
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .filter(|d| {
-                d.state == passage_model::DeviceState::Dirty && ids.contains(&d.pci.id.to_string())
-            })
-            .map(|d| d.pci.id.to_string())
-            .collect();
-        if !dirty.is_empty() {
-            scrub::start_job(ctx, server, &dirty)
-                .await
-                .map_err(|e| e.to_string())?;
+        .await?;
+        // Released but not scrubbed (the failure came after `release`): scrub now rather
+        // than wait for the reconciler.
+        if let Some(server) = vm.server_uuid {
+            let ids = ids(&vm);
+            let dirty: Vec<String> = devices::for_server(&ctx.jobs_db, server)
+                .await?
+                .into_iter()
+                .filter(|d| d.state == DeviceState::Dirty && ids.contains(&d.pci.id.to_string()))
+                .map(|d| d.pci.id.to_string())
+                .collect();
+            if !dirty.is_empty() {
+                scrub::start_job(ctx, server, &dirty).await?;
+            }
         }
+        Ok(())
     }
-    Ok(())
 }

@@ -1,19 +1,97 @@
 //! A VM's life after provisioning: stop, start, and the replacement of its devices that
 //! a resize (another package) or a cold migration (another server) needs.
 
-use super::provision::vm_of;
-use super::{agent_task, scrub};
+use super::provision::{server_of, spec};
+use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
-use crate::store::jobs::JobRecord;
 use crate::store::{devices, vms};
 use passage_model::api::VmState;
-use passage_model::protocol::{Task, VmSpec};
+use passage_model::jobs::{JobKind, ReplaceStep, StartStep, StopStep};
+use passage_model::protocol::Task;
 use passage_model::{DeviceEvent, DevicePath, PackageId, ServerId};
 use serde::{Deserialize, Serialize};
 
-pub const STOP_STEPS: &[&str] = &["stop"];
-pub const START_STEPS: &[&str] = &["bind", "launch"];
-pub const REPLACE_STEPS: &[&str] = &["reserve", "bind", "commit", "unbind", "scrub"];
+pub struct Stop;
+
+impl Workflow for Stop {
+    const KIND: JobKind = JobKind::Stop;
+    type Step = StopStep;
+    type Payload = ();
+    const LEADS_TO: Option<VmState> = Some(VmState::Stopped);
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: StopStep) -> Result<(), StepError> {
+        let vm = run.vm(ctx).await?;
+        let server = server_of(&vm)?;
+        match step {
+            StopStep::Stop => {
+                let task = Task::StopVm { vm_uuid: vm.uuid };
+                agent_task::run(ctx, server, Some(run.job), task).await?;
+                vms::set_state(
+                    &ctx.jobs_db,
+                    vm.uuid,
+                    &[VmState::Running, VmState::Stopped],
+                    VmState::Stopped,
+                )
+                .await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+pub struct Start;
+
+impl Workflow for Start {
+    const KIND: JobKind = JobKind::Start;
+    type Step = StartStep;
+    type Payload = ();
+    const LEADS_TO: Option<VmState> = Some(VmState::Running);
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: StartStep) -> Result<(), StepError> {
+        let vm = run.vm(ctx).await?;
+        let server = server_of(&vm)?;
+        let job = Some(run.job);
+        match step {
+            // Idempotent on the node, and needed after a node reboot or a migration.
+            StartStep::Bind if vm.assigned_devices.is_empty() => Ok(()),
+            StartStep::Bind => {
+                let task = Task::BindPassthrough {
+                    vm_uuid: vm.uuid,
+                    devices: vm.assigned_devices.clone(),
+                };
+                agent_task::run(ctx, server, job, task).await.map(drop)
+            }
+            StartStep::Launch => {
+                let task = Task::StartVm { vm: spec(&vm) };
+                agent_task::run(ctx, server, job, task).await?;
+                vms::set_state(
+                    &ctx.jobs_db,
+                    vm.uuid,
+                    &[VmState::Stopped, VmState::Running],
+                    VmState::Running,
+                )
+                .await?;
+                Ok(())
+            }
+        }
+    }
+
+    async fn undo(ctx: &Ctx, run: &Run<Self>, step: StartStep) -> Result<(), StepError> {
+        match step {
+            // The devices stay bound for the stopped VM, as a stop leaves them.
+            StartStep::Bind => Ok(()),
+            StartStep::Launch => {
+                let vm = run.vm(ctx).await?;
+                let server = server_of(&vm)?;
+                let task = Task::StopVm { vm_uuid: vm.uuid };
+                agent_task::run(ctx, server, Some(run.job), task).await?;
+                vms::set_state(&ctx.jobs_db, vm.uuid, &[VmState::Running], VmState::Stopped)
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+}
 
 /// What a resize or migration will do, fixed when it is asked for.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -28,95 +106,56 @@ pub struct Plan {
     pub memory_mib: u64,
 }
 
-fn plan_of(job: &JobRecord) -> Result<Plan, String> {
-    serde_json::from_str(job.payload.as_deref().unwrap_or(""))
-        .map_err(|e| format!("the job's plan is unreadable: {e}"))
-}
-
 fn strings(d: &[DevicePath]) -> Vec<String> {
     d.iter().map(ToString::to_string).collect()
 }
 
-pub(super) async fn stop(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    let server = vm.server_uuid.ok_or("the VM has no server")?;
-    if step != "stop" {
-        return Err(format!("unknown stop step {step}"));
+/// Another package for a stopped VM.
+pub struct Resize;
+
+/// A stopped VM to another server.
+pub struct Migrate;
+
+impl Workflow for Resize {
+    const KIND: JobKind = JobKind::Resize;
+    type Step = ReplaceStep;
+    type Payload = Plan;
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: ReplaceStep) -> Result<(), StepError> {
+        replace(ctx, run.job, &run.vm(ctx).await?, &run.payload, step).await
     }
-    let task = Task::StopVm { vm_uuid: vm.uuid };
-    agent_task::run(ctx, server, Some(job.view.uuid), task).await?;
-    vms::set_state(
-        &ctx.jobs_db,
-        vm.uuid,
-        &[VmState::Running, VmState::Stopped],
-        VmState::Stopped,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    Ok(())
+
+    async fn undo(ctx: &Ctx, run: &Run<Self>, step: ReplaceStep) -> Result<(), StepError> {
+        replace_undo(ctx, run.job, &run.vm(ctx).await?, &run.payload, step).await
+    }
 }
 
-pub(super) async fn start(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    let server = vm.server_uuid.ok_or("the VM has no server")?;
-    let job_id = Some(job.view.uuid);
+impl Workflow for Migrate {
+    const KIND: JobKind = JobKind::Migrate;
+    type Step = ReplaceStep;
+    type Payload = Plan;
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: ReplaceStep) -> Result<(), StepError> {
+        replace(ctx, run.job, &run.vm(ctx).await?, &run.payload, step).await
+    }
+
+    async fn undo(ctx: &Ctx, run: &Run<Self>, step: ReplaceStep) -> Result<(), StepError> {
+        replace_undo(ctx, run.job, &run.vm(ctx).await?, &run.payload, step).await
+    }
+}
+
+async fn replace(
+    ctx: &Ctx,
+    job: passage_model::JobId,
+    vm: &passage_model::api::Vm,
+    plan: &Plan,
+    step: ReplaceStep,
+) -> Result<(), StepError> {
+    let job = Some(job);
     match step {
-        // Idempotent on the node, and needed after a node reboot or a migration.
-        "bind" if vm.assigned_devices.is_empty() => Ok(()),
-        "bind" => {
-            let task = Task::BindPassthrough {
-                vm_uuid: vm.uuid,
-                devices: vm.assigned_devices.clone(),
-            };
-            agent_task::run(ctx, server, job_id, task).await.map(drop)
-        }
-        "launch" => {
-            let task = Task::StartVm {
-                vm: VmSpec {
-                    uuid: vm.uuid,
-                    vcpus: vm.vcpus,
-                    memory_mib: vm.memory_mib,
-                    devices: vm.assigned_devices.clone(),
-                },
-            };
-            agent_task::run(ctx, server, job_id, task).await?;
-            vms::set_state(
-                &ctx.jobs_db,
-                vm.uuid,
-                &[VmState::Stopped, VmState::Running],
-                VmState::Running,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            Ok(())
-        }
-        other => Err(format!("unknown start step {other}")),
-    }
-}
-
-pub(super) async fn start_undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    let server = vm.server_uuid.ok_or("the VM has no server")?;
-    if step == "launch" {
-        let task = Task::StopVm { vm_uuid: vm.uuid };
-        agent_task::run(ctx, server, Some(job.view.uuid), task).await?;
-        vms::set_state(&ctx.jobs_db, vm.uuid, &[VmState::Running], VmState::Stopped)
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
-
-pub(super) async fn replace(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let vm = vm_of(ctx, job).await?;
-    let plan = plan_of(job)?;
-    let job_id = Some(job.view.uuid);
-    match step {
-        "reserve" => {
-            let held = devices::held_by(&ctx.jobs_db, vm.uuid)
-                .await
-                .map_err(|e| e.to_string())?;
-            let missing: Vec<&DevicePath> = plan
+        ReplaceStep::Reserve => {
+            let held = devices::held_by(&ctx.jobs_db, vm.uuid).await?;
+            let missing = plan
                 .add
                 .iter()
                 .filter(|d| {
@@ -124,30 +163,29 @@ pub(super) async fn replace(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<()
                         .iter()
                         .any(|h| h.pci.id == **d && h.server_uuid == plan.to_server)
                 })
-                .collect();
-            if missing.is_empty() {
+                .count();
+            if missing == 0 {
                 Ok(())
             } else {
-                Err(format!(
-                    "{} new device(s) are no longer reserved",
-                    missing.len()
-                ))
+                Err(StepError::Refused(format!(
+                    "{missing} new device(s) are no longer reserved"
+                )))
             }
         }
-        "bind" if plan.add.is_empty() => Ok(()),
-        "bind" => {
+        ReplaceStep::Bind if plan.add.is_empty() => Ok(()),
+        ReplaceStep::Bind => {
             let task = Task::BindPassthrough {
                 vm_uuid: vm.uuid,
                 devices: plan.add.clone(),
             };
-            agent_task::run(ctx, plan.to_server, job_id, task)
+            agent_task::run(ctx, plan.to_server, job, task)
                 .await
                 .map(drop)
         }
-        "commit" => {
+        ReplaceStep::Commit => {
             let mut assigned = plan.keep.clone();
             assigned.extend(plan.add.iter().cloned());
-            vms::commit_replacement(
+            Ok(vms::commit_replacement(
                 &ctx.jobs_db,
                 vm.uuid,
                 vms::Replacement {
@@ -161,62 +199,71 @@ pub(super) async fn replace(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<()
                     memory_mib: plan.memory_mib,
                 },
             )
-            .await
-            .map_err(|e| e.to_string())
+            .await?)
         }
-        "unbind" if plan.remove.is_empty() => Ok(()),
-        "unbind" => {
+        ReplaceStep::Unbind if plan.remove.is_empty() => Ok(()),
+        ReplaceStep::Unbind => {
             let task = Task::UnbindPassthrough {
                 vm_uuid: vm.uuid,
                 devices: plan.remove.clone(),
             };
-            agent_task::run(ctx, plan.from_server, job_id, task)
+            agent_task::run(ctx, plan.from_server, job, task)
                 .await
                 .map(drop)
         }
-        "scrub" => {
-            scrub::scrub_devices(ctx, plan.from_server, job_id, &strings(&plan.remove)).await
+        ReplaceStep::Scrub => {
+            scrub::scrub_devices(ctx, plan.from_server, job, &strings(&plan.remove)).await
         }
-        other => Err(format!("unknown replace step {other}")),
     }
+}
+
+/// Whether the VM row has the plan's outcome already: `commit` ran. Asked of the row, not
+/// of the step's record, which an unwind marks undone: a second unwind must not take
+/// back the devices of a VM that uses them.
+fn committed(vm: &passage_model::api::Vm, plan: &Plan) -> bool {
+    let mut now: Vec<&DevicePath> = vm.assigned_devices.iter().collect();
+    let mut after: Vec<&DevicePath> = plan.keep.iter().chain(&plan.add).collect();
+    now.sort();
+    after.sort();
+    vm.server_uuid == Some(plan.to_server) && now == after
 }
 
 /// Before `commit` a failed replacement gives back what it reserved; after it, the VM has
 /// its new devices and what is left (unbinding, scrubbing the old ones) is finished by the
 /// reconciler rather than undone.
-pub(super) async fn replace_undo(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    let committed = job
-        .view
-        .steps
-        .iter()
-        .any(|s| s.name == "commit" && s.state == passage_model::api::StepState::Succeeded);
-    if committed {
+async fn replace_undo(
+    ctx: &Ctx,
+    job: passage_model::JobId,
+    vm: &passage_model::api::Vm,
+    plan: &Plan,
+    step: ReplaceStep,
+) -> Result<(), StepError> {
+    if committed(vm, plan) {
         return Ok(());
     }
-    let vm = vm_of(ctx, job).await?;
-    let plan = plan_of(job)?;
     match step {
-        "reserve" => devices::move_devices(
-            &ctx.jobs_db,
-            plan.to_server,
-            &strings(&plan.add),
-            DeviceEvent::CancelUnused,
-            Some(vm.uuid),
-            &format!("resize or migration of VM {} unwound", vm.uuid),
-        )
-        .await
-        .map(drop)
-        .map_err(|e| e.to_string()),
-        "bind" if plan.add.is_empty() => Ok(()),
-        "bind" => {
+        ReplaceStep::Reserve => {
+            devices::move_devices(
+                &ctx.jobs_db,
+                plan.to_server,
+                &strings(&plan.add),
+                DeviceEvent::CancelUnused,
+                Some(vm.uuid),
+                &format!("resize or migration of VM {} unwound", vm.uuid),
+            )
+            .await?;
+            Ok(())
+        }
+        ReplaceStep::Bind if plan.add.is_empty() => Ok(()),
+        ReplaceStep::Bind => {
             let task = Task::UnbindPassthrough {
                 vm_uuid: vm.uuid,
                 devices: plan.add.clone(),
             };
-            agent_task::run(ctx, plan.to_server, Some(job.view.uuid), task)
+            agent_task::run(ctx, plan.to_server, Some(job), task)
                 .await
                 .map(drop)
         }
-        _ => Ok(()),
+        ReplaceStep::Commit | ReplaceStep::Unbind | ReplaceStep::Scrub => Ok(()),
     }
 }

@@ -1,274 +1,256 @@
-//! Workflows as sagas: each step has an action and an idempotent undo, every step's state
-//! is persisted, and a failed step unwinds every step that started, newest first.
+//! Workflows as sagas. Each is a type implementing [`Workflow`]: its kind, its steps (an
+//! enum of `passage_model::jobs`, in order), its payload, and each step's action and undo.
+//! The runner (`runner`) runs every kind the same way: each step's state is persisted, a
+//! failed step unwinds every step that started, newest first, and a restarted server
+//! resumes a job where it stopped (or goes on unwinding it).
 //!
-//! Provision: reserve → bind → launch → mark_used (each undone on failure).
-//! Destroy: stop → unbind → release → scrub (forward only: past `stop` there is nothing
-//! to give back; on failure the VM's devices are quarantined, never freed unscrubbed).
-//! Scrub: scrub (the devices a failed provision released).
+//! | kind | steps | when a step fails |
+//! |---|---|---|
+//! | provision | reserve → bind → launch → mark_used | each step undone; the VM `failed` |
+//! | destroy | stop → unbind → release → scrub | forward only: the VM `failed`, its devices quarantined (never freed unscrubbed) |
+//! | scrub | scrub | the devices that failed quarantined |
+//! | stop | stop | nothing to undo |
+//! | start | bind → launch | a launched VM stopped again |
+//! | resize, migrate | reserve → bind → commit → unbind → scrub | before `commit`, the new devices given back; after, the reconciler finishes |
+//!
+//! A job is written with its kind only ([`new_job`]); its steps come from the kind, and a
+//! workflow whose step enum is not its kind's does not compile (`StepsOfKind`). Dispatch
+//! from a stored kind to its workflow is one exhaustive `match` ([`dispatch!`]).
 
 pub mod agent_task;
 pub mod destroy;
+mod error;
 pub mod lifecycle;
 pub mod provision;
 pub mod reconcile;
+mod runner;
 pub mod scrub;
 
-use crate::error::{ApiError, ApiResult};
+pub use error::StepError;
+pub use runner::{resume_all, run, spawn, unwind};
+
 use crate::services::Ctx;
-use crate::store::jobs::{self, JobRecord};
-use passage_model::JobId;
-use passage_model::api::{JobState, StepState};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::store::jobs::{JobRecord, NewJob};
+use passage_model::api::{StepState, Vm, VmState};
+use passage_model::jobs::{JobKind, Steps, same_names};
+use passage_model::{AccountId, JobId, VmId};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::marker::PhantomData;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Saga {
-    Provision,
-    Destroy,
-    Scrub,
-    Stop,
-    Start,
-    Replace,
-}
+/// One kind of job: what each of its steps does and how it is undone.
+pub trait Workflow: Sized + Send + Sync + 'static {
+    const KIND: JobKind;
+    /// Its steps, in order: the kind's own (checked when the runner is compiled for it).
+    type Step: Steps;
+    /// What the job carries beside its VM, fixed when it is written.
+    type Payload: Serialize + DeserializeOwned + Send + Sync;
+    /// Where the job's last step leaves its VM, a moment before the job is marked done
+    /// (see `services::vms::settled`); `None` when the last step does not set the VM's state.
+    const LEADS_TO: Option<VmState> = None;
 
-impl Saga {
-    fn of(name: &str) -> Option<Saga> {
-        match name {
-            "provision" => Some(Saga::Provision),
-            "destroy" => Some(Saga::Destroy),
-            "scrub" => Some(Saga::Scrub),
-            "stop" => Some(Saga::Stop),
-            "start" => Some(Saga::Start),
-            "resize" | "migrate" => Some(Saga::Replace),
-            _ => None,
-        }
+    /// Runs `step`. It must be idempotent: run twice, the second run succeeds and changes
+    /// nothing more (the generic tests run every action twice).
+    fn action(
+        ctx: &Ctx,
+        run: &Run<Self>,
+        step: Self::Step,
+    ) -> impl Future<Output = Result<(), StepError>> + Send;
+
+    /// Undoes what `step` may have done, whether it finished or not; idempotent too.
+    /// Forward-only workflows leave the default.
+    fn undo(
+        _ctx: &Ctx,
+        _run: &Run<Self>,
+        _step: Self::Step,
+    ) -> impl Future<Output = Result<(), StepError>> + Send {
+        async { Ok(()) }
     }
 
-    async fn action(self, ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-        match self {
-            Saga::Provision => provision::action(ctx, job, step).await,
-            Saga::Destroy => destroy::action(ctx, job, step).await,
-            Saga::Scrub => scrub::job_action(ctx, job, step).await,
-            Saga::Stop => lifecycle::stop(ctx, job, step).await,
-            Saga::Start => lifecycle::start(ctx, job, step).await,
-            Saga::Replace => lifecycle::replace(ctx, job, step).await,
-        }
-    }
-
-    async fn undo(self, ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-        match self {
-            Saga::Provision => provision::undo(ctx, job, step).await,
-            Saga::Start => lifecycle::start_undo(ctx, job, step).await,
-            Saga::Replace => lifecycle::replace_undo(ctx, job, step).await,
-            Saga::Destroy | Saga::Scrub | Saga::Stop => Ok(()),
-        }
-    }
-
-    async fn on_failed(self, ctx: &Ctx, job: &JobRecord, error: &str) -> Result<(), String> {
-        match self {
-            Saga::Provision => provision::on_failed(ctx, job, error).await,
-            Saga::Destroy => destroy::on_failed(ctx, job, error).await,
-            Saga::Scrub | Saga::Stop | Saga::Start | Saga::Replace => Ok(()),
-        }
+    /// After the unwind of a failed job: what is left to put right (the VM's state,
+    /// devices whose fate is unknown).
+    fn on_failed(
+        _ctx: &Ctx,
+        _run: &Run<Self>,
+        _error: &str,
+    ) -> impl Future<Output = Result<(), StepError>> + Send {
+        async { Ok(()) }
     }
 }
 
-pub const PROVISION_STEPS: &[&str] = &["reserve", "bind", "launch", "mark_used"];
-pub const DESTROY_STEPS: &[&str] = &["stop", "unbind", "release", "scrub"];
-pub const SCRUB_STEPS: &[&str] = &["scrub"];
+/// The check that a workflow's step enum is its kind's, evaluated where the runner is
+/// compiled for it: a mismatch is a compile error.
+pub(crate) struct StepsOfKind<W>(PhantomData<W>);
 
-/// Runs a job in the background, unless this process runs it already.
-pub fn spawn(ctx: Ctx, job: JobId) {
-    let fresh = ctx
-        .running_jobs
-        .lock()
-        .map(|mut set| set.insert(job))
-        .unwrap_or(false);
-    if !fresh {
-        return;
+impl<W: Workflow> StepsOfKind<W> {
+    pub(crate) const CHECK: () = assert!(
+        same_names(<W::Step as Steps>::NAMES, W::KIND.step_names()),
+        "a workflow's steps must be its kind's"
+    );
+}
+
+/// A job as its workflow sees it while it runs or unwinds.
+pub struct Run<W: Workflow> {
+    pub job: JobId,
+    pub vm: Option<VmId>,
+    pub owner: Option<AccountId>,
+    pub payload: W::Payload,
+    /// Each step, with its state and whether it ever started.
+    steps: Vec<(W::Step, StepState, bool)>,
+}
+
+impl<W: Workflow> Run<W> {
+    /// Reads a job record as a job of `W`.
+    pub(crate) fn of(rec: &JobRecord) -> Result<Self, StepError> {
+        let payload = serde_json::from_str(rec.payload.as_deref().unwrap_or("null"))
+            .map_err(|e| StepError::Broken(format!("the job's payload is unreadable: {e}")))?;
+        let steps = rec
+            .steps
+            .iter()
+            .map(|s| {
+                W::Step::parse(&s.name)
+                    .map(|step| (step, s.state, s.started_at.is_some()))
+                    .ok_or_else(|| {
+                        StepError::Broken(format!("{} has no step {:?}", W::KIND, s.name))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let names: Vec<&str> = steps.iter().map(|(s, _, _)| s.name()).collect();
+        if names != <W::Step as Steps>::NAMES {
+            return Err(StepError::Broken(format!(
+                "the {} job's steps are {names:?}, not its kind's",
+                W::KIND
+            )));
+        }
+        Ok(Run {
+            job: rec.uuid,
+            vm: rec.vm,
+            owner: rec.owner,
+            payload,
+            steps,
+        })
     }
-    tokio::spawn(async move {
-        // Bounded: a burst of provisions queues here instead of flooding the database
-        // and the agents; the semaphore is never closed.
-        let permit = ctx.job_permits.clone().acquire_owned().await;
-        // Boxed: a waiting task's size is then that of the wait, not of the whole job's
-        // state machine, and a burst of 10,000 creations queues 10,000 waiting tasks.
-        if let Err(e) = Box::pin(run(&ctx, job)).await {
-            tracing::error!(%job, error = %e, "job runner failed");
+
+    fn find(&self, step: W::Step) -> Option<&(W::Step, StepState, bool)> {
+        self.steps.iter().find(|(s, _, _)| *s == step)
+    }
+
+    /// Whether `step` ever started.
+    pub fn started(&self, step: W::Step) -> bool {
+        self.find(step).is_some_and(|(_, _, started)| *started)
+    }
+
+    /// Whether `step` finished successfully (and was not undone since).
+    pub fn succeeded(&self, step: W::Step) -> bool {
+        self.find(step)
+            .is_some_and(|(_, st, _)| *st == StepState::Succeeded)
+    }
+
+    /// The VM the job works on, as it is now.
+    pub async fn vm(&self, ctx: &Ctx) -> Result<Vm, StepError> {
+        let id = self
+            .vm
+            .ok_or_else(|| StepError::Broken(format!("the {} job has no VM", W::KIND)))?;
+        Ok(crate::store::vms::get(&ctx.jobs_db, id).await?)
+    }
+
+    fn set(&mut self, idx: usize, state: StepState) {
+        if let Some(s) = self.steps.get_mut(idx) {
+            s.1 = state;
+            s.2 |= state != StepState::Pending;
         }
-        drop(permit);
-        if let Ok(mut set) = ctx.running_jobs.lock() {
-            set.remove(&job);
-        }
-    });
+    }
 }
 
-fn lease_until(ctx: &Ctx) -> i64 {
-    crate::store::now_ms() + i64::try_from(ctx.cfg.job_lease.as_millis()).unwrap_or(30_000)
-}
-
-/// Keeps the lease alive while the job runs; `lost` turns true if another replica took it.
-fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
-    let ctx = ctx.clone();
-    tokio::spawn(async move {
-        let every = (ctx.cfg.job_lease / 3).max(std::time::Duration::from_millis(100));
-        loop {
-            tokio::time::sleep(every).await;
-            match jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(&ctx)).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    lost.store(true, Ordering::SeqCst);
-                    return;
-                }
-                Err(e) => tracing::warn!(%job, error = %e, "renewing a job lease"),
-            }
-        }
+/// A job of `W` to write: its steps are its kind's.
+pub fn new_job<W: Workflow>(
+    uuid: JobId,
+    vm: Option<VmId>,
+    owner: Option<AccountId>,
+    payload: &W::Payload,
+) -> Result<NewJob, StepError> {
+    let value = serde_json::to_value(payload)
+        .map_err(|e| StepError::Broken(format!("the job's payload: {e}")))?;
+    Ok(NewJob {
+        uuid,
+        kind: W::KIND,
+        vm,
+        owner,
+        payload: (!value.is_null()).then(|| value.to_string()),
     })
 }
 
-fn fault(ctx: &Ctx, job: &str, step: &str) -> Result<(), String> {
-    let key = format!("{job}.{step}");
-    if ctx.cfg.faults.contains(&key) {
-        return Err(format!("injected fault at {key}"));
-    }
-    Ok(())
-}
-
-/// Runs (or resumes) a job to its end. Steps already `succeeded` are skipped, so a job
-/// interrupted by a restart picks up where it stopped.
-pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
-    if !jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await? {
-        // Finished, or another replica holds it.
-        return Ok(());
-    }
-    let lost = Arc::new(AtomicBool::new(false));
-    let lease = keep_lease(ctx, job, lost.clone());
-    let r = run_claimed(ctx, job, &lost).await;
-    lease.abort();
-    r
-}
-
-async fn run_claimed(ctx: &Ctx, job: JobId, lost: &AtomicBool) -> ApiResult<()> {
-    // Read once: while this runner holds the lease, it alone writes the job's steps, and
-    // it keeps its copy in step with what it writes.
-    let mut rec = jobs::get(&ctx.jobs_db, job).await?;
-    if matches!(rec.view.state, JobState::Succeeded | JobState::Failed) {
-        return Ok(());
-    }
-    let saga = Saga::of(&rec.view.name)
-        .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
-    rec.view.state = JobState::Running;
-    // A job that was already unwinding when its runner died goes on unwinding.
-    if let Some((i, failed)) = rec
-        .view
-        .steps
-        .iter()
-        .enumerate()
-        .find(|(_, s)| matches!(s.state, StepState::Failed | StepState::Undone))
-    {
-        let e = failed
-            .error
-            .clone()
-            .unwrap_or_else(|| "interrupted while unwinding".into());
-        return fail(ctx, saga, job, &rec.view.steps[i].name, &e).await;
-    }
-    for i in 0..rec.view.steps.len() {
-        let step = rec.view.steps[i].clone();
-        if step.state == StepState::Succeeded {
-            continue;
-        }
-        if lost.load(Ordering::SeqCst) {
-            tracing::warn!(%job, "lost the job's lease to another replica; stopping here");
-            return Ok(());
-        }
-        let key = format!("{}.{}", rec.view.name, step.name);
-        if ctx.cfg.pause_before.as_deref() == Some(key.as_str()) {
-            use std::io::Write;
-            let mut out = std::io::stdout();
-            let _ = writeln!(out, "passage: paused before {key} (test hook)");
-            let _ = out.flush();
-            std::future::pending::<()>().await;
-        }
-        jobs::step_started(&ctx.jobs_db, job, i).await?;
-        let now = chrono::Utc::now();
-        let s = &mut rec.view.steps[i];
-        s.state = StepState::Running;
-        s.started_at.get_or_insert(now);
-        s.error = None;
-        let started = std::time::Instant::now();
-        let result = match saga.action(ctx, &rec, &step.name).await {
-            Ok(()) => fault(ctx, &rec.view.name, &step.name),
-            Err(e) => Err(e),
-        };
-        ctx.metrics
-            .step(&rec.view.name, &step.name, started.elapsed());
-        match result {
-            Ok(()) => {
-                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Succeeded, None).await?;
-                rec.view.steps[i].state = StepState::Succeeded;
+/// Runs `$body` with the type alias `$w` naming the workflow of `$kind`: the one place a
+/// stored kind becomes a type, exhaustive over the kinds.
+macro_rules! dispatch {
+    ($kind:expr, $w:ident => $body:expr) => {{
+        use passage_model::jobs::JobKind;
+        match $kind {
+            JobKind::Provision => {
+                type $w = $crate::workflows::provision::Provision;
+                const _: () = assert!(
+                    matches!(
+                        <$w as $crate::workflows::Workflow>::KIND,
+                        JobKind::Provision
+                    ),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
             }
-            Err(e) => {
-                tracing::warn!(%job, step = %step.name, error = %e, "job step failed");
-                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Failed, Some(&e)).await?;
-                return fail(ctx, saga, job, &step.name, &e).await;
+            JobKind::Destroy => {
+                type $w = $crate::workflows::destroy::Destroy;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Destroy),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Scrub => {
+                type $w = $crate::workflows::scrub::Scrub;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Scrub),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Stop => {
+                type $w = $crate::workflows::lifecycle::Stop;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Stop),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Start => {
+                type $w = $crate::workflows::lifecycle::Start;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Start),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Resize => {
+                type $w = $crate::workflows::lifecycle::Resize;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Resize),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Migrate => {
+                type $w = $crate::workflows::lifecycle::Migrate;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Migrate),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
             }
         }
-    }
-    jobs::set_state(&ctx.jobs_db, job, JobState::Succeeded, None).await?;
-    Ok(())
+    }};
 }
+pub(crate) use dispatch;
 
-/// Unwinds what the job did and records why it failed.
-async fn fail(ctx: &Ctx, saga: Saga, job: JobId, step: &str, e: &str) -> ApiResult<()> {
-    let undo_errors = unwind(ctx, job).await?;
-    let mut error = format!("{step} failed: {e}");
-    if !undo_errors.is_empty() {
-        error.push_str(&format!("; undo failed: {}", undo_errors.join("; ")));
-    }
-    let fresh = jobs::get(&ctx.jobs_db, job).await?;
-    if let Err(e2) = saga.on_failed(ctx, &fresh, &error).await {
-        error.push_str(&format!("; cleanup failed: {e2}"));
-    }
-    jobs::set_state(&ctx.jobs_db, job, JobState::Failed, Some(&error)).await?;
-    Ok(())
-}
-
-/// Runs the undo of every step that started, newest first. Undos are idempotent: calling
-/// this again on an unwound job changes nothing. Returns the undos that failed.
-pub async fn unwind(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>> {
-    let rec = jobs::get(&ctx.jobs_db, job).await?;
-    let saga = Saga::of(&rec.view.name)
-        .ok_or_else(|| ApiError::internal(format!("unknown job kind {}", rec.view.name)))?;
-    let mut errors = Vec::new();
-    for (i, step) in rec.view.steps.iter().enumerate().rev() {
-        if step.started_at.is_none() {
-            continue;
-        }
-        match saga.undo(ctx, &rec, &step.name).await {
-            Ok(()) => jobs::step_ended(&ctx.jobs_db, job, i, StepState::Undone, None).await?,
-            Err(e) => {
-                tracing::warn!(%job, step = %step.name, error = %e, "undo failed");
-                errors.push(format!("{}: {e}", step.name));
-            }
-        }
-    }
-    Ok(errors)
-}
-
-/// Jobs whose runner is gone (a server that died, a replica that stopped): resume each.
-pub async fn resume_all(ctx: &Ctx) -> ApiResult<usize> {
-    let pending = jobs::orphaned(&ctx.jobs_db, 5_000).await?;
-    let n = pending.len();
-    for job in pending {
-        let known = ctx
-            .running_jobs
-            .lock()
-            .map(|s| s.contains(&job))
-            .unwrap_or(true);
-        if !known {
-            tracing::info!(%job, "resuming an orphaned job");
-            spawn(ctx.clone(), job);
-        }
-    }
-    Ok(n)
+/// Where a job of `kind` leaves its VM when it succeeds.
+pub fn leads_to(kind: JobKind) -> Option<VmState> {
+    dispatch!(kind, W => W::LEADS_TO)
 }

@@ -1,51 +1,52 @@
 //! Scrubbing: dirty → cleaning → (agent scrubs, reports each step) → unassigned, or
 //! quarantined when any step failed or no report came.
 
-use super::agent_task;
+use super::{Run, StepError, Workflow, agent_task, new_job};
 use crate::services::Ctx;
-use crate::store::jobs::JobRecord;
-use crate::store::{StoreResult, devices, events, jobs};
+use crate::store::{StoreError, StoreResult, devices, events, jobs};
+use passage_model::jobs::{JobKind, ScrubStep};
 use passage_model::protocol::Task;
 use passage_model::{DeviceEvent, DevicePath, JobId, ServerId};
 use serde::{Deserialize, Serialize};
 
+/// Dirty devices of one server, scrubbed.
+pub struct Scrub;
+
 #[derive(Serialize, Deserialize)]
-struct ScrubPayload {
+pub struct ScrubPayload {
     server: ServerId,
     devices: Vec<String>,
+}
+
+impl Workflow for Scrub {
+    const KIND: JobKind = JobKind::Scrub;
+    type Step = ScrubStep;
+    type Payload = ScrubPayload;
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: ScrubStep) -> Result<(), StepError> {
+        match step {
+            ScrubStep::Scrub => {
+                let p = &run.payload;
+                scrub_devices(ctx, p.server, Some(run.job), &p.devices).await
+            }
+        }
+    }
 }
 
 /// Starts a job that scrubs these devices of one server.
 pub async fn start_job(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResult<JobId> {
     let job = JobId::new_random();
-    let payload = serde_json::to_string(&ScrubPayload {
+    let payload = ScrubPayload {
         server,
         devices: ids.to_vec(),
-    })
-    .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
+    };
+    let new = new_job::<Scrub>(job, None, None, &payload)
+        .map_err(|e| StoreError::Corrupt(e.to_string()))?;
     // Through the shared pool, not the job steps' lane: an operator's requeue starts this
     // from a request, which must not queue behind the steps of running jobs.
-    jobs::insert(
-        &ctx.db,
-        job,
-        "scrub",
-        None,
-        None,
-        Some(&payload),
-        super::SCRUB_STEPS,
-    )
-    .await?;
+    jobs::insert(&ctx.db, new).await?;
     super::spawn(ctx.clone(), job);
     Ok(job)
-}
-
-pub(super) async fn job_action(ctx: &Ctx, job: &JobRecord, step: &str) -> Result<(), String> {
-    if step != "scrub" {
-        return Err(format!("unknown scrub step {step}"));
-    }
-    let payload: ScrubPayload = serde_json::from_str(job.payload.as_deref().unwrap_or(""))
-        .map_err(|e| format!("scrub job payload: {e}"))?;
-    scrub_devices(ctx, payload.server, Some(job.view.uuid), &payload.devices).await
 }
 
 /// Scrubs those of `ids` that are dirty. Each device's outcome follows its own report.
@@ -54,7 +55,7 @@ pub async fn scrub_devices(
     server: ServerId,
     job: Option<JobId>,
     ids: &[String],
-) -> Result<(), String> {
+) -> Result<(), StepError> {
     let started = devices::move_devices(
         &ctx.jobs_db,
         server,
@@ -63,8 +64,7 @@ pub async fn scrub_devices(
         None,
         "scrub started",
     )
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     if started.is_empty() {
         return Ok(());
     }
@@ -86,8 +86,7 @@ pub async fn scrub_devices(
                 None,
                 &format!("scrub interrupted: {e}"),
             )
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
             return Err(e);
         }
     };
@@ -118,9 +117,7 @@ pub async fn scrub_devices(
         };
         if let Some(r) = report {
             let task_id = passage_model::TaskId::new_random();
-            events::insert_scrub_report(&ctx.jobs_db, server, task_id, r)
-                .await
-                .map_err(|e| e.to_string())?;
+            events::insert_scrub_report(&ctx.jobs_db, server, task_id, r).await?;
         }
         if event == DeviceEvent::ScrubFailed {
             failed.push(format!("{id}: {reason}"));
@@ -133,13 +130,15 @@ pub async fn scrub_devices(
             None,
             &reason,
         )
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     }
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(format!("devices quarantined: {}", failed.join("; ")))
+        Err(StepError::Refused(format!(
+            "devices quarantined: {}",
+            failed.join("; ")
+        )))
     }
 }
 
@@ -149,13 +148,10 @@ async fn pipelines(
     ctx: &Ctx,
     server: ServerId,
     ids: &[String],
-) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, String> {
-    let variants = crate::store::variants::list(&ctx.jobs_db)
-        .await
-        .map_err(|e| e.to_string())?;
-    let devs = devices::for_server(&ctx.jobs_db, server)
-        .await
-        .map_err(|e| e.to_string())?;
+) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, StepError>
+{
+    let variants = crate::store::variants::list(&ctx.jobs_db).await?;
+    let devs = devices::for_server(&ctx.jobs_db, server).await?;
     let mut out = std::collections::BTreeMap::new();
     for d in devs {
         let id = d.pci.id.to_string();

@@ -1,0 +1,3 @@
+-- How a failed job step failed (retryable, refused, broken), kept beside its message so a
+-- resumed runner and the API see the same. Kept in step with migrations/postgres.
+ALTER TABLE job_steps ADD COLUMN error_kind TEXT;
