@@ -1,0 +1,577 @@
+//! Every workflow, the omicron way, through the real agent loop over fake sysfs trees:
+//! each action (and each undo) run twice succeeds and changes nothing more; a failure
+//! injected after each step unwinds to what the workflow promises; unwinding again,
+//! twice, changes nothing. The scenarios are one exhaustive `match` over the job kinds,
+//! so a new workflow does not compile until it has one here.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{Backend, Node, TestServer, fast_config, wait_for};
+use passage_model::api::{Job, JobState, StepState, Vm, VmState};
+use passage_model::jobs::JobKind;
+use passage_server::config::Config;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// A fleet brought to where a job of one kind starts, and that job.
+struct Scenario {
+    s: TestServer,
+    nodes: Vec<Node>,
+    tenant: String,
+    /// The VM the job works on (none for a scrub).
+    vm: Option<String>,
+    /// The fleet just before the job was asked for.
+    before: Snapshot,
+    job: String,
+}
+
+/// A device as a snapshot keeps it: id, state, holder, driver.
+type DeviceLine = (String, String, Option<String>, Option<String>);
+
+/// What a job may change, fleet-wide.
+#[derive(Debug, PartialEq, Clone)]
+struct Snapshot {
+    /// Per node, its devices.
+    devices: Vec<Vec<DeviceLine>>,
+    /// Per node: the VMs it runs.
+    running: Vec<Vec<String>>,
+    /// Every VM: (uuid, state, server, devices).
+    vms: Vec<(String, VmState, Option<String>, Vec<String>)>,
+    /// Devices charged to the tenant's quota.
+    held: i64,
+}
+
+async fn snapshot(s: &TestServer, nodes: &[Node], tenant: &str) -> Snapshot {
+    let mut devices = Vec::new();
+    let mut running = Vec::new();
+    for n in nodes {
+        let states = s.device_states(&n.uuid).await;
+        devices.push(
+            states
+                .into_iter()
+                .map(|(id, st, by)| {
+                    let driver = n.driver_of(&id);
+                    (id, st, by, driver)
+                })
+                .collect(),
+        );
+        let mut r = n.running_vms();
+        r.sort();
+        running.push(r);
+    }
+    let (st, list) = s.admin_call("GET", "/v1/vms", None).await;
+    assert_eq!(st, 200);
+    let mut vms: Vec<Vm> = serde_json::from_value(list).unwrap();
+    vms.sort_by_key(|v| v.uuid.to_string());
+    let vms = vms
+        .into_iter()
+        .map(|v| {
+            let mut d: Vec<String> = v.assigned_devices.iter().map(|d| d.to_string()).collect();
+            d.sort();
+            (
+                v.uuid.to_string(),
+                v.state,
+                v.server_uuid.map(|s| s.to_string()),
+                d,
+            )
+        })
+        .collect();
+    let held = passage_server::store::accounts::gpu_held(&s.ctx.db, tenant.parse().unwrap())
+        .await
+        .unwrap();
+    Snapshot {
+        devices,
+        running,
+        vms,
+        held,
+    }
+}
+
+async fn job(s: &TestServer, uuid: &str) -> Job {
+    serde_json::from_value(s.wait_job(uuid).await).unwrap()
+}
+
+async fn vm(s: &TestServer, uuid: &str) -> Vm {
+    let (st, v) = s.admin_call("GET", &format!("/v1/vms/{uuid}"), None).await;
+    assert_eq!(st, 200, "{v}");
+    serde_json::from_value(v).unwrap()
+}
+
+/// Sends a call that answers a VM with its job, and waits for that job.
+async fn vm_job(
+    s: &TestServer,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (Vm, Job) {
+    let (st, v) = s.call(method, path, Some(token), body).await;
+    assert_eq!(st, 202, "{method} {path}: {v}");
+    let v: Vm = serde_json::from_value(v).unwrap();
+    let j = job(s, &v.job_uuid.unwrap().to_string()).await;
+    (v, j)
+}
+
+/// Waits until nothing is being scrubbed or run.
+async fn settle(s: &TestServer, nodes: &[Node]) {
+    wait_for(Duration::from_secs(60), || async {
+        for n in nodes {
+            if s.device_states(&n.uuid)
+                .await
+                .iter()
+                .any(|(_, st, _)| st == "dirty" || st == "cleaning" || st == "provisioning")
+            {
+                return None;
+            }
+        }
+        let (_, jobs) = s.admin_call("GET", "/v1/jobs", None).await;
+        let jobs: Vec<Job> = serde_json::from_value(jobs).unwrap();
+        jobs.iter()
+            .all(|j| matches!(j.state, JobState::Succeeded | JobState::Failed))
+            .then_some(())
+    })
+    .await
+    .expect("the fleet settled");
+}
+
+/// What must hold of any settled fleet: held devices belong to live VMs that list them
+/// and stay bound for passthrough, quota counts exactly what is held, nodes run exactly
+/// the running VMs.
+fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
+    let mut held = 0;
+    for (n, devs) in nodes.iter().zip(&snap.devices) {
+        for (id, st, by, driver) in devs {
+            assert!(
+                !matches!(st.as_str(), "provisioning" | "cleaning" | "dirty"),
+                "{what}: {id} is {st} once settled"
+            );
+            if let Some(by) = by {
+                held += 1;
+                assert_eq!(st, "used", "{what}: {id} held in state {st}");
+                let vm = snap.vms.iter().find(|v| &v.0 == by).unwrap();
+                assert!(
+                    matches!(vm.1, VmState::Running | VmState::Stopped),
+                    "{what}: {id} held by a VM in state {:?}",
+                    vm.1
+                );
+                assert_eq!(vm.2.as_deref(), Some(n.uuid.as_str()), "{what}");
+                assert!(vm.3.contains(id), "{what}: {by} does not list {id}");
+                assert_eq!(
+                    driver.as_deref(),
+                    Some("vfio-pci"),
+                    "{what}: {id}, held by {by}, is not bound for passthrough"
+                );
+            }
+        }
+    }
+    assert_eq!(snap.held, held, "{what}: quota charged for what is held");
+    for (n, running) in nodes.iter().zip(&snap.running) {
+        let mut want: Vec<String> = snap
+            .vms
+            .iter()
+            .filter(|v| v.1 == VmState::Running && v.2.as_deref() == Some(n.uuid.as_str()))
+            .map(|v| v.0.clone())
+            .collect();
+        want.sort();
+        assert_eq!(running, &want, "{what}: the node runs the running VMs");
+    }
+}
+
+async fn create_running(s: &TestServer, token: &str, package: &str) -> Vm {
+    let (v, j) = vm_job(
+        s,
+        token,
+        "POST",
+        "/v1/vms",
+        Some(json!({"alias": "saga", "package": package})),
+    )
+    .await;
+    assert_eq!(j.state, JobState::Succeeded, "{j:?}");
+    v
+}
+
+async fn stop(s: &TestServer, token: &str, uuid: &str) {
+    let (_, j) = vm_job(s, token, "POST", &format!("/v1/vms/{uuid}/stop"), None).await;
+    assert_eq!(j.state, JobState::Succeeded, "{j:?}");
+}
+
+/// A fresh fleet brought to where a job of `kind` starts, and the job asked for.
+async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
+    let mut s = TestServer::start(b, cfg).await;
+    let mut nodes = vec![s.add_node(3).await];
+    s.h100_catalog(1).await;
+    s.h100_catalog(2).await;
+    let (tenant, token) = s.tenant("t").await;
+    let vm = match kind {
+        JobKind::Provision | JobKind::Scrub => None,
+        JobKind::Destroy | JobKind::Stop => Some(create_running(&s, &token, "gpu-1x").await),
+        JobKind::Start | JobKind::Resize | JobKind::Migrate => {
+            let v = create_running(&s, &token, "gpu-1x").await;
+            stop(&s, &token, &v.uuid.to_string()).await;
+            Some(v)
+        }
+    };
+    // The migration's target joins once the VM is placed: pack would have chosen it.
+    if kind == JobKind::Migrate {
+        nodes.push(s.add_node(2).await);
+    }
+    let uuid = vm.as_ref().map(|v| v.uuid.to_string());
+    let node0 = nodes[0].uuid.clone();
+    // A device an operator took out of service, to be requeued through a scrub.
+    let free = s.device_states(&node0).await[0].0.clone();
+    if kind == JobKind::Scrub {
+        let (st, e) = s
+            .admin_call(
+                "POST",
+                &format!("/v1/servers/{node0}/device-actions"),
+                Some(json!({"device": free, "action": "quarantine", "reason": "test"})),
+            )
+            .await;
+        assert_eq!(st, 200, "{e}");
+    }
+    let before = snapshot(&s, &nodes, &tenant).await;
+    let asked = |method: &str, path: String, body| {
+        let (s, token) = (&s, &token);
+        let method = method.to_string();
+        async move {
+            let (st, v) = s.call(&method, &path, Some(token), body).await;
+            assert_eq!(st, 202, "{method} {path}: {v}");
+            v["job_uuid"].as_str().unwrap().to_string()
+        }
+    };
+    let job = match kind {
+        JobKind::Provision => {
+            asked(
+                "POST",
+                "/v1/vms".into(),
+                Some(json!({"alias": "saga", "package": "gpu-1x"})),
+            )
+            .await
+        }
+        JobKind::Destroy => {
+            asked("DELETE", format!("/v1/vms/{}", uuid.clone().unwrap()), None).await
+        }
+        JobKind::Stop => {
+            asked(
+                "POST",
+                format!("/v1/vms/{}/stop", uuid.clone().unwrap()),
+                None,
+            )
+            .await
+        }
+        JobKind::Start => {
+            asked(
+                "POST",
+                format!("/v1/vms/{}/start", uuid.clone().unwrap()),
+                None,
+            )
+            .await
+        }
+        JobKind::Resize => {
+            asked(
+                "POST",
+                format!("/v1/vms/{}/resize", uuid.clone().unwrap()),
+                Some(json!({"package": "gpu-2x"})),
+            )
+            .await
+        }
+        JobKind::Migrate => {
+            let (st, v) = s
+                .admin_call(
+                    "POST",
+                    &format!("/v1/vms/{}/migrate", uuid.clone().unwrap()),
+                    Some(json!({"server_uuid": nodes[1].uuid})),
+                )
+                .await;
+            assert_eq!(st, 202, "{v}");
+            v["job_uuid"].as_str().unwrap().to_string()
+        }
+        JobKind::Scrub => {
+            let (st, e) = s
+                .admin_call(
+                    "POST",
+                    &format!("/v1/servers/{node0}/device-actions"),
+                    Some(json!({"device": free, "action": "requeue", "reason": "test"})),
+                )
+                .await;
+            assert_eq!(st, 200, "{e}");
+            let (_, jobs) = s.admin_call("GET", "/v1/jobs", None).await;
+            let jobs: Vec<Job> = serde_json::from_value(jobs).unwrap();
+            jobs.iter()
+                .find(|j| j.name == "scrub")
+                .unwrap()
+                .uuid
+                .to_string()
+        }
+    };
+    Scenario {
+        s,
+        nodes,
+        tenant,
+        vm: uuid,
+        before,
+        job,
+    }
+}
+
+/// The VM a provision made (the one VM that was not there before).
+fn new_vm(sc: &Scenario, after: &Snapshot) -> String {
+    after
+        .vms
+        .iter()
+        .find(|v| !sc.before.vms.iter().any(|b| b.0 == v.0))
+        .map(|v| v.0.clone())
+        .or(sc.vm.clone())
+        .unwrap()
+}
+
+/// The devices of the tenant's VMs on each node, by state.
+fn states(snap: &Snapshot) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for d in snap.devices.iter().flatten() {
+        *m.entry(d.1.clone()).or_default() += 1;
+    }
+    m
+}
+
+/// What a job of `kind` leaves when it succeeds.
+async fn check_succeeded(sc: &Scenario, kind: JobKind, after: &Snapshot) {
+    let what = format!("{kind} succeeded");
+    match kind {
+        JobKind::Provision => {
+            let v = vm(&sc.s, &new_vm(sc, after)).await;
+            assert_eq!(v.state, VmState::Running, "{what}");
+            assert_eq!(after.held, 1, "{what}");
+        }
+        JobKind::Destroy => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.state, VmState::Destroyed, "{what}");
+            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+        }
+        JobKind::Stop | JobKind::Start => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let want = if kind == JobKind::Stop {
+                VmState::Stopped
+            } else {
+                VmState::Running
+            };
+            assert_eq!(v.state, want, "{what}");
+            assert_eq!(after.held, 1, "{what}");
+        }
+        JobKind::Resize => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.assigned_devices.len(), 2, "{what}");
+            assert_eq!(after.held, 2, "{what}");
+        }
+        JobKind::Migrate => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(
+                v.server_uuid.map(|s| s.to_string()),
+                Some(sc.nodes[1].uuid.clone()),
+                "{what}"
+            );
+            assert_eq!(after.held, 1, "{what}");
+        }
+        JobKind::Scrub => {
+            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+        }
+    }
+}
+
+/// What a job of `kind` leaves when a failure is injected after `step`.
+async fn check_failed(sc: &Scenario, kind: JobKind, step: &str, after: &Snapshot) {
+    let what = format!("{kind} failing after {step}");
+    let unchanged = |a: &Snapshot| {
+        assert_eq!(a.devices, sc.before.devices, "{what}: devices");
+        assert_eq!(a.running, sc.before.running, "{what}: running");
+        assert_eq!(a.held, sc.before.held, "{what}: quota");
+    };
+    match (kind, step) {
+        // Everything undone; the VM stays, failed.
+        (JobKind::Provision, _) => {
+            unchanged(after);
+            let v = vm(&sc.s, &new_vm(sc, after)).await;
+            assert_eq!(v.state, VmState::Failed, "{what}");
+        }
+        // Before the release the VM's fate on the node is unknown: it is failed and its
+        // device quarantined; after, it is gone and its device scrubbed.
+        (JobKind::Destroy, "stop" | "unbind") => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.state, VmState::Failed, "{what}");
+            assert_eq!(states(after).get("quarantined"), Some(&1), "{what}");
+        }
+        (JobKind::Destroy, _) => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.state, VmState::Destroyed, "{what}");
+            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+        }
+        // Forward only: the VM was stopped before the failure.
+        (JobKind::Stop, _) => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.state, VmState::Stopped, "{what}");
+            assert_eq!(after.held, 1, "{what}");
+        }
+        // A launched VM stopped again: as before.
+        (JobKind::Start, _) => {
+            unchanged(after);
+            assert_eq!(after.vms, sc.before.vms, "{what}");
+        }
+        // Before the commit, the new devices are given back: as before.
+        (JobKind::Resize | JobKind::Migrate, "reserve" | "bind") => {
+            unchanged(after);
+            assert_eq!(after.vms, sc.before.vms, "{what}");
+        }
+        // After it, the VM has its new devices; the old ones are scrubbed.
+        (JobKind::Resize, _) => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(v.assigned_devices.len(), 2, "{what}");
+            assert_eq!(after.held, 2, "{what}");
+        }
+        (JobKind::Migrate, _) => {
+            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            assert_eq!(
+                v.server_uuid.map(|s| s.to_string()),
+                Some(sc.nodes[1].uuid.clone()),
+                "{what}"
+            );
+            assert_eq!(after.held, 1, "{what}");
+        }
+        // Forward only: the scrub had succeeded.
+        (JobKind::Scrub, _) => {
+            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+        }
+    }
+}
+
+fn saga_config() -> Config {
+    Config {
+        // Devices a failure left dirty are scrubbed by the reconciler within the test.
+        scrub_grace: Duration::from_secs(1),
+        ..fast_config()
+    }
+}
+
+/// Every step of `kind`: a failure injected after it, then two more unwinds.
+async fn faults(b: Backend, kind: JobKind) {
+    for step in kind.step_names() {
+        let mut cfg = saga_config();
+        cfg.faults = vec![format!("{kind}.{step}")];
+        let sc = scenario(b, kind, cfg).await;
+        let j = job(&sc.s, &sc.job).await;
+        let what = format!("{kind} failing after {step}");
+        assert_eq!(j.state, JobState::Failed, "{what}: {j:?}");
+        assert!(
+            j.error
+                .as_deref()
+                .unwrap()
+                .contains(&format!("injected fault at {kind}.{step}")),
+            "{what}: {j:?}"
+        );
+        for st in &j.steps {
+            if st.started_at.is_some() {
+                assert_eq!(st.state, StepState::Undone, "{what}: {st:?}");
+            }
+        }
+        settle(&sc.s, &sc.nodes).await;
+        let after = snapshot(&sc.s, &sc.nodes, &sc.tenant).await;
+        invariants(&after, &sc.nodes, &what);
+        check_failed(&sc, kind, step, &after).await;
+        // Unwinding again, twice, changes nothing.
+        for _ in 0..2 {
+            let errors = passage_server::workflows::unwind(&sc.s.ctx, sc.job.parse().unwrap())
+                .await
+                .unwrap();
+            assert!(errors.is_empty(), "{what}: {errors:?}");
+            settle(&sc.s, &sc.nodes).await;
+            assert_eq!(
+                snapshot(&sc.s, &sc.nodes, &sc.tenant).await,
+                after,
+                "{what}: a second unwind changed something"
+            );
+        }
+        sc.s.ctx.db.close().await;
+    }
+}
+
+/// Every action and every undo of every job on the way runs twice: each job still ends
+/// as it would have, and no device records a change twice.
+async fn twice(b: Backend, kind: JobKind) {
+    let mut cfg = saga_config();
+    cfg.repeat_steps = true;
+    let sc = scenario(b, kind, cfg).await;
+    let j = job(&sc.s, &sc.job).await;
+    assert_eq!(j.state, JobState::Succeeded, "{kind} run twice: {j:?}");
+    settle(&sc.s, &sc.nodes).await;
+    let after = snapshot(&sc.s, &sc.nodes, &sc.tenant).await;
+    invariants(&after, &sc.nodes, &format!("{kind} run twice"));
+    check_succeeded(&sc, kind, &after).await;
+    for n in &sc.nodes {
+        let (_, events) =
+            sc.s.admin_call(
+                "GET",
+                &format!("/v1/servers/{}/device-events", n.uuid),
+                None,
+            )
+            .await;
+        let events: Vec<passage_model::api::DeviceEventRecord> =
+            serde_json::from_value(events).unwrap();
+        let mut by_device: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        for e in events {
+            by_device
+                .entry(e.device.to_string())
+                .or_default()
+                .push((e.from.to_string(), e.to.to_string()));
+        }
+        for (d, moves) in by_device {
+            for w in moves.windows(2) {
+                assert_ne!(w[0], w[1], "{kind} run twice: {d} moved twice: {moves:?}");
+            }
+        }
+    }
+    sc.s.ctx.db.close().await;
+}
+
+macro_rules! sagas {
+    ($($name:ident => $kind:expr),* $(,)?) => {
+        $(
+            mod $name {
+                use super::*;
+                async fn faults_of(b: Backend) {
+                    faults(b, $kind).await
+                }
+                async fn twice_of(b: Backend) {
+                    twice(b, $kind).await
+                }
+                both!(fault_after_each_step, faults_of);
+                both!(every_step_twice, twice_of);
+            }
+        )*
+    };
+}
+
+sagas! {
+    provision => JobKind::Provision,
+    destroy => JobKind::Destroy,
+    scrub => JobKind::Scrub,
+    stop => JobKind::Stop,
+    start => JobKind::Start,
+    resize => JobKind::Resize,
+    migrate => JobKind::Migrate,
+}
+
+/// Each kind has its tests above: a kind added without them fails here.
+#[test]
+fn every_kind_is_covered() {
+    let covered = [
+        JobKind::Provision,
+        JobKind::Destroy,
+        JobKind::Scrub,
+        JobKind::Stop,
+        JobKind::Start,
+        JobKind::Resize,
+        JobKind::Migrate,
+    ];
+    assert_eq!(covered, JobKind::ALL);
+}
