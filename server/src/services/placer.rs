@@ -307,11 +307,12 @@ fn pick(
     }
     let (i, devices) = chosen.or(fallback)?;
     let slot = &mut slots[i];
-    slot.cands.retain(|c| !devices.contains(&c.id));
     if let Some(r) = slot.room.as_mut() {
-        r.vcpus_used += i64::from(package.vcpus);
-        r.memory_used_mib += i64::try_from(package.memory_mib).unwrap_or(i64::MAX);
+        // It fits (checked above); the reservation checks again when the batch is written.
+        r.take(slot.server, package.vcpus, package.memory_mib)
+            .ok()?;
     }
+    slot.cands.retain(|c| !devices.contains(&c.id));
     Some((slot.server, devices))
 }
 

@@ -219,10 +219,11 @@ pub async fn availability(
     let wanted: u32 = package.devices.values().sum();
     let quota_ok = match caller.account.gpu_quota {
         None => true,
-        Some(q) => {
-            let held = accounts::gpu_held(&ctx.db, caller.account.uuid).await?;
-            held + i64::from(wanted) <= i64::from(q)
+        Some(q) => passage_model::capacity::Quota {
+            limit: Some(i64::from(q)),
+            held: accounts::gpu_held(&ctx.db, caller.account.uuid).await?,
         }
+        .admits(i64::from(wanted)),
     };
     let capacity_ok = if package.devices.is_empty() {
         any_running_server(ctx, &package, &[]).await?.is_some()

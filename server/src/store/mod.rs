@@ -1,7 +1,15 @@
 //! Storage on SQLite (file, WAL: the embedded default) or Postgres (by URL: for several
 //! replicas). Native pools on both, one migration tree each. Queries are written once with
 //! `$N` placeholders, which both backends accept, and run through the macros below, which
-//! expand the same body against each backend's concrete pool type.
+//! expand the same body against each backend's concrete pool type; batch statements have a
+//! SQLite rendering (one call, anonymous `?`s: `sql`) and a Postgres one (arrays) side by
+//! side.
+//!
+//! One writer per rule: every scarce thing a VM holds (devices, GPU quota, vCPUs and
+//! memory, the free-device index) is reserved in `reserve`, by one creation, a batch of
+//! them (`create`) or a resize's new devices (`vms::begin_job`) alike; every other device
+//! state change is `devices::DeviceTx::move_devices`; jobs are written by
+//! `jobs::JobTx::insert_jobs`, with their kind's steps.
 
 pub mod accounts;
 pub mod create;
