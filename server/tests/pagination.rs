@@ -820,7 +820,7 @@ async fn cursors_and_filters_are_documented() {
     for path in ["/v1/servers", "/v1/vms", "/v1/jobs"] {
         assert_eq!(
             param(path, "after")["schema"]["pattern"],
-            passage_server::store::page::TIME_CURSOR_PATTERN,
+            passage_server::listing::TIME_CURSOR_PATTERN,
             "{path}"
         );
         let ok = &doc["paths"][path]["get"]["responses"]["200"];
@@ -832,7 +832,7 @@ async fn cursors_and_filters_are_documented() {
     }
     assert_eq!(
         param("/v1/devices", "after")["schema"]["pattern"],
-        passage_server::store::page::DEVICE_CURSOR_PATTERN
+        passage_server::listing::DEVICE_CURSOR_PATTERN
     );
     for name in ["limit", "offset", "state", "variant", "server_uuid"] {
         param("/v1/devices", name);

@@ -6,6 +6,7 @@ pub mod extract;
 pub mod hardening;
 pub mod links;
 pub mod metrics;
+pub mod params;
 pub mod v1;
 
 use crate::error::ApiError;

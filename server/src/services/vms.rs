@@ -4,8 +4,8 @@ use super::Ctx;
 use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
+use crate::listing::{JobFilter, Page, PageReq, TimeKey, VmFilter};
 use crate::placement;
-use crate::store::page::{Page, PageReq, TimeKey};
 use crate::store::{self, StoreError, accounts, devices, jobs, room, vms};
 use crate::workflows;
 use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
@@ -424,7 +424,7 @@ pub async fn get(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
 pub async fn list(
     ctx: &Ctx,
     caller: &Caller,
-    mut filter: vms::VmFilter,
+    mut filter: VmFilter,
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Vm, TimeKey>> {
     if !caller.account.role.sees_all() {
@@ -517,7 +517,7 @@ pub async fn list_jobs(
     state: Option<JobState>,
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Job, TimeKey>> {
-    let filter = jobs::JobFilter {
+    let filter = JobFilter {
         owner: (!caller.account.role.sees_all()).then_some(caller.account.uuid),
         state,
     };

@@ -159,13 +159,7 @@ pub async fn get(db: &Db, uuid: VmId) -> StoreResult<Vm> {
     row.ok_or(StoreError::NotFound("vm"))?.into_view()
 }
 
-#[derive(Default)]
-pub struct VmFilter {
-    pub owner: Option<AccountId>,
-    pub state: Option<VmState>,
-    pub server: Option<ServerId>,
-    pub assigned_device: Option<String>,
-}
+pub use crate::listing::VmFilter;
 
 /// One page of VMs, newest first, filtered in SQL.
 pub async fn list(db: &Db, f: &VmFilter, req: &PageReq<TimeKey>) -> StoreResult<Page<Vm, TimeKey>> {
