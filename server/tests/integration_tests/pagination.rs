@@ -2,9 +2,7 @@
 //! portal reads: servers, VMs, jobs and the fleet-wide device list, on SQLite and Postgres.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config, wait_for};
+use crate::common::{Backend, TestServer, fast_config, wait_for};
 use passage_server::store::Db;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};

@@ -2,9 +2,7 @@
 //! check that keeps concurrent creations within a node, on SQLite and Postgres.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config};
+use crate::common::{Backend, TestServer, fast_config};
 use passage_server::store::room::Allocation;
 use serde_json::{Value, json};
 use std::time::Duration;

@@ -3,9 +3,7 @@
 //! into a clean failure; two replicas on one Postgres never run a job twice.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb, TestServer, fast_config, wait_for};
+use crate::common::{Backend, TestDb, TestServer, fast_config, wait_for};
 use passage_server::workflows::{DESTROY_STEPS, PROVISION_STEPS};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};

@@ -2,9 +2,7 @@
 //! change, by idling and at their limit, security headers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config};
+use crate::common::{self, Backend, TestServer, fast_config};
 use serde_json::{Value, json};
 
 #[derive(Clone, Copy, Debug)]

@@ -1,9 +1,7 @@
 //! The REST and agent APIs over a real server on loopback, on SQLite and on Postgres.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config};
+use crate::common::{Backend, TestServer, fast_config};
 use serde_json::{Value, json};
 
 async fn auth_and_roles(b: Backend) {

@@ -2,9 +2,7 @@
 //! operator sets up, tenant provisions and destroys, the device is scrubbed before reuse.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb, wait_for};
+use crate::common::{Backend, TestDb, wait_for};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -1,9 +1,7 @@
 //! Stop, start, resize and cold migration through the real agent loop over fake trees.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config, wait_for};
+use crate::common::{Backend, TestServer, fast_config, wait_for};
 use serde_json::{Value, json};
 use std::time::Duration;
 

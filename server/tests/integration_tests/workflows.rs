@@ -3,9 +3,7 @@
 //! is left half-made, and undoing again changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, Node, TestServer, fast_config, wait_for};
+use crate::common::{Backend, Node, TestServer, fast_config, wait_for};
 use passage_server::workflows::{DESTROY_STEPS, PROVISION_STEPS};
 use serde_json::{Value, json};
 use std::time::Duration;

@@ -2,9 +2,7 @@
 //! SQLite and Postgres, with the real agent loop over fake trees.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config, wait_for};
+use crate::common::{Backend, TestServer, fast_config, wait_for};
 use serde_json::{Value, json};
 use std::time::Duration;
 

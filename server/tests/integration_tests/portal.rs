@@ -2,9 +2,7 @@
 //! and the CSP nonce. (The pages in a real browser: end2end/, run by `cargo xtask test`.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{ADMIN_PASSWORD, Backend, TestServer, fast_config};
+use crate::common::{ADMIN_PASSWORD, Backend, TestServer, fast_config};
 
 fn browser() -> reqwest::Client {
     reqwest::Client::builder()

@@ -4,9 +4,7 @@
 //! a key that does not match its certificate stops the start with a clear error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb, wait_for};
+use crate::common::{Backend, TestDb, wait_for};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
