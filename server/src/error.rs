@@ -103,6 +103,13 @@ impl From<crate::store::StoreError> for ApiError {
     }
 }
 
+/// A body's field out of bounds: 400 naming it.
+impl From<passage_model::decode::BodyError> for ApiError {
+    fn from(e: passage_model::decode::BodyError) -> Self {
+        ApiError::invalid(e.field, e.message)
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let Some(detail) = &self.internal {

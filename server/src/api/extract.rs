@@ -39,7 +39,7 @@ where
 }
 
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    passage_model::decode::json_object(bytes).map_err(|e| ApiError::invalid(e.field, e.message))
+    Ok(passage_model::decode::json_object(bytes)?)
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
