@@ -10,6 +10,7 @@ mod ops;
 mod pagination;
 mod portal;
 mod room;
+mod schema;
 mod security;
 mod store;
 mod tls;
