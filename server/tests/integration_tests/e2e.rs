@@ -2,8 +2,13 @@
 //! operator sets up, tenant provisions and destroys, the device is scrubbed before reuse.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use crate::common::{Backend, TestDb, wait_for};
-use serde_json::{Value, json};
+use crate::common::{Backend, Client, TestDb, wait_for};
+use passage_model::api::{
+    Account, DeviceEventRecord, JoinToken, LoginResponse, Package, ScrubRecord, Server,
+    ServerStatus, Vm, VmState,
+};
+use passage_model::{DeviceState, ServerId, Variant};
+use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -54,53 +59,28 @@ fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
     (proc, base)
 }
 
-async fn call(
-    http: &reqwest::Client,
-    method: &str,
-    url: &str,
-    token: Option<&str>,
-    body: Option<Value>,
-) -> (u16, Value) {
-    let mut rb = http.request(method.parse().unwrap(), url);
-    if let Some(t) = token {
-        rb = rb.bearer_auth(t);
-    }
-    if let Some(b) = body {
-        rb = rb.json(&b);
-    }
-    let r = rb.send().await.unwrap();
-    let st = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (st, serde_json::from_str(&text).unwrap_or(Value::Null))
+async fn login(base: &str, login: &str, password: &str) -> String {
+    let l: LoginResponse = Client::at(base, None)
+        .post(
+            "/v1/auth/login",
+            &json!({"login": login, "password": password}),
+        )
+        .await
+        .ok(200);
+    l.token
 }
 
 async fn walk(b: Backend) {
     let db = TestDb::new(b).await;
     let agent_bin = node_agent_bin();
     let (_server, base) = start_server(&db, &[]);
-    let http = reqwest::Client::new();
-    let u = |p: &str| format!("{base}{p}");
 
     // Operator: log in, admit a node.
-    let (st, login) = call(
-        &http,
-        "POST",
-        &u("/v1/auth/login"),
-        None,
-        Some(json!({"login":"admin","password":"e2e-admin-password"})),
-    )
-    .await;
-    assert_eq!(st, 200, "{login}");
-    let op = login["token"].as_str().unwrap().to_string();
-    let (st, jt) = call(
-        &http,
-        "POST",
-        &u("/v1/servers/join-tokens"),
-        Some(&op),
-        None,
-    )
-    .await;
-    assert_eq!(st, 201);
+    let op = Client::at(
+        &base,
+        Some(&login(&base, "admin", "e2e-admin-password").await),
+    );
+    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
     let sysfs = db.dir.path().join("sysfs");
     let out = Command::new(&agent_bin)
         .args(["fake-sysfs", "--out"])
@@ -115,13 +95,7 @@ async fn walk(b: Backend) {
     );
     let _agent = Proc(
         Command::new(&agent_bin)
-            .args([
-                "run",
-                "--server",
-                &base,
-                "--join-token",
-                jt["token"].as_str().unwrap(),
-            ])
+            .args(["run", "--server", &base, "--join-token", &jt.token])
             .arg("--sysfs-root")
             .arg(&sysfs)
             .arg("--state-dir")
@@ -139,75 +113,51 @@ async fn walk(b: Backend) {
             .unwrap(),
     );
     let server_uuid = wait_for(Duration::from_secs(30), || async {
-        let (_, list) = call(&http, "GET", &u("/v1/servers"), Some(&op), None).await;
-        let s = list.as_array()?.first()?.clone();
-        (s["sysinfo"]["PCI Devices"].as_array()?.len() > 8)
-            .then(|| s["uuid"].as_str().unwrap().to_string())
+        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+        let s = list.into_iter().next()?;
+        (s.sysinfo?.pci_devices.len() > 8).then_some(s.uuid)
     })
     .await
     .expect("the node registered and reported");
 
     // Operator: variant, package, tenant.
-    let (st, _) = call(
-        &http,
-        "POST",
-        &u("/v1/variants"),
-        Some(&op),
-        Some(json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"})),
+    op.post::<Variant>(
+        "/v1/variants",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
     )
-    .await;
-    assert_eq!(st, 201);
-    let (_, srv) = call(
-        &http,
-        "GET",
-        &u(&format!("/v1/servers/{server_uuid}")),
-        Some(&op),
-        None,
+    .await
+    .ok(201);
+    let srv: Server = op.get(&format!("/v1/servers/{server_uuid}")).await.ok(200);
+    assert_eq!(srv.status, ServerStatus::Running);
+    assert_eq!(srv.assignable_devices.unwrap().len(), 8);
+    op.post::<Package>("/v1/packages", &json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"disk_gib":100,"devices":{"NVIDIA_H100":1}}))
+        .await
+        .ok(201);
+    op.post::<Account>(
+        "/v1/accounts",
+        &json!({"login":"tenant1","password":"tenant-password","role":"tenant"}),
     )
-    .await;
-    assert_eq!(srv["status"], "running");
-    assert_eq!(srv["assignable_devices"].as_array().unwrap().len(), 8);
-    let (st, _) = call(&http, "POST", &u("/v1/packages"), Some(&op), Some(json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"disk_gib":100,"devices":{"NVIDIA_H100":1}}))).await;
-    assert_eq!(st, 201);
-    let (st, _) = call(
-        &http,
-        "POST",
-        &u("/v1/accounts"),
-        Some(&op),
-        Some(json!({"login":"tenant1","password":"tenant-password","role":"tenant"})),
-    )
-    .await;
-    assert_eq!(st, 201);
-    let (_, tl) = call(
-        &http,
-        "POST",
-        &u("/v1/auth/login"),
-        None,
-        Some(json!({"login":"tenant1","password":"tenant-password"})),
-    )
-    .await;
-    let tenant = tl["token"].as_str().unwrap().to_string();
+    .await
+    .ok(201);
+    let tenant = Client::at(
+        &base,
+        Some(&login(&base, "tenant1", "tenant-password").await),
+    );
 
     // Tenant: create, watch it run with one device.
-    let (st, vm) = call(
-        &http,
-        "POST",
-        &u("/v1/vms"),
-        Some(&tenant),
-        Some(json!({"alias":"train-1","package":"gpu-1x"})),
-    )
-    .await;
-    assert_eq!(st, 202, "{vm}");
-    let vm_url = u(&format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()));
+    let vm: Vm = tenant
+        .post("/v1/vms", &json!({"alias":"train-1","package":"gpu-1x"}))
+        .await
+        .ok(202);
+    let vm_path = format!("/v1/vms/{}", vm.uuid);
     let running = wait_for(Duration::from_secs(30), || async {
-        let (_, v) = call(&http, "GET", &vm_url, Some(&tenant), None).await;
-        (v["state"] == "running").then_some(v)
+        let v: Vm = tenant.get(&vm_path).await.ok(200);
+        (v.state == VmState::Running).then_some(v)
     })
     .await
     .expect("the VM reached running");
-    let devs = running["assigned_devices"].as_array().unwrap();
-    assert_eq!(devs.len(), 1);
-    let dev = devs[0].as_str().unwrap().to_string();
+    assert_eq!(running.assigned_devices.len(), 1);
+    let dev = running.assigned_devices[0].to_string();
     let lspci = Command::new(&agent_bin)
         .args(["lspci", "--sysfs-root"])
         .arg(&sysfs)
@@ -218,66 +168,43 @@ async fn walk(b: Backend) {
     assert!(line.ends_with(" vfio-pci"), "bound for passthrough: {line}");
 
     // Tenant: destroy. The device goes dirty, and is unassigned only after its scrub.
-    let (st, _) = call(&http, "DELETE", &vm_url, Some(&tenant), None).await;
-    assert_eq!(st, 202);
+    tenant.delete::<Vm>(&vm_path).await.ok(202);
     wait_for(Duration::from_secs(30), || async {
-        let (_, v) = call(&http, "GET", &vm_url, Some(&tenant), None).await;
-        (v["state"] == "destroyed").then_some(())
+        let v: Vm = tenant.get(&vm_path).await.ok(200);
+        (v.state == VmState::Destroyed).then_some(())
     })
     .await
     .expect("the VM was destroyed");
-    let events_url = u(&format!(
-        "/v1/servers/{server_uuid}/device-events?device={dev}"
-    ));
+    let events_path = format!("/v1/servers/{server_uuid}/device-events?device={dev}");
     let events = wait_for(Duration::from_secs(30), || async {
-        let (_, ev) = call(&http, "GET", &events_url, Some(&op), None).await;
-        (ev.as_array()?.last()?["to"] == "unassigned" && ev.as_array()?.len() > 2).then_some(ev)
+        let ev: Vec<DeviceEventRecord> = op.get(&events_path).await.ok(200);
+        (ev.last()?.to == DeviceState::Unassigned && ev.len() > 2).then_some(ev)
     })
     .await
     .expect("the device came back");
-    let path: Vec<&str> = events
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["to"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        path,
-        ["provisioning", "used", "dirty", "cleaning", "unassigned"]
-    );
-    let (_, reports) = call(
-        &http,
-        "GET",
-        &u(&format!(
+    let path: Vec<DeviceState> = events.iter().map(|e| e.to).collect();
+    use DeviceState::*;
+    assert_eq!(path, [Provisioning, Used, Dirty, Cleaning, Unassigned]);
+    let reports: Vec<ScrubRecord> = op
+        .get(&format!(
             "/v1/servers/{server_uuid}/scrub-reports?device={dev}"
-        )),
-        Some(&op),
-        None,
-    )
-    .await;
-    let report = &reports.as_array().unwrap()[0];
-    assert_eq!(report["ok"], true);
-    let dirty_at = events[2]["at"].as_str().unwrap();
-    let back_at = events[4]["at"].as_str().unwrap();
-    let report_at = report["at"].as_str().unwrap();
+        ))
+        .await
+        .ok(200);
+    let report = &reports[0];
+    assert!(report.ok);
+    let (dirty_at, back_at) = (events[2].at, events[4].at);
     assert!(
-        dirty_at <= report_at && report_at <= back_at,
-        "{dirty_at} {report_at} {back_at}"
+        dirty_at <= report.at && report.at <= back_at,
+        "{dirty_at} {} {back_at}",
+        report.at
     );
-    let (_, srv) = call(
-        &http,
-        "GET",
-        &u(&format!("/v1/servers/{server_uuid}")),
-        Some(&op),
-        None,
-    )
-    .await;
+    let srv: Server = op.get(&format!("/v1/servers/{server_uuid}")).await.ok(200);
     assert!(
-        srv["assignable_devices"]
-            .as_array()
+        srv.assignable_devices
             .unwrap()
             .iter()
-            .all(|d| d["state"] == "unassigned")
+            .all(|d| d.state == DeviceState::Unassigned)
     );
 }
 both!(real_binaries, walk);
@@ -298,42 +225,33 @@ async fn simulated_nodes(b: Backend) {
         "--sim-dir",
         &sim,
     ];
-    let http = reqwest::Client::new();
-    let mut uuids: Vec<String> = Vec::new();
+    let mut uuids: Vec<ServerId> = Vec::new();
     for round in 0..2 {
         let (server, base) = start_server(&db, &args);
-        let (_, login) = call(
-            &http,
-            "POST",
-            &format!("{base}/v1/auth/login"),
-            None,
-            Some(json!({"login":"admin","password":"e2e-admin-password"})),
-        )
-        .await;
-        let op = login["token"].as_str().unwrap().to_string();
+        let op = Client::at(
+            &base,
+            Some(&login(&base, "admin", "e2e-admin-password").await),
+        );
         let list = wait_for(Duration::from_secs(30), || async {
-            let (_, list) =
-                call(&http, "GET", &format!("{base}/v1/servers"), Some(&op), None).await;
+            let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
             let ready = list
-                .as_array()?
                 .iter()
-                .filter(|s| s["status"] == "running")
+                .filter(|s| s.status == ServerStatus::Running)
                 .filter(|s| {
-                    s["sysinfo"]["PCI Devices"]
-                        .as_array()
-                        .is_some_and(|d| d.iter().filter(|d| d["device"] == "20b0").count() == 4)
+                    s.sysinfo.as_ref().is_some_and(|i| {
+                        i.pci_devices
+                            .iter()
+                            .filter(|d| d.device.to_string() == "20b0")
+                            .count()
+                            == 4
+                    })
                 })
                 .count();
             (ready == 2).then_some(list)
         })
         .await
         .unwrap_or_else(|| panic!("round {round}: two simulated nodes with 4 A100s each"));
-        let mut now: Vec<String> = list
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["uuid"].as_str().unwrap().to_string())
-            .collect();
+        let mut now: Vec<ServerId> = list.iter().map(|s| s.uuid).collect();
         now.sort();
         if round == 0 {
             uuids = now;

@@ -4,35 +4,33 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crate::common::{Backend, Node, TestServer, fast_config, wait_for};
+use passage_model::api::{
+    DeviceEventRecord, JobState, Package, ScrubRecord, StepState, Vm, VmState,
+};
+use passage_model::{DevicePath, DeviceState, ErrorCode, ServerId, Variant, VmId};
 use passage_server::workflows::{DESTROY_STEPS, PROVISION_STEPS};
-use serde_json::{Value, json};
+use serde_json::json;
 use std::time::Duration;
 
-async fn create_vm(s: &TestServer, token: &str, alias: &str) -> Value {
-    let (st, vm) = s
-        .call(
-            "POST",
-            "/v1/vms",
-            Some(token),
-            Some(json!({"alias": alias, "package": "gpu-1x"})),
-        )
-        .await;
-    assert_eq!(st, 202, "{vm}");
-    vm
+async fn create_vm(s: &TestServer, token: &str, alias: &str) -> Vm {
+    s.with(token)
+        .post("/v1/vms", &json!({"alias": alias, "package": "gpu-1x"}))
+        .await
+        .ok(202)
 }
 
-async fn vm(s: &TestServer, uuid: &str) -> Value {
-    s.admin_call("GET", &format!("/v1/vms/{uuid}"), None)
-        .await
-        .1
+async fn vm(s: &TestServer, uuid: VmId) -> Vm {
+    s.get(&format!("/v1/vms/{uuid}")).await.ok(200)
 }
+
+type DeviceStates = Vec<(DevicePath, DeviceState, Option<VmId>)>;
 
 /// Waits until no device of the server is dirty or cleaning (scrubs done).
-async fn settle(s: &TestServer, server: &str) -> Vec<(String, String, Option<String>)> {
+async fn settle(s: &TestServer, server: ServerId) -> DeviceStates {
     wait_for(Duration::from_secs(60), || async {
         let st = s.device_states(server).await;
         st.iter()
-            .all(|(_, state, _)| state != "dirty" && state != "cleaning")
+            .all(|(_, state, _)| !matches!(state, DeviceState::Dirty | DeviceState::Cleaning))
             .then_some(st)
     })
     .await
@@ -45,102 +43,88 @@ async fn provision_and_destroy(b: Backend) {
     s.h100_catalog(1).await;
     let (owner, tenant) = s.tenant("t1").await;
     let v = create_vm(&s, &tenant, "vm-1").await;
-    let uuid = v["uuid"].as_str().unwrap().to_string();
-    assert_eq!(v["state"], "provisioning");
-    assert_eq!(v["owner_uuid"], owner.as_str());
-    let job = s.wait_job(v["job_uuid"].as_str().unwrap()).await;
-    assert_eq!(job["state"], "succeeded", "{job}");
-    let names: Vec<&str> = job["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap())
-        .collect();
+    let uuid = v.uuid;
+    assert_eq!(v.state, VmState::Provisioning);
+    assert_eq!(v.owner_uuid, owner);
+    let job = s.wait_job(v.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let names: Vec<&str> = job.steps.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, PROVISION_STEPS);
-    let v = vm(&s, &uuid).await;
-    assert_eq!(v["state"], "running");
-    let dev = v["assigned_devices"][0].as_str().unwrap().to_string();
-    assert_eq!(node.driver_of(&dev).as_deref(), Some("vfio-pci"));
-    assert_eq!(node.running_vms(), vec![uuid.clone()]);
-    let srv = s.server(&node.uuid).await;
-    assert_eq!(srv["vms"][&uuid]["assigned_devices"][0], dev.as_str());
-    let d = srv["assignable_devices"]
-        .as_array()
+    let v = vm(&s, uuid).await;
+    assert_eq!(v.state, VmState::Running);
+    let dev = v.assigned_devices[0].clone();
+    let dev_s = dev.to_string();
+    assert_eq!(node.driver_of(&dev_s).as_deref(), Some("vfio-pci"));
+    assert_eq!(node.running_vms(), vec![uuid.to_string()]);
+    let srv = s.server(node.uuid).await;
+    assert_eq!(srv.vms.unwrap()[&uuid].assigned_devices[0], dev);
+    let d = srv
+        .assignable_devices
         .unwrap()
-        .iter()
-        .find(|d| d["id"] == dev.as_str())
-        .unwrap()
-        .clone();
-    assert_eq!(
-        (d["state"].as_str(), d["used_by"].as_str()),
-        (Some("used"), Some(uuid.as_str()))
-    );
+        .into_iter()
+        .find(|d| d.id == dev)
+        .unwrap();
+    assert_eq!((d.state, d.used_by), (DeviceState::Used, Some(uuid)));
 
-    let (st, gone) = s
-        .call("DELETE", &format!("/v1/vms/{uuid}"), Some(&tenant), None)
-        .await;
-    assert_eq!((st, gone["state"].as_str()), (202, Some("destroying")));
-    let job = s.wait_job(gone["job_uuid"].as_str().unwrap()).await;
-    assert_eq!(job["state"], "succeeded", "{job}");
-    assert_eq!(vm(&s, &uuid).await["state"], "destroyed");
+    let gone: Vm = s
+        .with(&tenant)
+        .delete(&format!("/v1/vms/{uuid}"))
+        .await
+        .ok(202);
+    assert_eq!(gone.state, VmState::Destroying);
+    let job = s.wait_job(gone.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert_eq!(vm(&s, uuid).await.state, VmState::Destroyed);
     assert!(node.running_vms().is_empty());
-    assert_eq!(node.driver_of(&dev).as_deref(), Some("nvidia"));
-    let states = settle(&s, &node.uuid).await;
+    assert_eq!(node.driver_of(&dev_s).as_deref(), Some("nvidia"));
+    let states = settle(&s, node.uuid).await;
     assert!(
         states
             .iter()
-            .all(|(_, st, u)| st == "unassigned" && u.is_none())
+            .all(|(_, st, u)| *st == DeviceState::Unassigned && u.is_none())
     );
     // The device went dirty, and came back only after its scrub report.
-    let (_, events) = s
-        .admin_call(
-            "GET",
-            &format!("/v1/servers/{}/device-events?device={dev}", node.uuid),
-            None,
-        )
-        .await;
-    let path: Vec<&str> = events
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["to"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        path,
-        ["provisioning", "used", "dirty", "cleaning", "unassigned"]
-    );
-    let (_, reports) = s
-        .admin_call(
-            "GET",
-            &format!("/v1/servers/{}/scrub-reports?device={dev}", node.uuid),
-            None,
-        )
-        .await;
+    let events: Vec<DeviceEventRecord> = s
+        .get(&format!(
+            "/v1/servers/{}/device-events?device={dev}",
+            node.uuid
+        ))
+        .await
+        .ok(200);
+    let path: Vec<DeviceState> = events.iter().map(|e| e.to).collect();
+    use DeviceState::*;
+    assert_eq!(path, [Provisioning, Used, Dirty, Cleaning, Unassigned]);
+    let reports: Vec<ScrubRecord> = s
+        .get(&format!(
+            "/v1/servers/{}/scrub-reports?device={dev}",
+            node.uuid
+        ))
+        .await
+        .ok(200);
     let r = &reports[0];
-    assert_eq!(r["ok"], true);
-    assert!(
-        r["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["name"] == "reset" && s["ok"] == true)
-    );
-    let unassigned_at = events[4]["at"].as_str().unwrap();
-    assert!(r["at"].as_str().unwrap() <= unassigned_at);
+    assert!(r.ok);
+    assert!(r.steps.iter().any(|s| s.name == "reset" && s.ok));
+    assert!(r.at <= events[4].at);
     let resets = std::fs::read_to_string(node.sysfs.join(node_agent::fake::RESET_LOG)).unwrap();
     assert!(
-        resets.contains(dev.rsplit('/').next().unwrap()),
+        resets.contains(&dev.address().to_string()),
         "the agent reset the device"
     );
 }
 both!(provision_and_destroy_on, provision_and_destroy);
 
 /// What must not change when an unwound job is unwound again.
-async fn snapshot(s: &TestServer, node: &Node, vm_uuid: &str) -> Value {
-    let devs = s.device_states(&node.uuid).await;
-    let drivers: Vec<Option<String>> = devs.iter().map(|(id, _, _)| node.driver_of(id)).collect();
-    let v = vm(s, vm_uuid).await;
-    json!({"devices": devs, "drivers": drivers, "vm": v, "running": node.running_vms()})
+async fn snapshot(
+    s: &TestServer,
+    node: &Node,
+    vm_uuid: VmId,
+) -> (DeviceStates, Vec<Option<String>>, Vm, Vec<String>) {
+    let devs = s.device_states(node.uuid).await;
+    let drivers = devs
+        .iter()
+        .map(|(id, _, _)| node.driver_of(&id.to_string()))
+        .collect();
+    (devs, drivers, vm(s, vm_uuid).await, node.running_vms())
 }
 
 async fn provision_faults(b: Backend) {
@@ -152,43 +136,43 @@ async fn provision_faults(b: Backend) {
         s.h100_catalog(1).await;
         let (_, tenant) = s.tenant("t1").await;
         let v = create_vm(&s, &tenant, "doomed").await;
-        let uuid = v["uuid"].as_str().unwrap().to_string();
-        let job_uuid = v["job_uuid"].as_str().unwrap().to_string();
-        let job = s.wait_job(&job_uuid).await;
-        assert_eq!(job["state"], "failed", "{step}: {job}");
+        let uuid = v.uuid;
+        let job_uuid = v.job_uuid.unwrap();
+        let job = s.wait_job(job_uuid).await;
+        assert_eq!(job.state, JobState::Failed, "{step}: {job:?}");
         assert!(
-            job["error"]
-                .as_str()
+            job.error
+                .as_deref()
                 .unwrap()
                 .contains(&format!("provision.{step}"))
         );
-        let v = vm(&s, &uuid).await;
-        assert_eq!(v["state"], "failed", "{step}");
+        let v = vm(&s, uuid).await;
+        assert_eq!(v.state, VmState::Failed, "{step}");
         assert!(node.running_vms().is_empty(), "{step}: no VM left running");
-        let states = settle(&s, &node.uuid).await;
+        let states = settle(&s, node.uuid).await;
         for (id, st, used_by) in &states {
-            assert_eq!(st, "unassigned", "{step}: {id}");
+            assert_eq!(*st, DeviceState::Unassigned, "{step}: {id}");
             assert!(used_by.is_none());
             assert_eq!(
-                node.driver_of(id).as_deref(),
+                node.driver_of(&id.to_string()).as_deref(),
                 Some("nvidia"),
                 "{step}: driver restored"
             );
         }
         // Every step that started was undone.
-        for st in job["steps"].as_array().unwrap() {
-            if !st["started_at"].is_null() {
-                assert_eq!(st["state"], "undone", "{step}: {st}");
+        for st in &job.steps {
+            if st.started_at.is_some() {
+                assert_eq!(st.state, StepState::Undone, "{step}: {st:?}");
             }
         }
         // Unwinding again, twice, changes nothing.
-        let before = snapshot(&s, &node, &uuid).await;
+        let before = snapshot(&s, &node, uuid).await;
         for _ in 0..2 {
-            let errors = passage_server::workflows::unwind(&s.ctx, job_uuid.parse().unwrap())
+            let errors = passage_server::workflows::unwind(&s.ctx, job_uuid)
                 .await
                 .unwrap();
             assert!(errors.is_empty(), "{errors:?}");
-            assert_eq!(snapshot(&s, &node, &uuid).await, before, "{step}");
+            assert_eq!(snapshot(&s, &node, uuid).await, before, "{step}");
         }
         s.ctx.db.close().await;
     }
@@ -204,35 +188,35 @@ async fn destroy_faults(b: Backend) {
         s.h100_catalog(1).await;
         let (_, tenant) = s.tenant("t1").await;
         let v = create_vm(&s, &tenant, "short-lived").await;
-        let uuid = v["uuid"].as_str().unwrap().to_string();
+        let uuid = v.uuid;
         assert_eq!(
-            s.wait_job(v["job_uuid"].as_str().unwrap()).await["state"],
-            "succeeded"
+            s.wait_job(v.job_uuid.unwrap()).await.state,
+            JobState::Succeeded
         );
-        let (st, d) = s
-            .call("DELETE", &format!("/v1/vms/{uuid}"), Some(&tenant), None)
-            .await;
-        assert_eq!(st, 202);
-        let job = s.wait_job(d["job_uuid"].as_str().unwrap()).await;
-        assert_eq!(job["state"], "failed", "{step}: {job}");
-        let v = vm(&s, &uuid).await;
-        let states = settle(&s, &node.uuid).await;
+        let d: Vm = s
+            .with(&tenant)
+            .delete(&format!("/v1/vms/{uuid}"))
+            .await
+            .ok(202);
+        let job = s.wait_job(d.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Failed, "{step}: {job:?}");
+        let v = vm(&s, uuid).await;
+        let states = settle(&s, node.uuid).await;
         // Never held after a failed destroy, never freed without a scrub.
         assert!(
-            states
-                .iter()
-                .all(|(_, st, u)| u.is_none() && st != "used" && st != "provisioning"),
+            states.iter().all(|(_, st, u)| u.is_none()
+                && !matches!(st, DeviceState::Used | DeviceState::Provisioning)),
             "{step}: {states:?}"
         );
         match *step {
             // The VM's fate on the node is unknown to the control plane: its device is
             // quarantined for an operator, the VM marked failed.
             "stop" | "unbind" => {
-                assert_eq!(v["state"], "failed", "{step}");
+                assert_eq!(v.state, VmState::Failed, "{step}");
                 assert_eq!(
                     states
                         .iter()
-                        .filter(|(_, st, _)| st == "quarantined")
+                        .filter(|(_, st, _)| *st == DeviceState::Quarantined)
                         .count(),
                     1,
                     "{step}"
@@ -240,9 +224,11 @@ async fn destroy_faults(b: Backend) {
             }
             // Past the release the VM is gone; the device was (or will be) scrubbed.
             _ => {
-                assert_eq!(v["state"], "destroyed", "{step}");
+                assert_eq!(v.state, VmState::Destroyed, "{step}");
                 assert!(
-                    states.iter().all(|(_, st, _)| st == "unassigned"),
+                    states
+                        .iter()
+                        .all(|(_, st, _)| *st == DeviceState::Unassigned),
                     "{step}: {states:?}"
                 );
             }
@@ -258,28 +244,17 @@ async fn quota_is_enforced(b: Backend) {
     s.add_node(4).await;
     s.h100_catalog(1).await;
     let (uuid, tenant) = s.tenant("q").await;
-    let (st, _) = s
-        .admin_call(
-            "PATCH",
-            &format!("/v1/accounts/{uuid}"),
-            Some(json!({"gpu_quota": 1})),
-        )
-        .await;
-    assert_eq!(st, 200);
+    s.patch::<passage_model::api::Account>(
+        &format!("/v1/accounts/{uuid}"),
+        &json!({"gpu_quota": 1}),
+    )
+    .await
+    .ok(200);
     create_vm(&s, &tenant, "first").await;
-    let (st, e) = s
-        .call(
-            "POST",
-            "/v1/vms",
-            Some(&tenant),
-            Some(json!({"alias":"second","package":"gpu-1x"})),
-        )
-        .await;
-    assert_eq!(
-        (st, e["code"].as_str()),
-        (409, Some("QuotaExceeded")),
-        "{e}"
-    );
+    s.with(&tenant)
+        .post::<Vm>("/v1/vms", &json!({"alias":"second","package":"gpu-1x"}))
+        .await
+        .fails(409, ErrorCode::QuotaExceeded);
 }
 both!(quota_is_enforced_on, quota_is_enforced);
 
@@ -288,47 +263,43 @@ both!(quota_is_enforced_on, quota_is_enforced);
 async fn variant_scrub_pipeline(b: Backend) {
     let mut s = TestServer::start(b, fast_config()).await;
     let node = s.add_node(1).await;
-    let (st, v) = s
-        .admin_call(
-            "POST",
+    let v: Variant = s
+        .post(
             "/v1/variants",
-            Some(json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330",
-                "scrub":[{"action":"reset"},{"action":"command","argv":["/bin/false"]},{"action":"verify_driver"}]})),
+            &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330",
+                "scrub":[{"action":"reset"},{"action":"command","argv":["/bin/false"]},{"action":"verify_driver"}]}),
         )
-        .await;
-    assert_eq!(st, 201, "{v}");
-    assert_eq!(v["scrub"][1]["action"], "command");
-    s.admin_call(
-        "POST",
+        .await
+        .ok(201);
+    assert!(matches!(
+        v.scrub.as_deref().unwrap()[1],
+        passage_model::protocol::ScrubAction::Command { .. }
+    ));
+    s.post::<Package>(
         "/v1/packages",
-        Some(json!({"name":"gpu-1x","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":1}})),
+        &json!({"name":"gpu-1x","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":1}}),
     )
-    .await;
+    .await
+    .ok(201);
     let vm = create_vm(&s, &s.admin.clone(), "p").await;
-    s.wait_job(vm["job_uuid"].as_str().unwrap()).await;
-    let (_, d) = s
-        .admin_call(
-            "DELETE",
-            &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
-            None,
-        )
-        .await;
-    let job = s.wait_job(d["job_uuid"].as_str().unwrap()).await;
-    assert_eq!(job["state"], "failed", "the scrub step failed: {job}");
-    let states = settle(&s, &node.uuid).await;
-    assert_eq!(states[0].1, "quarantined");
-    let (_, reports) = s
-        .admin_call(
-            "GET",
-            &format!("/v1/servers/{}/scrub-reports", node.uuid),
-            None,
-        )
-        .await;
-    let steps: Vec<(&str, bool)> = reports[0]["steps"]
-        .as_array()
-        .unwrap()
+    s.wait_job(vm.job_uuid.unwrap()).await;
+    let d: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);
+    let job = s.wait_job(d.job_uuid.unwrap()).await;
+    assert_eq!(
+        job.state,
+        JobState::Failed,
+        "the scrub step failed: {job:?}"
+    );
+    let states = settle(&s, node.uuid).await;
+    assert_eq!(states[0].1, DeviceState::Quarantined);
+    let reports: Vec<ScrubRecord> = s
+        .get(&format!("/v1/servers/{}/scrub-reports", node.uuid))
+        .await
+        .ok(200);
+    let steps: Vec<(&str, bool)> = reports[0]
+        .steps
         .iter()
-        .map(|s| (s["name"].as_str().unwrap(), s["ok"].as_bool().unwrap()))
+        .map(|s| (s.name.as_str(), s.ok))
         .collect();
     assert_eq!(
         steps,
