@@ -164,3 +164,53 @@ impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Default, PartialEq, serde::Deserialize)]
+    struct Q {
+        limit: Option<u32>,
+        owner: Option<passage_model::AccountId>,
+        name: Option<String>,
+        brief: Option<bool>,
+    }
+
+    fn field(r: Result<Q, ApiError>) -> Option<String> {
+        r.err().and_then(|e| e.field)
+    }
+
+    #[test]
+    fn query_strings_by_the_old_rules() {
+        assert_eq!(parse_query::<Q>("").unwrap(), Q::default());
+        let q: Q = parse_query("limit=5&name=a%20b&brief=true").unwrap();
+        assert_eq!(
+            (q.limit, q.name.as_deref(), q.brief),
+            (Some(5), Some("a b"), Some(true))
+        );
+        // Parameters no call names are ignored; the last of a repeated one counts.
+        let q: Q = parse_query("colour=red&limit=1&limit=7").unwrap();
+        assert_eq!(q.limit, Some(7));
+        // An empty value is a value: refused where it does not parse, kept where it does.
+        assert_eq!(field(parse_query("owner=")).as_deref(), Some("owner"));
+        assert_eq!(parse_query::<Q>("name=").unwrap().name.as_deref(), Some(""));
+        // A value that does not parse is named, with what it was.
+        let e = parse_query::<Q>("limit=ten").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("limit"));
+        assert!(e.message.contains("\"ten\""), "{}", e.message);
+        assert_eq!(field(parse_query("brief=yes")).as_deref(), Some("brief"));
+        assert_eq!(field(parse_query("limit=-1")).as_deref(), Some("limit"));
+        // NUL anywhere is refused, named by the parameter it was in.
+        assert_eq!(field(parse_query("name=a%00b")).as_deref(), Some("name"));
+        assert_eq!(field(parse_query("na%00me=x")).as_deref(), Some("name"));
+        // Too long, whatever it holds.
+        let long = format!("name={}", "x".repeat(MAX_QUERY_LEN));
+        assert_eq!(field(parse_query(&long)).as_deref(), Some("query"));
+        let just = format!("name={}", "x".repeat(MAX_QUERY_LEN - 5));
+        assert_eq!(
+            parse_query::<Q>(&just).unwrap().name.map(|n| n.len()),
+            Some(MAX_QUERY_LEN - 5)
+        );
+    }
+}

@@ -1,4 +1,7 @@
-//! Handlers of the public REST API under /v1: thin, they parse, call a service, answer.
+//! Handlers of the public REST API under /v1: thin, they parse (bodies with `ApiJson`,
+//! query strings with `ApiQuery` into the types of [`super::params`]), call a service,
+//! answer. Who may do what is the services' to decide, not theirs; the errors every call
+//! may answer are declared once, in [`ErrorResponses`].
 
 use super::extract::{ApiJson, ApiQuery};
 use super::params::{
