@@ -280,10 +280,27 @@ pub struct CreatePackage {
     pub placement: Option<PlacementPolicy>,
 }
 
+/// Why a body naming other objects was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A field out of bounds.
+    Invalid(BodyError),
+    /// A field names an object that does not exist.
+    Missing(BodyError),
+}
+
+impl From<BodyError> for Refusal {
+    fn from(e: BodyError) -> Self {
+        Refusal::Invalid(e)
+    }
+}
+
 impl CreatePackage {
-    /// The first field out of bounds, if any. Whether the variants named exist is the
-    /// catalog's to say.
-    pub fn validate(&self) -> Result<(), BodyError> {
+    /// The first field out of bounds, or the first variant `variant_exists` does not know,
+    /// in the order the API has always judged them: the name, the sizes, how many
+    /// variants; then each variant named, whether it exists before how many of it are
+    /// asked; then the total.
+    pub fn validate(&self, variant_exists: impl Fn(&str) -> bool) -> Result<(), Refusal> {
         let name_ok = !self.name.trim().is_empty()
             && self.name.chars().count() <= MAX_NAME_LEN
             && !self.name.chars().any(char::is_control);
@@ -291,35 +308,36 @@ impl CreatePackage {
             return Err(invalid(
                 "name",
                 format!("must be 1 to {MAX_NAME_LEN} printable characters"),
-            ));
+            )
+            .into());
         }
         if self.name.parse::<uuid::Uuid>().is_ok() {
             return Err(invalid(
                 "name",
                 "must not be a uuid (packages are looked up by uuid or name)",
-            ));
+            )
+            .into());
         }
         check_vcpus(self.vcpus)?;
         check_memory(self.memory_mib)?;
         if self.disk_gib > MAX_DISK_GIB {
-            return Err(invalid(
-                "disk_gib",
-                format!("must be at most {MAX_DISK_GIB}"),
-            ));
+            return Err(invalid("disk_gib", format!("must be at most {MAX_DISK_GIB}")).into());
         }
         if self.devices.len() > MAX_PACKAGE_DEVICE_KINDS {
             return Err(invalid(
                 "devices",
                 format!("at most {MAX_PACKAGE_DEVICE_KINDS} variants"),
-            ));
+            )
+            .into());
         }
         let mut total = 0u32;
         for (variant, count) in &self.devices {
+            let field = format!("devices.{variant}");
+            if !variant_exists(variant) {
+                return Err(Refusal::Missing(invalid(field, "no such variant")));
+            }
             if *count == 0 {
-                return Err(invalid(
-                    format!("devices.{variant}"),
-                    "count must be at least 1",
-                ));
+                return Err(invalid(field, "count must be at least 1").into());
             }
             total = total.saturating_add(*count);
         }
@@ -327,7 +345,8 @@ impl CreatePackage {
             return Err(invalid(
                 "devices",
                 format!("at most {MAX_DEVICES_PER_VM} devices per VM"),
-            ));
+            )
+            .into());
         }
         Ok(())
     }
@@ -802,7 +821,11 @@ mod tests {
         let with = |f: &dyn Fn(&mut CreatePackage)| {
             let mut p = package();
             f(&mut p);
-            refused(p.validate())
+            match p.validate(|_| true) {
+                Ok(()) => None,
+                Err(Refusal::Invalid(e)) => Some(e.field),
+                Err(Refusal::Missing(e)) => panic!("{e}"),
+            }
         };
         assert_eq!(with(&|_| {}), None);
         assert_eq!(with(&|p| p.name = "n".repeat(MAX_NAME_LEN)), None);
@@ -850,6 +873,28 @@ mod tests {
             with(&|p| p.devices = two(u32::MAX, u32::MAX)).as_deref(),
             Some("devices")
         );
+    }
+
+    /// A variant no one defined is answered as missing, after the bounds of the fields
+    /// before `devices` and before the counts of the variants after it.
+    #[test]
+    fn packages_name_unknown_variants_in_order() {
+        let known = |v: &str| v == "A";
+        let mut p = package();
+        p.devices = [("A".to_string(), 1), ("B".to_string(), 0)].into();
+        assert_eq!(
+            p.validate(known),
+            Err(Refusal::Missing(invalid("devices.B", "no such variant")))
+        );
+        p.devices = [("A".to_string(), 0), ("B".to_string(), 1)].into();
+        assert!(matches!(p.validate(known), Err(Refusal::Invalid(e)) if e.field == "devices.A"));
+        p.devices = [("A".to_string(), 9), ("B".to_string(), 9)].into();
+        assert!(matches!(p.validate(known), Err(Refusal::Missing(_))));
+        p.vcpus = 0;
+        assert!(matches!(p.validate(known), Err(Refusal::Invalid(e)) if e.field == "vcpus"));
+        p.vcpus = 1;
+        p.devices = [("A".to_string(), 1)].into();
+        assert_eq!(p.validate(known), Ok(()));
     }
 
     fn vm_from_devices(n: usize) -> CreateVm {

@@ -110,6 +110,17 @@ impl From<passage_model::decode::BodyError> for ApiError {
     }
 }
 
+/// A body's field out of bounds (400), or naming what does not exist (404).
+impl From<passage_model::api::Refusal> for ApiError {
+    fn from(r: passage_model::api::Refusal) -> Self {
+        use passage_model::api::Refusal;
+        match r {
+            Refusal::Invalid(e) => ApiError::invalid(e.field, e.message),
+            Refusal::Missing(e) => ApiError::missing(e.field, e.message),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let Some(detail) = &self.internal {

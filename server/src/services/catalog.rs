@@ -71,18 +71,8 @@ pub async fn delete_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult
 
 pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> ApiResult<Package> {
     caller.require_operator()?;
-    req.validate()?;
     let known = variants::list(&ctx.db).await?;
-    if let Some(variant) = req
-        .devices
-        .keys()
-        .find(|name| !known.iter().any(|v| &v.name == *name))
-    {
-        return Err(ApiError::missing(
-            format!("devices.{variant}"),
-            "no such variant",
-        ));
-    }
+    req.validate(|name| known.iter().any(|v| v.name == name))?;
     Ok(packages::insert(
         &ctx.db,
         packages::NewPackage {
