@@ -2,6 +2,7 @@
 //!
 //! Views are what clients see; the store's row types never leave the server.
 
+use crate::decode::BodyError;
 use crate::ids::{AccountId, JobId, PackageId, ServerId, VmId};
 use crate::pci::{DevicePath, HexId, PciAddress, PciClass, Revision};
 use crate::state::DeviceState;
@@ -10,13 +11,74 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 
+// The bounds of the request bodies. Each request type's `validate()` applies them; its
+// `#[schema]` attributes state them to the OpenAPI document, in literals (utoipa takes
+// no constants there), and `tests::the_schemas_state_the_bounds_validate_applies` holds
+// the two equal.
 pub const MAX_LOGIN_LEN: usize = 64;
 pub const MAX_PASSWORD_LEN: usize = 1024;
 pub const MIN_PASSWORD_LEN: usize = 8;
+/// The most GPUs an account's quota may name.
+pub const MAX_GPU_QUOTA: u32 = 100_000;
+/// A package's name, in characters.
 pub const MAX_NAME_LEN: usize = 128;
+pub const MIN_VCPUS: u32 = 1;
+pub const MAX_VCPUS: u32 = 1024;
+pub const MIN_MEMORY_MIB: u64 = 64;
+pub const MAX_MEMORY_MIB: u64 = 16 * 1024 * 1024;
+pub const MAX_DISK_GIB: u64 = 1024 * 1024;
 pub const MAX_PACKAGE_DEVICE_KINDS: usize = 16;
 pub const MAX_DEVICES_PER_VM: u32 = 16;
+pub const MAX_ALIAS_LEN: usize = 64;
 pub const MAX_LIST_LIMIT: u32 = 1000;
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> BodyError {
+    BodyError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+fn check_password(pw: &str) -> Result<(), BodyError> {
+    let n = pw.chars().count();
+    if !(MIN_PASSWORD_LEN..=MAX_PASSWORD_LEN).contains(&n) {
+        return Err(invalid(
+            "password",
+            format!("must be {MIN_PASSWORD_LEN} to {MAX_PASSWORD_LEN} characters"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_quota(q: Option<u32>) -> Result<(), BodyError> {
+    if q.is_some_and(|q| q > MAX_GPU_QUOTA) {
+        return Err(invalid(
+            "gpu_quota",
+            format!("must be at most {MAX_GPU_QUOTA}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_vcpus(vcpus: u32) -> Result<(), BodyError> {
+    if !(MIN_VCPUS..=MAX_VCPUS).contains(&vcpus) {
+        return Err(invalid(
+            "vcpus",
+            format!("must be {MIN_VCPUS} to {MAX_VCPUS}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_memory(memory_mib: u64) -> Result<(), BodyError> {
+    if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&memory_mib) {
+        return Err(invalid(
+            "memory_mib",
+            format!("must be {MIN_MEMORY_MIB} to {MAX_MEMORY_MIB}"),
+        ));
+    }
+    Ok(())
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -76,6 +138,28 @@ fn default_role() -> Role {
     Role::Tenant
 }
 
+impl CreateAccount {
+    /// The first field out of bounds, if any.
+    pub fn validate(&self) -> Result<(), BodyError> {
+        let login_ok = !self.login.is_empty()
+            && self.login.len() <= MAX_LOGIN_LEN
+            && self
+                .login
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'@'));
+        if !login_ok {
+            return Err(invalid(
+                "login",
+                format!(
+                    "must be 1 to {MAX_LOGIN_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.', '@'"
+                ),
+            ));
+        }
+        check_password(&self.password)?;
+        check_quota(self.gpu_quota)
+    }
+}
+
 /// `Some(None)` when the field is present and null, `None` when absent.
 fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
 where
@@ -97,6 +181,16 @@ pub struct UpdateAccount {
     #[serde(default, deserialize_with = "present")]
     #[schema(maximum = 100000)]
     pub gpu_quota: Option<Option<u32>>,
+}
+
+impl UpdateAccount {
+    /// The first field out of bounds, if any.
+    pub fn validate(&self) -> Result<(), BodyError> {
+        if let Some(pw) = &self.password {
+            check_password(pw)?;
+        }
+        check_quota(self.gpu_quota.flatten())
+    }
 }
 
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -184,6 +278,78 @@ pub struct CreatePackage {
     pub devices: BTreeMap<String, u32>,
     #[serde(default)]
     pub placement: Option<PlacementPolicy>,
+}
+
+/// Why a body naming other objects was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A field out of bounds.
+    Invalid(BodyError),
+    /// A field names an object that does not exist.
+    Missing(BodyError),
+}
+
+impl From<BodyError> for Refusal {
+    fn from(e: BodyError) -> Self {
+        Refusal::Invalid(e)
+    }
+}
+
+impl CreatePackage {
+    /// The first field out of bounds, or the first variant `variant_exists` does not know,
+    /// in the order the API has always judged them: the name, the sizes, how many
+    /// variants; then each variant named, whether it exists before how many of it are
+    /// asked; then the total.
+    pub fn validate(&self, variant_exists: impl Fn(&str) -> bool) -> Result<(), Refusal> {
+        let name_ok = !self.name.trim().is_empty()
+            && self.name.chars().count() <= MAX_NAME_LEN
+            && !self.name.chars().any(char::is_control);
+        if !name_ok {
+            return Err(invalid(
+                "name",
+                format!("must be 1 to {MAX_NAME_LEN} printable characters"),
+            )
+            .into());
+        }
+        if self.name.parse::<uuid::Uuid>().is_ok() {
+            return Err(invalid(
+                "name",
+                "must not be a uuid (packages are looked up by uuid or name)",
+            )
+            .into());
+        }
+        check_vcpus(self.vcpus)?;
+        check_memory(self.memory_mib)?;
+        if self.disk_gib > MAX_DISK_GIB {
+            return Err(invalid("disk_gib", format!("must be at most {MAX_DISK_GIB}")).into());
+        }
+        if self.devices.len() > MAX_PACKAGE_DEVICE_KINDS {
+            return Err(invalid(
+                "devices",
+                format!("at most {MAX_PACKAGE_DEVICE_KINDS} variants"),
+            )
+            .into());
+        }
+        let mut total = 0u32;
+        for (variant, count) in &self.devices {
+            let field = format!("devices.{variant}");
+            if !variant_exists(variant) {
+                return Err(Refusal::Missing(invalid(field, "no such variant")));
+            }
+            if *count == 0 {
+                return Err(invalid(field, "count must be at least 1").into());
+            }
+            total = total.saturating_add(*count);
+        }
+        if total > MAX_DEVICES_PER_VM {
+            return Err(invalid(
+                "devices",
+                format!("at most {MAX_DEVICES_PER_VM} devices per VM"),
+            )
+            .into());
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -387,6 +553,66 @@ pub struct CreateVm {
     pub memory_mib: Option<u64>,
 }
 
+impl CreateVm {
+    /// The first field out of bounds, if any: a VM comes either from a package (which
+    /// sets its size and lets placement choose its server) or, for operators, from
+    /// devices named outright on a server named with them.
+    pub fn validate(&self) -> Result<(), BodyError> {
+        let alias_ok = !self.alias.is_empty()
+            && self.alias.len() <= MAX_ALIAS_LEN
+            && self
+                .alias
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+        if !alias_ok {
+            return Err(invalid(
+                "alias",
+                format!("must be 1 to {MAX_ALIAS_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
+            ));
+        }
+        if self.package.is_some() && self.assigned_devices.is_some() {
+            return Err(invalid(
+                "assigned_devices",
+                "give either a package or assigned_devices, not both",
+            ));
+        }
+        match &self.assigned_devices {
+            Some(devices) => {
+                if self.server_uuid.is_none() {
+                    return Err(invalid("server_uuid", "required with assigned_devices"));
+                }
+                if devices.is_empty() || devices.len() > MAX_DEVICES_PER_VM as usize {
+                    return Err(invalid(
+                        "assigned_devices",
+                        format!("must list 1 to {MAX_DEVICES_PER_VM} devices"),
+                    ));
+                }
+                if let Some(vcpus) = self.vcpus {
+                    check_vcpus(vcpus)?;
+                }
+                if let Some(memory_mib) = self.memory_mib {
+                    check_memory(memory_mib)?;
+                }
+            }
+            None => {
+                if self.package.is_none() {
+                    return Err(invalid("package", "a package (uuid or name) is required"));
+                }
+                if self.server_uuid.is_some() {
+                    return Err(invalid(
+                        "server_uuid",
+                        "only with assigned_devices; packages are placed by the control plane",
+                    ));
+                }
+                if self.vcpus.is_some() || self.memory_mib.is_some() {
+                    return Err(invalid("vcpus", "the package sets vcpus and memory_mib"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
@@ -514,6 +740,301 @@ mod tests {
     fn create_vm_refuses_unknown_fields() {
         assert!(serde_json::from_str::<CreateVm>(r#"{"alias":"a","pkg":"x"}"#).is_err());
         assert!(serde_json::from_str::<CreateVm>(r#"{"package":"x"}"#).is_err());
+    }
+
+    /// The field `validate` names, or `None` when it takes the value.
+    fn refused(r: Result<(), BodyError>) -> Option<String> {
+        r.err().map(|e| e.field)
+    }
+
+    fn account(login: &str, password: &str, gpu_quota: Option<u32>) -> CreateAccount {
+        CreateAccount {
+            login: login.into(),
+            password: password.into(),
+            role: Role::Tenant,
+            gpu_quota,
+        }
+    }
+
+    #[test]
+    fn accounts_bounds_on_both_sides() {
+        let pw = "p".repeat(MIN_PASSWORD_LEN);
+        let ok = |a: CreateAccount| refused(a.validate());
+        assert_eq!(ok(account("a", &pw, None)), None);
+        assert_eq!(ok(account(&"a".repeat(MAX_LOGIN_LEN), &pw, None)), None);
+        assert_eq!(ok(account("a.b_c-d@e", &pw, None)), None);
+        for bad in [
+            String::new(),
+            "a".repeat(MAX_LOGIN_LEN + 1),
+            "a b".into(),
+            "é".into(),
+        ] {
+            assert_eq!(
+                ok(account(&bad, &pw, None)).as_deref(),
+                Some("login"),
+                "{bad:?}"
+            );
+        }
+        let short = "p".repeat(MIN_PASSWORD_LEN - 1);
+        let long = "p".repeat(MAX_PASSWORD_LEN + 1);
+        assert_eq!(ok(account("a", &short, None)).as_deref(), Some("password"));
+        assert_eq!(ok(account("a", &long, None)).as_deref(), Some("password"));
+        // Characters, not bytes.
+        let wide = "é".repeat(MAX_PASSWORD_LEN);
+        assert_eq!(ok(account("a", &wide, None)), None);
+        assert_eq!(ok(account("a", &pw, Some(MAX_GPU_QUOTA))), None);
+        assert_eq!(ok(account("a", &pw, Some(0))), None);
+        assert_eq!(
+            ok(account("a", &pw, Some(MAX_GPU_QUOTA + 1))).as_deref(),
+            Some("gpu_quota")
+        );
+
+        let update = |password: Option<&str>, gpu_quota| UpdateAccount {
+            password: password.map(String::from),
+            role: None,
+            gpu_quota,
+        };
+        assert_eq!(refused(update(None, None).validate()), None);
+        assert_eq!(refused(update(Some(&pw), Some(None)).validate()), None);
+        assert_eq!(
+            refused(update(Some(&short), None).validate()).as_deref(),
+            Some("password")
+        );
+        assert_eq!(
+            refused(update(None, Some(Some(MAX_GPU_QUOTA))).validate()),
+            None
+        );
+        assert_eq!(
+            refused(update(None, Some(Some(MAX_GPU_QUOTA + 1))).validate()).as_deref(),
+            Some("gpu_quota")
+        );
+    }
+
+    fn package() -> CreatePackage {
+        CreatePackage {
+            name: "gpu-1x".into(),
+            vcpus: MIN_VCPUS,
+            memory_mib: MIN_MEMORY_MIB,
+            disk_gib: 0,
+            devices: BTreeMap::new(),
+            placement: None,
+        }
+    }
+
+    #[test]
+    fn packages_bounds_on_both_sides() {
+        let with = |f: &dyn Fn(&mut CreatePackage)| {
+            let mut p = package();
+            f(&mut p);
+            match p.validate(|_| true) {
+                Ok(()) => None,
+                Err(Refusal::Invalid(e)) => Some(e.field),
+                Err(Refusal::Missing(e)) => panic!("{e}"),
+            }
+        };
+        assert_eq!(with(&|_| {}), None);
+        assert_eq!(with(&|p| p.name = "n".repeat(MAX_NAME_LEN)), None);
+        assert_eq!(with(&|p| p.name = "é".repeat(MAX_NAME_LEN)), None);
+        for bad in [
+            String::new(),
+            "  ".into(),
+            "n".repeat(MAX_NAME_LEN + 1),
+            "a\nb".into(),
+            "0f8e6a8c-3c64-4f7e-9b1a-2d7c1e0b5a44".into(),
+        ] {
+            assert_eq!(with(&|p| p.name = bad.clone()).as_deref(), Some("name"));
+        }
+        assert_eq!(with(&|p| p.vcpus = MAX_VCPUS), None);
+        for bad in [MIN_VCPUS - 1, MAX_VCPUS + 1] {
+            assert_eq!(with(&|p| p.vcpus = bad).as_deref(), Some("vcpus"));
+        }
+        assert_eq!(with(&|p| p.memory_mib = MAX_MEMORY_MIB), None);
+        for bad in [MIN_MEMORY_MIB - 1, MAX_MEMORY_MIB + 1] {
+            assert_eq!(with(&|p| p.memory_mib = bad).as_deref(), Some("memory_mib"));
+        }
+        assert_eq!(with(&|p| p.disk_gib = MAX_DISK_GIB), None);
+        assert_eq!(
+            with(&|p| p.disk_gib = MAX_DISK_GIB + 1).as_deref(),
+            Some("disk_gib")
+        );
+        let kinds = |n: usize| (0..n).map(|i| (format!("V{i}"), 1)).collect();
+        assert_eq!(with(&|p| p.devices = kinds(MAX_PACKAGE_DEVICE_KINDS)), None);
+        assert_eq!(
+            with(&|p| p.devices = kinds(MAX_PACKAGE_DEVICE_KINDS + 1)).as_deref(),
+            Some("devices")
+        );
+        let one = |n: u32| [("V".to_string(), n)].into();
+        assert_eq!(with(&|p| p.devices = one(MAX_DEVICES_PER_VM)), None);
+        assert_eq!(
+            with(&|p| p.devices = one(MAX_DEVICES_PER_VM + 1)).as_deref(),
+            Some("devices")
+        );
+        assert_eq!(with(&|p| p.devices = one(0)).as_deref(), Some("devices.V"));
+        // The total counts, not each variant's share; a huge one does not wrap around.
+        let two = |a: u32, b: u32| [("A".to_string(), a), ("B".to_string(), b)].into();
+        assert_eq!(with(&|p| p.devices = two(8, 8)), None);
+        assert_eq!(with(&|p| p.devices = two(8, 9)).as_deref(), Some("devices"));
+        assert_eq!(
+            with(&|p| p.devices = two(u32::MAX, u32::MAX)).as_deref(),
+            Some("devices")
+        );
+    }
+
+    /// A variant no one defined is answered as missing, after the bounds of the fields
+    /// before `devices` and before the counts of the variants after it.
+    #[test]
+    fn packages_name_unknown_variants_in_order() {
+        let known = |v: &str| v == "A";
+        let mut p = package();
+        p.devices = [("A".to_string(), 1), ("B".to_string(), 0)].into();
+        assert_eq!(
+            p.validate(known),
+            Err(Refusal::Missing(invalid("devices.B", "no such variant")))
+        );
+        p.devices = [("A".to_string(), 0), ("B".to_string(), 1)].into();
+        assert!(matches!(p.validate(known), Err(Refusal::Invalid(e)) if e.field == "devices.A"));
+        p.devices = [("A".to_string(), 9), ("B".to_string(), 9)].into();
+        assert!(matches!(p.validate(known), Err(Refusal::Missing(_))));
+        p.vcpus = 0;
+        assert!(matches!(p.validate(known), Err(Refusal::Invalid(e)) if e.field == "vcpus"));
+        p.vcpus = 1;
+        p.devices = [("A".to_string(), 1)].into();
+        assert_eq!(p.validate(known), Ok(()));
+    }
+
+    fn vm_from_devices(n: usize) -> CreateVm {
+        let device: DevicePath = "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+            .parse()
+            .unwrap();
+        CreateVm {
+            alias: "vm".into(),
+            package: None,
+            owner_uuid: None,
+            assigned_devices: Some(vec![device; n]),
+            server_uuid: Some(ServerId::new_random()),
+            vcpus: None,
+            memory_mib: None,
+        }
+    }
+
+    fn vm_from_package() -> CreateVm {
+        CreateVm {
+            assigned_devices: None,
+            server_uuid: None,
+            package: Some("gpu-1x".into()),
+            ..vm_from_devices(1)
+        }
+    }
+
+    #[test]
+    fn vms_bounds_on_both_sides() {
+        let devices = |f: &dyn Fn(&mut CreateVm)| {
+            let mut v = vm_from_devices(1);
+            f(&mut v);
+            refused(v.validate())
+        };
+        let packaged = |f: &dyn Fn(&mut CreateVm)| {
+            let mut v = vm_from_package();
+            f(&mut v);
+            refused(v.validate())
+        };
+        assert_eq!(devices(&|_| {}), None);
+        assert_eq!(packaged(&|_| {}), None);
+        assert_eq!(packaged(&|v| v.alias = "a".repeat(MAX_ALIAS_LEN)), None);
+        for bad in [String::new(), "a".repeat(MAX_ALIAS_LEN + 1), "a@b".into()] {
+            assert_eq!(
+                packaged(&|v| v.alias = bad.clone()).as_deref(),
+                Some("alias")
+            );
+        }
+        assert_eq!(
+            vm_from_devices(MAX_DEVICES_PER_VM as usize).validate(),
+            Ok(())
+        );
+        for n in [0, MAX_DEVICES_PER_VM as usize + 1] {
+            assert_eq!(
+                refused(vm_from_devices(n).validate()).as_deref(),
+                Some("assigned_devices")
+            );
+        }
+        assert_eq!(devices(&|v| v.vcpus = Some(MIN_VCPUS)), None);
+        assert_eq!(devices(&|v| v.vcpus = Some(MAX_VCPUS)), None);
+        for bad in [MIN_VCPUS - 1, MAX_VCPUS + 1] {
+            assert_eq!(devices(&|v| v.vcpus = Some(bad)).as_deref(), Some("vcpus"));
+        }
+        assert_eq!(devices(&|v| v.memory_mib = Some(MIN_MEMORY_MIB)), None);
+        assert_eq!(devices(&|v| v.memory_mib = Some(MAX_MEMORY_MIB)), None);
+        for bad in [MIN_MEMORY_MIB - 1, MAX_MEMORY_MIB + 1] {
+            assert_eq!(
+                devices(&|v| v.memory_mib = Some(bad)).as_deref(),
+                Some("memory_mib")
+            );
+        }
+        // Which fields go with which.
+        assert_eq!(
+            devices(&|v| v.server_uuid = None).as_deref(),
+            Some("server_uuid")
+        );
+        assert_eq!(
+            devices(&|v| v.package = Some("p".into())).as_deref(),
+            Some("assigned_devices")
+        );
+        assert_eq!(packaged(&|v| v.package = None).as_deref(), Some("package"));
+        assert_eq!(
+            packaged(&|v| v.server_uuid = Some(ServerId::new_random())).as_deref(),
+            Some("server_uuid")
+        );
+        assert_eq!(packaged(&|v| v.vcpus = Some(2)).as_deref(), Some("vcpus"));
+        assert_eq!(
+            packaged(&|v| v.memory_mib = Some(2048)).as_deref(),
+            Some("vcpus")
+        );
+    }
+
+    /// `#[schema]` attributes take literals only: the bounds they state to the OpenAPI
+    /// document are the ones `validate` applies.
+    #[test]
+    fn the_schemas_state_the_bounds_validate_applies() {
+        use serde_json::{Value, json};
+        use utoipa::PartialSchema;
+        fn props(schema: utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>) -> Value {
+            serde_json::to_value(schema).unwrap()["properties"].clone()
+        }
+        let account = props(CreateAccount::schema());
+        let update = props(UpdateAccount::schema());
+        let package = props(CreatePackage::schema());
+        let vm = props(CreateVm::schema());
+        let expect: [(&Value, &str, &str, Value); 19] = [
+            (&account, "login", "minLength", json!(1)),
+            (&account, "login", "maxLength", json!(MAX_LOGIN_LEN)),
+            (&account, "password", "minLength", json!(MIN_PASSWORD_LEN)),
+            (&account, "password", "maxLength", json!(MAX_PASSWORD_LEN)),
+            (&account, "gpu_quota", "maximum", json!(MAX_GPU_QUOTA)),
+            (&update, "password", "minLength", json!(MIN_PASSWORD_LEN)),
+            (&update, "password", "maxLength", json!(MAX_PASSWORD_LEN)),
+            (&update, "gpu_quota", "maximum", json!(MAX_GPU_QUOTA)),
+            (&package, "name", "maxLength", json!(MAX_NAME_LEN)),
+            (&package, "vcpus", "minimum", json!(MIN_VCPUS)),
+            (&package, "vcpus", "maximum", json!(MAX_VCPUS)),
+            (&package, "memory_mib", "minimum", json!(MIN_MEMORY_MIB)),
+            (&package, "memory_mib", "maximum", json!(MAX_MEMORY_MIB)),
+            (&package, "disk_gib", "maximum", json!(MAX_DISK_GIB)),
+            (&vm, "alias", "maxLength", json!(MAX_ALIAS_LEN)),
+            (
+                &vm,
+                "assigned_devices",
+                "maxItems",
+                json!(MAX_DEVICES_PER_VM),
+            ),
+            (&vm, "vcpus", "maximum", json!(MAX_VCPUS)),
+            (&vm, "memory_mib", "minimum", json!(MIN_MEMORY_MIB)),
+            (&vm, "memory_mib", "maximum", json!(MAX_MEMORY_MIB)),
+        ];
+        for (props, field, keyword, want) in expect {
+            assert_eq!(props[field][keyword], want, "{field}.{keyword}: {props}");
+        }
+        assert_eq!(vm["vcpus"]["minimum"], json!(MIN_VCPUS));
+        assert_eq!(vm["assigned_devices"]["minItems"], json!(1));
     }
 }
 

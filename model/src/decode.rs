@@ -4,7 +4,8 @@
 
 use serde::de::DeserializeOwned;
 
-/// Why a body was refused: the field at fault (`body` for the whole) and serde's words.
+/// Why a body was refused: the field at fault (`body` for the whole) and why (serde's
+/// words, or the bound a request type's `validate()` found broken).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct BodyError {

@@ -1,5 +1,6 @@
 //! The server's one error type. Its outside face is `{"code","message","field"}` with a
-//! stable code; internal detail goes to the log only.
+//! stable code; internal detail goes to the log only. [`ErrorResponses`] states that face
+//! in the OpenAPI document, once for every call.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -102,6 +103,24 @@ impl From<crate::store::StoreError> for ApiError {
     }
 }
 
+/// A body's field out of bounds: 400 naming it.
+impl From<passage_model::decode::BodyError> for ApiError {
+    fn from(e: passage_model::decode::BodyError) -> Self {
+        ApiError::invalid(e.field, e.message)
+    }
+}
+
+/// A body's field out of bounds (400), or naming what does not exist (404).
+impl From<passage_model::api::Refusal> for ApiError {
+    fn from(r: passage_model::api::Refusal) -> Self {
+        use passage_model::api::Refusal;
+        match r {
+            Refusal::Invalid(e) => ApiError::invalid(e.field, e.message),
+            Refusal::Missing(e) => ApiError::missing(e.field, e.message),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let Some(detail) = &self.internal {
@@ -116,4 +135,23 @@ impl IntoResponse for ApiError {
         };
         (status, axum::Json(body)).into_response()
     }
+}
+
+/// The errors any authenticated call of /v1 may answer, as the OpenAPI document states
+/// them: each `#[utoipa::path]` lists its own successes and then this. (500 is left out:
+/// no call is meant to answer it.)
+#[derive(utoipa::IntoResponses)]
+pub enum ErrorResponses {
+    #[response(status = 400, description = "Invalid argument (names the field)")]
+    InvalidArgument(ApiErrorBody),
+    #[response(status = 401, description = "No valid credentials")]
+    Unauthorized(ApiErrorBody),
+    #[response(status = 403, description = "The caller's role may not do this")]
+    Forbidden(ApiErrorBody),
+    #[response(status = 404, description = "Not found (or another tenant's)")]
+    NotFound(ApiErrorBody),
+    #[response(status = 409, description = "Conflict with the current state")]
+    Conflict(ApiErrorBody),
+    #[response(status = 413, description = "Body too large")]
+    PayloadTooLarge(ApiErrorBody),
 }

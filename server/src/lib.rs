@@ -4,6 +4,7 @@ pub mod api;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod listing;
 pub mod placement;
 pub mod portal;
 pub mod services;

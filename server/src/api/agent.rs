@@ -1,7 +1,8 @@
 //! Handlers of the agent API under /agent/v1. Only a node credential gets past
 //! `AgentServer`; a node acts only for itself.
 
-use super::extract::{AgentServer, ApiJson, QueryMap};
+use super::extract::{AgentServer, ApiJson, ApiQuery};
+use super::params::TasksQuery;
 use crate::error::{ApiError, ApiResult};
 use crate::services::{Ctx, agents};
 use axum::Json;
@@ -45,9 +46,9 @@ pub async fn inventory(
 pub async fn poll_tasks(
     State(ctx): State<Ctx>,
     AgentServer(server): AgentServer,
-    q: QueryMap,
+    ApiQuery(q): ApiQuery<TasksQuery>,
 ) -> ApiResult<Response> {
-    let wait: u64 = q.parse("wait")?.unwrap_or(0);
+    let wait = q.wait.unwrap_or(0);
     Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response())
 }
 

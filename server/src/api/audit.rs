@@ -1,7 +1,6 @@
 //! The audit log: every state-changing call to /v1, who made it, what, when, the result.
 
 use crate::services::{self, Ctx, auth};
-use crate::store::ops::AuditRecord;
 use axum::extract::{OriginalUri, Request, State};
 use axum::http::{Method, header};
 use axum::middleware::Next;
@@ -36,14 +35,8 @@ pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Respons
     }
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
-    let record = AuditRecord {
-        at: crate::store::now_ms(),
-        actor,
-        method: method.clone(),
-        path: path.clone(),
-        status,
-    };
-    if let Err(e) = services::audit::record(&ctx, record).await {
+    if let Err(e) = services::audit::record(&ctx, actor, method.clone(), path.clone(), status).await
+    {
         tracing::warn!(error = %e, %method, %path, "could not write the audit log");
     }
     resp

@@ -1,15 +1,13 @@
-//! Request extractors: JSON bodies with errors that name the field, bearer credentials,
-//! list paging.
+//! Request extractors: JSON bodies and query strings with errors that name the field,
+//! bearer credentials, the client's address.
 
 use crate::error::ApiError;
 use crate::services::auth::{self, Caller};
 use crate::services::{Ctx, agents};
-use crate::store::page::{Cursor, MAX_CURSOR_LEN, PageReq, Start};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, header};
-use passage_model::api::MAX_LIST_LIMIT;
 use passage_model::{ErrorCode, ServerId};
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -41,7 +39,7 @@ where
 }
 
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    passage_model::decode::json_object(bytes).map_err(|e| ApiError::invalid(e.field, e.message))
+    Ok(passage_model::decode::json_object(bytes)?)
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -80,85 +78,75 @@ impl FromRequestParts<Ctx> for AgentServer {
     }
 }
 
-/// Query parameters, parsed by hand so a bad value gets a 400 naming it.
-pub struct QueryMap(pub HashMap<String, String>);
+/// Longest query string taken; every list's filters together fit in a fraction of it.
+pub const MAX_QUERY_LEN: usize = 4096;
 
-impl<S: Send + Sync> FromRequestParts<S> for QueryMap {
+/// Query parameters decoded into `T`, a type of [`super::params`] that the document
+/// states too. Parameters `T` does not name are ignored; a value that does not parse
+/// answers 400 naming its parameter. An empty value (`?owner_uuid=`) is a value like any
+/// other, and refused where it is not valid: taking it as absent would widen a filter a
+/// script meant to narrow (the portal leaves empty filters out itself).
+pub struct ApiQuery<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ApiQuery<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned,
+{
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        let q = parts.uri.query().unwrap_or("");
-        if q.len() > 4096 {
-            return Err(ApiError::invalid("query", "too long"));
-        }
-        let map: HashMap<String, String> =
-            serde_urlencoded::from_str(q).map_err(|e| ApiError::invalid("query", e.to_string()))?;
-        if let Some((k, _)) = map
-            .iter()
-            .find(|(k, v)| k.contains('\0') || v.contains('\0'))
-        {
-            return Err(ApiError::invalid(
-                k.replace('\0', ""),
-                "may not contain NUL",
-            ));
-        }
-        Ok(QueryMap(map))
+        parse_query(parts.uri.query().unwrap_or("")).map(ApiQuery)
     }
 }
 
-impl QueryMap {
-    /// A parameter's value. An empty one (`?owner_uuid=`) is a value like any other, and
-    /// refused where it is not valid: taking it as absent would widen a filter a script
-    /// meant to narrow (the portal leaves empty filters out itself).
-    pub fn get(&self, k: &str) -> Option<&str> {
-        self.0.get(k).map(String::as_str)
+/// Decodes a query string into `T`, by [`ApiQuery`]'s rules.
+pub fn parse_query<T: DeserializeOwned>(query: &str) -> Result<T, ApiError> {
+    if query.len() > MAX_QUERY_LEN {
+        return Err(ApiError::invalid("query", "too long"));
     }
-
-    pub fn parse<T: std::str::FromStr>(&self, k: &str) -> Result<Option<T>, ApiError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .parse()
-                .map(Some)
-                .map_err(|_| ApiError::invalid(k, format!("{v:?} is not valid here"))),
+    let pairs: Vec<(String, String)> =
+        serde_urlencoded::from_str(query).map_err(|e| ApiError::invalid("query", e.to_string()))?;
+    // A parameter given twice counts once, with its last value (serde would refuse the
+    // repeat as a duplicate field; clients have always been answered this way).
+    let mut params: Vec<(String, String)> = Vec::with_capacity(pairs.len());
+    let mut at: HashMap<String, usize> = HashMap::with_capacity(pairs.len());
+    for (k, v) in pairs {
+        match at.get(&k) {
+            Some(&i) => params[i].1 = v,
+            None => {
+                at.insert(k.clone(), params.len());
+                params.push((k, v));
+            }
         }
     }
-
-    /// `?limit=N&offset=N` as Triton's CloudAPI takes them.
-    pub fn page(&self) -> Result<(i64, i64), ApiError> {
-        let limit: u32 = self.parse("limit")?.unwrap_or(MAX_LIST_LIMIT);
-        if limit == 0 || limit > MAX_LIST_LIMIT {
-            return Err(ApiError::invalid(
-                "limit",
-                format!("must be 1 to {MAX_LIST_LIMIT}"),
-            ));
-        }
-        let offset: u32 = self.parse("offset")?.unwrap_or(0);
-        Ok((i64::from(limit), i64::from(offset)))
+    // Postgres text cannot hold NUL, and no filter needs one.
+    if let Some((k, _)) = params
+        .iter()
+        .find(|(k, v)| k.contains('\0') || v.contains('\0'))
+    {
+        return Err(ApiError::invalid(
+            k.replace('\0', ""),
+            "may not contain NUL",
+        ));
     }
-
-    /// `?limit=N` with either `?offset=N` or `?after=CURSOR`, the cursor a previous page
-    /// gave in `x-next-cursor` (both at once: 400 naming `after`).
-    pub fn keyset<K: Cursor>(&self) -> Result<PageReq<K>, ApiError> {
-        let (limit, offset) = self.page()?;
-        let Some(raw) = self.get("after") else {
-            return Ok(PageReq::offset(limit, offset));
+    let encoded = serde_urlencoded::to_string(&params)
+        .map_err(|e| ApiError::invalid("query", e.to_string()))?;
+    let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(encoded.as_bytes()));
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let field = match e.path().to_string() {
+            p if p.is_empty() || p == "." => "query".to_string(),
+            p => p,
         };
-        let key = (raw.len() <= MAX_CURSOR_LEN)
-            .then(|| K::decode(raw))
-            .flatten()
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "after",
-                    "is not a cursor of this list (pass the x-next-cursor header of the \
-                     previous page as it came)",
-                )
-            })?;
-        Ok(PageReq {
-            limit,
-            start: Start::After(key, offset),
-        })
-    }
+        let value = params
+            .iter()
+            .find(|(k, _)| *k == field)
+            .map_or("", |(_, v)| v.as_str());
+        ApiError::invalid(
+            field.as_str(),
+            format!("{value:?} is not valid here ({})", e.inner()),
+        )
+    })
 }
 
 /// The client's address, when the server was started with connection info.
@@ -174,5 +162,55 @@ impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
                 .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
                 .map(|c| c.0.ip()),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Default, PartialEq, serde::Deserialize)]
+    struct Q {
+        limit: Option<u32>,
+        owner: Option<passage_model::AccountId>,
+        name: Option<String>,
+        brief: Option<bool>,
+    }
+
+    fn field(r: Result<Q, ApiError>) -> Option<String> {
+        r.err().and_then(|e| e.field)
+    }
+
+    #[test]
+    fn query_strings_by_the_old_rules() {
+        assert_eq!(parse_query::<Q>("").unwrap(), Q::default());
+        let q: Q = parse_query("limit=5&name=a%20b&brief=true").unwrap();
+        assert_eq!(
+            (q.limit, q.name.as_deref(), q.brief),
+            (Some(5), Some("a b"), Some(true))
+        );
+        // Parameters no call names are ignored; the last of a repeated one counts.
+        let q: Q = parse_query("colour=red&limit=1&limit=7").unwrap();
+        assert_eq!(q.limit, Some(7));
+        // An empty value is a value: refused where it does not parse, kept where it does.
+        assert_eq!(field(parse_query("owner=")).as_deref(), Some("owner"));
+        assert_eq!(parse_query::<Q>("name=").unwrap().name.as_deref(), Some(""));
+        // A value that does not parse is named, with what it was.
+        let e = parse_query::<Q>("limit=ten").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("limit"));
+        assert!(e.message.contains("\"ten\""), "{}", e.message);
+        assert_eq!(field(parse_query("brief=yes")).as_deref(), Some("brief"));
+        assert_eq!(field(parse_query("limit=-1")).as_deref(), Some("limit"));
+        // NUL anywhere is refused, named by the parameter it was in.
+        assert_eq!(field(parse_query("name=a%00b")).as_deref(), Some("name"));
+        assert_eq!(field(parse_query("na%00me=x")).as_deref(), Some("name"));
+        // Too long, whatever it holds.
+        let long = format!("name={}", "x".repeat(MAX_QUERY_LEN));
+        assert_eq!(field(parse_query(&long)).as_deref(), Some("query"));
+        let just = format!("name={}", "x".repeat(MAX_QUERY_LEN - 5));
+        assert_eq!(
+            parse_query::<Q>(&just).unwrap().name.map(|n| n.len()),
+            Some(MAX_QUERY_LEN - 5)
+        );
     }
 }

@@ -4,8 +4,7 @@
 use crate::error::ApiResult;
 use crate::services::Ctx;
 use crate::services::auth::Caller;
-use crate::services::metrics::{BUCKETS, Histogram};
-use crate::store::ops;
+use crate::services::metrics::{self, BUCKETS, Histogram};
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -28,12 +27,11 @@ fn histogram(out: &mut String, name: &str, labels: &str, h: &Histogram) {
 }
 
 pub async fn render(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
-    caller.require_staff()?;
+    let fleet = metrics::fleet(&ctx, &caller).await?;
     let mut out = String::new();
-    let cap = ops::capacity(&ctx.db, ctx.alive_after_ms()).await?;
     out.push_str("# HELP passage_devices Assignable devices by variant and state.\n");
     out.push_str("# TYPE passage_devices gauge\n");
-    for c in &cap {
+    for c in &fleet.capacity {
         let v = label(&c.variant);
         for (state, n) in [
             ("unassigned", c.unassigned),
@@ -51,20 +49,12 @@ pub async fn render(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Respons
         }
         let _ = writeln!(out, "passage_devices_free{{variant=\"{v}\"}} {}", c.free);
     }
-    let (servers, _) = crate::store::servers::list(&ctx.db, 1_000_000, 0).await?;
-    let alive = servers
-        .iter()
-        .filter(|s| {
-            s.last_heartbeat
-                .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
-        })
-        .count();
     out.push_str(
         "# HELP passage_agents_heartbeating Servers whose agent was heard from recently.\n",
     );
     out.push_str("# TYPE passage_agents_heartbeating gauge\n");
-    let _ = writeln!(out, "passage_agents_heartbeating {alive}");
-    let _ = writeln!(out, "passage_servers_total {}", servers.len());
+    let _ = writeln!(out, "passage_agents_heartbeating {}", fleet.heartbeating);
+    let _ = writeln!(out, "passage_servers_total {}", fleet.servers);
     let m = ctx.metrics.snapshot();
     out.push_str("# HELP passage_placements_total VM placements by outcome.\n");
     out.push_str("# TYPE passage_placements_total counter\n");

@@ -6,6 +6,7 @@ pub mod extract;
 pub mod hardening;
 pub mod links;
 pub mod metrics;
+pub mod params;
 pub mod v1;
 
 use crate::error::ApiError;
@@ -86,6 +87,8 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
 /// a package's device counts are keyed by variant names; a VM's `assigned_devices` needs
 /// its `server_uuid`; answers link to the calls their values feed ([`links`]).
 fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
+    use passage_model::api::MAX_DEVICES_PER_VM;
+    use passage_model::variant::MAX_VARIANT_NAME_LEN;
     use serde_json::{Value, json};
     let mut v = serde_json::to_value(doc).unwrap_or(Value::Null);
     fn no_nul(v: &mut Value) {
@@ -117,11 +120,11 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
     {
         devices.insert(
             "propertyNames".into(),
-            json!({"pattern": "^[A-Za-z0-9_.-]{1,64}$"}),
+            json!({"pattern": format!("^[A-Za-z0-9_.-]{{1,{MAX_VARIANT_NAME_LEN}}}$")}),
         );
         devices.insert(
             "additionalProperties".into(),
-            json!({"type": "integer", "minimum": 1, "maximum": 16}),
+            json!({"type": "integer", "minimum": 1, "maximum": MAX_DEVICES_PER_VM}),
         );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {

@@ -1,27 +1,31 @@
-//! Handlers of the public REST API under /v1: thin, they parse, call a service, answer.
+//! Handlers of the public REST API under /v1: thin, they parse (bodies with `ApiJson`,
+//! query strings with `ApiQuery` into the types of [`super::params`]), call a service,
+//! answer. Who may do what is the services' to decide, not theirs; the errors every call
+//! may answer are declared once, in [`ErrorResponses`].
 
-use super::extract::{ApiJson, QueryMap};
-use crate::error::{ApiError, ApiResult};
+use super::extract::{ApiJson, ApiQuery};
+use super::params::{
+    DeviceEventsQuery, DevicesQuery, JobsQuery, Keyset, Paging, ScrubReportsQuery, ServersQuery,
+    UsageQuery, VmsQuery,
+};
+use crate::error::{ApiError, ApiResult, ErrorResponses};
+use crate::listing::{Cursor, DeviceKey, Page, TimeKey};
 use crate::services::auth::{self, Caller};
 use crate::services::{Ctx, accounts, catalog, ops, servers, vms};
-use crate::store::devices::DeviceFilter;
-use crate::store::page::{Cursor, Page};
-use crate::store::vms::VmFilter;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use passage_model::DeviceState;
-use passage_model::api::PackageAvailability;
+// Named only in the `#[utoipa::path]` attributes.
 #[allow(unused_imports)]
 use passage_model::api::{
     Account, Alert, ApiToken, AuditEntry, Capacity, CreateApiToken, DeviceActionRequest,
-    DeviceEventRecord, Job, JoinToken, LoginResponse, Package, PlacementDryRun,
-    PlacementExplanation, ScrubRecord, Server, Usage, Vm,
+    DeviceEventRecord, DeviceRow, Job, JoinToken, LoginResponse, Package, PackageAvailability,
+    PlacementDryRun, PlacementExplanation, ScrubRecord, Server, Usage, Vm,
 };
 use passage_model::api::{
-    CreateAccount, CreateJoinToken, CreatePackage, CreateVm, DeviceRow, JobState, LoginRequest,
-    Ping, ServerStatus, UpdateAccount, UpdateServer, VmState,
+    CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
+    UpdateServer,
 };
 use passage_model::{AccountId, ApiErrorBody, JobId, PackageId, ServerId, Variant, VmId};
 use serde::Serialize;
@@ -73,7 +77,7 @@ pub async fn login(
     Ok(Json(r).into_response())
 }
 
-#[utoipa::path(post, path = "/auth/logout", tag = "auth", responses((status = 204, description = "The token is revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/auth/logout", tag = "auth", responses((status = 204, description = "The token is revoked"), ErrorResponses), security(("bearer" = [])))]
 pub async fn logout(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -89,25 +93,25 @@ pub async fn logout(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(get, path = "/auth/me", tag = "auth", responses((status = 200, description = "The caller's own account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/auth/me", tag = "auth", responses((status = 200, description = "The caller's own account", body = Account), ErrorResponses), security(("bearer" = [])))]
 pub async fn me(caller: Caller) -> Json<Account> {
     Json(caller.account)
 }
 
 // ---- accounts ----
 
-#[utoipa::path(get, path = "/accounts", tag = "accounts", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Accounts, newest first", body = [Account]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/accounts", tag = "accounts", params(Paging), responses((status = 200, description = "Accounts, newest first", body = [Account]), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_accounts(
     State(ctx): State<Ctx>,
     caller: Caller,
-    q: QueryMap,
+    ApiQuery(page): ApiQuery<Paging>,
 ) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+    let (limit, offset) = page.bounds()?;
     let (items, total) = accounts::list(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(post, path = "/accounts", tag = "accounts", request_body = CreateAccount, responses((status = 201, description = "Created", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/accounts", tag = "accounts", request_body = CreateAccount, responses((status = 201, description = "Created", body = Account), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -117,7 +121,7 @@ pub async fn create_account(
     Ok((StatusCode::CREATED, Json(a)).into_response())
 }
 
-#[utoipa::path(get, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The account", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The account", body = Account), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -127,7 +131,7 @@ pub async fn get_account(
     Ok(Json(accounts::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(patch, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateAccount, responses((status = 200, description = "Updated", body = Account), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(patch, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateAccount, responses((status = 200, description = "Updated", body = Account), ErrorResponses), security(("bearer" = [])))]
 pub async fn update_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -138,7 +142,7 @@ pub async fn update_account(
     Ok(Json(accounts::update(&ctx, &caller, uuid, req).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/accounts/{uuid}", tag = "accounts", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]
 pub async fn delete_account(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -151,18 +155,18 @@ pub async fn delete_account(
 
 // ---- variants ----
 
-#[utoipa::path(get, path = "/variants", tag = "variants", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Variants, newest first", body = [Variant]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/variants", tag = "variants", params(Paging), responses((status = 200, description = "Variants, newest first", body = [Variant]), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_variants(
     State(ctx): State<Ctx>,
     caller: Caller,
-    q: QueryMap,
+    ApiQuery(page): ApiQuery<Paging>,
 ) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+    let (limit, offset) = page.bounds()?;
     let (items, total) = catalog::list_variants(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(post, path = "/variants", tag = "variants", request_body = Variant, responses((status = 201, description = "Created", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/variants", tag = "variants", request_body = Variant, responses((status = 201, description = "Created", body = Variant), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -172,7 +176,7 @@ pub async fn create_variant(
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }
 
-#[utoipa::path(get, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 200, description = "The variant", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 200, description = "The variant", body = Variant), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -181,18 +185,17 @@ pub async fn get_variant(
     Ok(Json(catalog::get_variant(&ctx, &caller, &name).await?).into_response())
 }
 
-#[utoipa::path(put, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), request_body = Variant, responses((status = 200, description = "Replaced", body = Variant), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(put, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), request_body = Variant, responses((status = 200, description = "Replaced", body = Variant), ErrorResponses), security(("bearer" = [])))]
 pub async fn put_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(name): Path<String>,
     ApiJson(v): ApiJson<Variant>,
 ) -> ApiResult<Response> {
-    caller.require_operator()?;
     Ok(Json(catalog::put_variant(&ctx, &caller, &name, v).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]
 pub async fn delete_variant(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -204,18 +207,18 @@ pub async fn delete_variant(
 
 // ---- packages ----
 
-#[utoipa::path(get, path = "/packages", tag = "packages", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Packages, newest first", body = [Package]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/packages", tag = "packages", params(Paging), responses((status = 200, description = "Packages, newest first", body = [Package]), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_packages(
     State(ctx): State<Ctx>,
     _caller: Caller,
-    q: QueryMap,
+    ApiQuery(page): ApiQuery<Paging>,
 ) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+    let (limit, offset) = page.bounds()?;
     let (items, total) = catalog::list_packages(&ctx, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(post, path = "/packages", tag = "packages", request_body = CreatePackage, responses((status = 201, description = "Created", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/packages", tag = "packages", request_body = CreatePackage, responses((status = 201, description = "Created", body = Package), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_package(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -225,7 +228,7 @@ pub async fn create_package(
     Ok((StatusCode::CREATED, Json(p)).into_response())
 }
 
-#[utoipa::path(get, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The package", body = Package), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The package", body = Package), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_package(
     State(ctx): State<Ctx>,
     _caller: Caller,
@@ -235,7 +238,7 @@ pub async fn get_package(
     Ok(Json(catalog::get_package(&ctx, uuid).await?).into_response())
 }
 
-#[utoipa::path(get, path = "/packages/{uuid}/availability", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "Whether the caller could get this package now (capacity and quota)", body = PackageAvailability), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/packages/{uuid}/availability", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "Whether the caller could get this package now (capacity and quota)", body = PackageAvailability), ErrorResponses), security(("bearer" = [])))]
 pub async fn package_availability(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -245,13 +248,12 @@ pub async fn package_availability(
     Ok(Json(vms::availability(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/packages/{uuid}", tag = "packages", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]
 pub async fn delete_package(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<StatusCode> {
-    caller.require_operator()?;
     let uuid: PackageId = id(&raw, "package")?;
     catalog::delete_package(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -259,100 +261,63 @@ pub async fn delete_package(
 
 // ---- servers ----
 
-#[utoipa::path(get, path = "/servers", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (after the cursor, with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came"), ("status" = Option<ServerStatus>, Query, description = "Only servers with this status"), ("brief" = Option<bool>, Query, description = "true leaves out each server's sysinfo, assignable_devices and vms: device_counts is what a list screen needs")), responses((status = 200, description = "Compute nodes, newest first (then by uuid, descending)", body = [Server], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers", tag = "servers", params(Keyset<TimeKey>, ServersQuery), responses((status = 200, description = "Compute nodes, newest first (then by uuid, descending)", body = [Server], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_servers(
     State(ctx): State<Ctx>,
     caller: Caller,
-    q: QueryMap,
+    ApiQuery(page): ApiQuery<Keyset<TimeKey>>,
+    ApiQuery(q): ApiQuery<ServersQuery>,
 ) -> ApiResult<Response> {
-    let req = q.keyset()?;
-    let status = match q.get("status") {
-        None => None,
-        Some("running") => Some(ServerStatus::Running),
-        Some("unknown") => Some(ServerStatus::Unknown),
-        Some("offline") => Some(ServerStatus::Offline),
-        Some(s) => {
-            return Err(ApiError::invalid(
-                "status",
-                format!("{s:?} is not one of running, unknown, offline"),
-            ));
-        }
-    };
-    let detail = match q.get("brief") {
-        None | Some("false") => servers::Detail::Full,
-        Some("true") => servers::Detail::Brief,
-        Some(s) => {
-            return Err(ApiError::invalid(
-                "brief",
-                format!("{s:?} is not true or false"),
-            ));
-        }
+    let detail = if q.brief == Some(true) {
+        servers::Detail::Brief
+    } else {
+        servers::Detail::Full
     };
     Ok(paged(
-        servers::list(&ctx, &caller, status, detail, &req).await?,
+        servers::list(&ctx, &caller, q.status, detail, &page.request()?).await?,
     ))
 }
 
-#[utoipa::path(get, path = "/devices", tag = "servers", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (after the cursor, with after)"), ("after" = Option<String>, Query, pattern = "^[A-Za-z0-9._-]{1,253}~[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}~[A-Za-z0-9:./]{1,512}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came"), ("state" = Option<DeviceState>, Query, description = "Only devices in this state"), ("variant" = Option<String>, Query, max_length = 128, description = "Only devices of this variant"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only devices of this server")), responses((status = 200, description = "The assignable devices (those matching a variant) of every server, ordered by server hostname, then server uuid, then device id, ascending", body = [DeviceRow], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/devices", tag = "servers", params(Keyset<DeviceKey>, DevicesQuery), responses((status = 200, description = "The assignable devices (those matching a variant) of every server, ordered by server hostname, then server uuid, then device id, ascending", body = [DeviceRow], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_devices(
     State(ctx): State<Ctx>,
     caller: Caller,
-    q: QueryMap,
+    ApiQuery(page): ApiQuery<Keyset<DeviceKey>>,
+    ApiQuery(q): ApiQuery<DevicesQuery>,
 ) -> ApiResult<Response> {
-    caller.require_staff()?;
-    let req = q.keyset()?;
-    let state =
-        match q.get("state") {
-            None => None,
-            Some(s) => Some(DeviceState::parse(s).ok_or_else(|| {
-                ApiError::invalid("state", format!("{s:?} is not a device state"))
-            })?),
-        };
-    let filter = DeviceFilter {
-        state,
-        variant: match q.get("variant") {
-            Some(v) if v.chars().count() > 128 => {
-                return Err(ApiError::invalid("variant", "is at most 128 characters"));
-            }
-            v => v.map(str::to_string),
-        },
-        server: q.parse("server_uuid")?,
-    };
+    let req = page.request()?;
     Ok(paged(
-        servers::list_devices(&ctx, &caller, &filter, &req).await?,
+        servers::list_devices(&ctx, &caller, &q.filter()?, &req).await?,
     ))
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The compute node", body = Server), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_server(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<Response> {
-    caller.require_staff()?;
     let uuid: ServerId = id(&raw, "server")?;
     Ok(Json(servers::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(patch, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateServer, responses((status = 200, description = "Updated", body = Server), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(patch, path = "/servers/{uuid}", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateServer, responses((status = 200, description = "Updated", body = Server), ErrorResponses), security(("bearer" = [])))]
 pub async fn update_server(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
     ApiJson(req): ApiJson<UpdateServer>,
 ) -> ApiResult<Response> {
-    caller.require_operator()?;
     let uuid: ServerId = id(&raw, "server")?;
     Ok(Json(servers::update(&ctx, &caller, uuid, req).await?).into_response())
 }
 
-#[utoipa::path(post, path = "/servers/join-tokens", tag = "servers", request_body(content = Option<CreateJoinToken>, description = "Optional", content_type = "application/json"), responses((status = 201, description = "A single-use token admitting one node", body = JoinToken), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/servers/join-tokens", tag = "servers", request_body(content = Option<CreateJoinToken>, description = "Optional", content_type = "application/json"), responses((status = 201, description = "A single-use token admitting one node", body = JoinToken), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_join_token(
     State(ctx): State<Ctx>,
     caller: Caller,
     body: axum::body::Bytes,
 ) -> ApiResult<Response> {
-    caller.require_operator()?;
     // No body, or JSON `null`, asks for the defaults.
     let text = body.trim_ascii();
     let req: CreateJoinToken = if text.is_empty() || text == b"null" {
@@ -364,41 +329,29 @@ pub async fn create_join_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, pattern = "^/devices/pci[0-9a-f]{4,8}:[0-9a-f]{2}(/[0-9a-f]{4,8}:[0-9a-f]{2}:[0-1][0-9a-f]\\.[0-7])+$", max_length = 512, description = "Only this device"), ("last" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Only the newest N")), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}/device-events", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), DeviceEventsQuery), responses((status = 200, description = "State changes, oldest first", body = [DeviceEventRecord]), ErrorResponses), security(("bearer" = [])))]
 pub async fn device_events(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
-    q: QueryMap,
+    ApiQuery(q): ApiQuery<DeviceEventsQuery>,
 ) -> ApiResult<Response> {
-    caller.require_staff()?;
     let uuid: ServerId = id(&raw, "server")?;
-    let device = q
-        .parse::<passage_model::DevicePath>("device")?
-        .map(|d| d.to_string());
-    let last = match q.parse::<i64>("last")? {
-        Some(n) if !(1..=1000).contains(&n) => {
-            return Err(ApiError::invalid("last", "must be 1 to 1000"));
-        }
-        other => other,
-    };
-    let items = servers::device_events(&ctx, &caller, uuid, device.as_deref(), last).await?;
+    let device = q.device.as_ref().map(ToString::to_string);
+    let items = servers::device_events(&ctx, &caller, uuid, device.as_deref(), q.last()?).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
-#[utoipa::path(get, path = "/servers/{uuid}/scrub-reports", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ("device" = Option<String>, Query, pattern = "^/devices/pci[0-9a-f]{4,8}:[0-9a-f]{2}(/[0-9a-f]{4,8}:[0-9a-f]{2}:[0-1][0-9a-f]\\.[0-7])+$", max_length = 512, description = "Only this device")), responses((status = 200, description = "Scrub reports, oldest first", body = [ScrubRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/servers/{uuid}/scrub-reports", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), ScrubReportsQuery), responses((status = 200, description = "Scrub reports, oldest first", body = [ScrubRecord]), ErrorResponses), security(("bearer" = [])))]
 pub async fn scrub_reports(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
-    q: QueryMap,
+    ApiQuery(q): ApiQuery<ScrubReportsQuery>,
 ) -> ApiResult<Response> {
-    caller.require_staff()?;
     let uuid: ServerId = id(&raw, "server")?;
-    let device = q
-        .parse::<passage_model::DevicePath>("device")?
-        .map(|d| d.to_string());
+    let device = q.device.as_ref().map(ToString::to_string);
     let items = servers::scrub_reports(&ctx, &caller, uuid, device.as_deref()).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
@@ -406,28 +359,18 @@ pub async fn scrub_reports(
 
 // ---- vms and jobs ----
 
-#[utoipa::path(get, path = "/vms", tag = "vms", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (after the cursor, with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came"), ("state" = Option<VmState>, Query, description = "Only VMs in this state"), ("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this owner's"), ("server_uuid" = Option<String>, Query, format = Uuid, description = "Only on this server"), ("assigned_device" = Option<String>, Query, pattern = "^/devices/pci[0-9a-f]{4,8}:[0-9a-f]{2}(/[0-9a-f]{4,8}:[0-9a-f]{2}:[0-1][0-9a-f]\\.[0-7])+$", max_length = 512, description = "Only VMs with this device")), responses((status = 200, description = "VMs, newest first (then by uuid, descending)", body = [Vm], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
-pub async fn list_vms(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let req = q.keyset()?;
-    let state = match q.get("state") {
-        None => None,
-        Some(s) => Some(
-            VmState::parse(s)
-                .ok_or_else(|| ApiError::invalid("state", format!("{s:?} is not a VM state")))?,
-        ),
-    };
-    let filter = VmFilter {
-        owner: q.parse("owner_uuid")?,
-        state,
-        server: q.parse("server_uuid")?,
-        assigned_device: q
-            .parse::<passage_model::DevicePath>("assigned_device")?
-            .map(|d| d.to_string()),
-    };
-    Ok(paged(vms::list(&ctx, &caller, filter, &req).await?))
+#[utoipa::path(get, path = "/vms", tag = "vms", params(Keyset<TimeKey>, VmsQuery), responses((status = 200, description = "VMs, newest first (then by uuid, descending)", body = [Vm], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_vms(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Keyset<TimeKey>>,
+    ApiQuery(q): ApiQuery<VmsQuery>,
+) -> ApiResult<Response> {
+    let req = page.request()?;
+    Ok(paged(vms::list(&ctx, &caller, q.into(), &req).await?))
 }
 
-#[utoipa::path(post, path = "/vms", tag = "vms", request_body = CreateVm, responses((status = 202, description = "Placed and reserved; provisioning", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms", tag = "vms", request_body = CreateVm, responses((status = 202, description = "Placed and reserved; provisioning", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -437,7 +380,7 @@ pub async fn create_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(get, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The VM", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The VM", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -447,7 +390,7 @@ pub async fn get_vm(
     Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn delete_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -458,7 +401,7 @@ pub async fn delete_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(get, path = "/jobs/{uuid}", tag = "jobs", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The job and its steps", body = Job), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/jobs/{uuid}", tag = "jobs", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The job and its steps", body = Job), ErrorResponses), security(("bearer" = [])))]
 pub async fn get_job(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -468,29 +411,27 @@ pub async fn get_job(
     Ok(Json(vms::job(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(get, path = "/jobs", tag = "jobs", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip (after the cursor, with after)"), ("after" = Option<String>, Query, pattern = "^[0-9]{1,18}\\.[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$", description = "Start after this cursor: the x-next-cursor header of the previous page, passed as it came"), ("state" = Option<JobState>, Query, description = "Only jobs in this state")), responses((status = 200, description = "Jobs, newest first (then by uuid, descending)", body = [Job], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
-pub async fn list_jobs(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let req = q.keyset()?;
-    let state = match q.get("state") {
-        None => None,
-        Some(s) => Some(
-            JobState::parse(s)
-                .ok_or_else(|| ApiError::invalid("state", format!("{s:?} is not a job state")))?,
-        ),
-    };
-    Ok(paged(vms::list_jobs(&ctx, &caller, state, &req).await?))
+#[utoipa::path(get, path = "/jobs", tag = "jobs", params(Keyset<TimeKey>, JobsQuery), responses((status = 200, description = "Jobs, newest first (then by uuid, descending)", body = [Job], headers(("x-resource-count" = i64, description = "How many items match the filters, all pages together"), ("x-next-cursor" = String, description = "Present when more items follow: pass it as after to get the next page"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_jobs(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Keyset<TimeKey>>,
+    ApiQuery(q): ApiQuery<JobsQuery>,
+) -> ApiResult<Response> {
+    let req = page.request()?;
+    Ok(paged(vms::list_jobs(&ctx, &caller, q.state, &req).await?))
 }
 
 // ---- the caller's API tokens ----
 
-#[utoipa::path(get, path = "/tokens", tag = "auth", responses((status = 200, description = "The caller's API tokens (without secrets)", body = [ApiToken]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/tokens", tag = "auth", responses((status = 200, description = "The caller's API tokens (without secrets)", body = [ApiToken]), ErrorResponses), security(("bearer" = [])))]
 pub async fn list_tokens(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
     let items = auth::list_api_tokens(&ctx, &caller).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
-#[utoipa::path(post, path = "/tokens", tag = "auth", request_body = CreateApiToken, responses((status = 201, description = "The token; its secret is shown this once", body = ApiToken), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/tokens", tag = "auth", request_body = CreateApiToken, responses((status = 201, description = "The token; its secret is shown this once", body = ApiToken), ErrorResponses), security(("bearer" = [])))]
 pub async fn create_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -500,7 +441,7 @@ pub async fn create_token(
     Ok((StatusCode::CREATED, Json(t)).into_response())
 }
 
-#[utoipa::path(delete, path = "/tokens/{uuid}", tag = "auth", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Revoked"), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(delete, path = "/tokens/{uuid}", tag = "auth", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Revoked"), ErrorResponses), security(("bearer" = [])))]
 pub async fn delete_token(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -513,65 +454,58 @@ pub async fn delete_token(
 
 // ---- operations ----
 
-#[utoipa::path(get, path = "/capacity", tag = "operations", responses((status = 200, description = "Devices per variant by state", body = [Capacity]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/capacity", tag = "operations", responses((status = 200, description = "Devices per variant by state", body = [Capacity]), ErrorResponses), security(("bearer" = [])))]
 pub async fn capacity(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Response> {
     let items = ops::capacity(&ctx, &caller).await?;
     let n = items.len() as i64;
     Ok(listed(items, n))
 }
 
-#[utoipa::path(get, path = "/alerts", tag = "operations", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "Alerts, newest first", body = [Alert]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
-pub async fn alerts(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+#[utoipa::path(get, path = "/alerts", tag = "operations", params(Paging), responses((status = 200, description = "Alerts, newest first", body = [Alert]), ErrorResponses), security(("bearer" = [])))]
+pub async fn alerts(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let (limit, offset) = page.bounds()?;
     let (items, total) = ops::alerts(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(get, path = "/audit", tag = "operations", params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "1 to 1000 (default 1000)"), ("offset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "items to skip")), responses((status = 200, description = "State-changing calls, newest first", body = [AuditEntry]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
-pub async fn audit(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let (limit, offset) = q.page()?;
+#[utoipa::path(get, path = "/audit", tag = "operations", params(Paging), responses((status = 200, description = "State-changing calls, newest first", body = [AuditEntry]), ErrorResponses), security(("bearer" = [])))]
+pub async fn audit(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let (limit, offset) = page.bounds()?;
     let (items, total) = ops::audit(&ctx, &caller, limit, offset).await?;
     Ok(listed(items, total))
 }
 
-#[utoipa::path(get, path = "/usage", tag = "operations", params(("owner_uuid" = Option<String>, Query, format = Uuid, description = "Only this account (operators)"), ("from" = Option<String>, Query, format = DateTime, description = "RFC 3339 start (default 30 days ago)"), ("to" = Option<String>, Query, format = DateTime, description = "RFC 3339 end (default now)")), responses((status = 200, description = "GPU-hours", body = Usage), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
-pub async fn usage(State(ctx): State<Ctx>, caller: Caller, q: QueryMap) -> ApiResult<Response> {
-    let time = |k: &str| -> ApiResult<Option<chrono::DateTime<chrono::Utc>>> {
-        q.get(k)
-            .map(|v| {
-                chrono::DateTime::parse_from_rfc3339(v)
-                    .map(|t| t.with_timezone(&chrono::Utc))
-                    .map_err(|_| {
-                        ApiError::invalid(k, "must be an RFC 3339 time, e.g. 2026-11-01T00:00:00Z")
-                    })
-            })
-            .transpose()
-    };
-    let u = ops::usage(
-        &ctx,
-        &caller,
-        q.parse("owner_uuid")?,
-        time("from")?,
-        time("to")?,
-    )
-    .await?;
+#[utoipa::path(get, path = "/usage", tag = "operations", params(UsageQuery), responses((status = 200, description = "GPU-hours", body = Usage), ErrorResponses), security(("bearer" = [])))]
+pub async fn usage(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<UsageQuery>,
+) -> ApiResult<Response> {
+    let u = ops::usage(&ctx, &caller, q.owner_uuid, q.start()?, q.end()?).await?;
     Ok(Json(u).into_response())
 }
 
-#[utoipa::path(post, path = "/servers/{uuid}/device-actions", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = DeviceActionRequest, responses((status = 200, description = "The device's history after the action", body = [DeviceEventRecord]), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/servers/{uuid}/device-actions", tag = "servers", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = DeviceActionRequest, responses((status = 200, description = "The device's history after the action", body = [DeviceEventRecord]), ErrorResponses), security(("bearer" = [])))]
 pub async fn device_action(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
     ApiJson(req): ApiJson<passage_model::api::DeviceActionRequest>,
 ) -> ApiResult<Response> {
-    caller.require_operator()?;
     let uuid: ServerId = id(&raw, "server")?;
     let history = ops::device_action(&ctx, &caller, uuid, req).await?;
     Ok(Json(history).into_response())
 }
 
-#[utoipa::path(post, path = "/placement/dry-run", tag = "operations", request_body = PlacementDryRun, responses((status = 200, description = "Where the package would go, and why not elsewhere", body = PlacementExplanation), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/placement/dry-run", tag = "operations", request_body = PlacementDryRun, responses((status = 200, description = "Where the package would go, and why not elsewhere", body = PlacementExplanation), ErrorResponses), security(("bearer" = [])))]
 pub async fn placement_dry_run(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -586,13 +520,12 @@ pub async fn revoke_credential(
     caller: Caller,
     Path(raw): Path<String>,
 ) -> ApiResult<StatusCode> {
-    caller.require_operator()?;
     let uuid: ServerId = id(&raw, "server")?;
     servers::revoke_credential(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn stop_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -603,7 +536,7 @@ pub async fn stop_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/start", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Starting", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/start", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Starting", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn start_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -614,7 +547,7 @@ pub async fn start_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/resize", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::ResizeVm, responses((status = 202, description = "Resizing (new devices reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/resize", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::ResizeVm, responses((status = 202, description = "Resizing (new devices reserved)", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn resize_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
@@ -626,7 +559,7 @@ pub async fn resize_vm(
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/migrate", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::MigrateVm, responses((status = 202, description = "Migrating (devices on the target reserved)", body = Vm), (status = 400, description = "Invalid argument (names the field)", body = ApiErrorBody), (status = 401, description = "No valid credentials", body = ApiErrorBody), (status = 403, description = "The caller's role may not do this", body = ApiErrorBody), (status = 404, description = "Not found (or another tenant's)", body = ApiErrorBody), (status = 409, description = "Conflict with the current state", body = ApiErrorBody), (status = 413, description = "Body too large", body = ApiErrorBody)), security(("bearer" = [])))]
+#[utoipa::path(post, path = "/vms/{uuid}/migrate", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body = passage_model::api::MigrateVm, responses((status = 202, description = "Migrating (devices on the target reserved)", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn migrate_vm(
     State(ctx): State<Ctx>,
     caller: Caller,

@@ -1,40 +1,15 @@
 //! Accounts (operator only).
 
 use super::Ctx;
-use super::auth::{Caller, hash_password, validate_password};
+use super::auth::{Caller, hash_password};
 use crate::error::{ApiError, ApiResult};
 use crate::store::accounts;
 use passage_model::AccountId;
-use passage_model::api::{Account, CreateAccount, MAX_LOGIN_LEN, UpdateAccount};
-
-fn validate_login(login: &str) -> ApiResult<()> {
-    let ok = !login.is_empty()
-        && login.len() <= MAX_LOGIN_LEN
-        && login
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'@'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            "login",
-            format!("must be 1 to {MAX_LOGIN_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.', '@'"),
-        ))
-    }
-}
-
-fn validate_quota(q: Option<u32>) -> ApiResult<()> {
-    if q.is_some_and(|q| q > 100_000) {
-        return Err(ApiError::invalid("gpu_quota", "must be at most 100000"));
-    }
-    Ok(())
-}
+use passage_model::api::{Account, CreateAccount, UpdateAccount};
 
 pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateAccount) -> ApiResult<Account> {
     caller.require_operator()?;
-    validate_login(&req.login)?;
-    validate_password("password", &req.password)?;
-    validate_quota(req.gpu_quota)?;
+    req.validate()?;
     let hash = hash_password(req.password).await?;
     Ok(accounts::insert(
         &ctx.db,
@@ -80,12 +55,7 @@ pub async fn update(
 ) -> ApiResult<Account> {
     visible(caller, uuid)?;
     caller.require_operator()?;
-    if let Some(pw) = &req.password {
-        validate_password("password", pw)?;
-    }
-    if let Some(q) = req.gpu_quota {
-        validate_quota(q)?;
-    }
+    req.validate()?;
     if uuid == caller.account.uuid && req.role.is_some_and(|r| r != caller.account.role) {
         return Err(ApiError::invalid_state(
             "you cannot change your own role (ask another operator)",

@@ -3,6 +3,7 @@
 
 use super::Ctx;
 use crate::store::ops::{self, AuditRecord};
+use passage_model::AccountId;
 use tokio::sync::oneshot;
 
 /// How long a batch waits for the callers of the last one: an insert takes a millisecond
@@ -17,8 +18,22 @@ pub struct Pending {
     written: oneshot::Sender<Result<(), String>>,
 }
 
-/// Appends `record` to the audit log; returns once it is stored.
-pub async fn record(ctx: &Ctx, record: AuditRecord) -> Result<(), String> {
+/// Appends a call that `actor` (uuid and login) made and that answered `status` to the
+/// audit log, timed now; returns once it is stored.
+pub async fn record(
+    ctx: &Ctx,
+    actor: Option<(AccountId, String)>,
+    method: String,
+    path: String,
+    status: u16,
+) -> Result<(), String> {
+    let record = AuditRecord {
+        at: crate::store::now_ms(),
+        actor,
+        method,
+        path,
+        status,
+    };
     let (written, done) = oneshot::channel();
     ctx.audit
         .submit(ctx, Pending { record, written }, MAX_BATCH, write)

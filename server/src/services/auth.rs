@@ -66,20 +66,6 @@ fn decoy_hash() -> &'static str {
     })
 }
 
-pub fn validate_password(field: &str, pw: &str) -> ApiResult<()> {
-    let n = pw.chars().count();
-    if !(passage_model::api::MIN_PASSWORD_LEN..=MAX_PASSWORD_LEN).contains(&n) {
-        return Err(ApiError::invalid(
-            field,
-            format!(
-                "must be {} to {MAX_PASSWORD_LEN} characters",
-                passage_model::api::MIN_PASSWORD_LEN
-            ),
-        ));
-    }
-    Ok(())
-}
-
 pub async fn login(
     ctx: &Ctx,
     login: &str,

@@ -4,9 +4,7 @@ use super::Ctx;
 use super::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{devices, packages, variants};
-use passage_model::api::{
-    CreatePackage, MAX_DEVICES_PER_VM, MAX_NAME_LEN, MAX_PACKAGE_DEVICE_KINDS, Package,
-};
+use passage_model::api::{CreatePackage, Package};
 use passage_model::{PackageId, Variant};
 
 fn check_variant(v: &Variant) -> ApiResult<()> {
@@ -73,54 +71,8 @@ pub async fn delete_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult
 
 pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> ApiResult<Package> {
     caller.require_operator()?;
-    let name_ok = !req.name.trim().is_empty()
-        && req.name.chars().count() <= MAX_NAME_LEN
-        && !req.name.chars().any(char::is_control);
-    if !name_ok {
-        return Err(ApiError::invalid(
-            "name",
-            format!("must be 1 to {MAX_NAME_LEN} printable characters"),
-        ));
-    }
-    if req.name.parse::<uuid::Uuid>().is_ok() {
-        return Err(ApiError::invalid(
-            "name",
-            "must not be a uuid (packages are looked up by uuid or name)",
-        ));
-    }
-    if !(1..=1024).contains(&req.vcpus) {
-        return Err(ApiError::invalid("vcpus", "must be 1 to 1024"));
-    }
-    if !(64..=16 * 1024 * 1024).contains(&req.memory_mib) {
-        return Err(ApiError::invalid("memory_mib", "must be 64 to 16777216"));
-    }
-    if req.disk_gib > 1024 * 1024 {
-        return Err(ApiError::invalid("disk_gib", "must be at most 1048576"));
-    }
-    if req.devices.len() > MAX_PACKAGE_DEVICE_KINDS {
-        return Err(ApiError::invalid(
-            "devices",
-            format!("at most {MAX_PACKAGE_DEVICE_KINDS} variants"),
-        ));
-    }
     let known = variants::list(&ctx.db).await?;
-    let mut total = 0u32;
-    for (variant, count) in &req.devices {
-        let field = format!("devices.{variant}");
-        if !known.iter().any(|v| &v.name == variant) {
-            return Err(ApiError::missing(field, "no such variant"));
-        }
-        if *count == 0 {
-            return Err(ApiError::invalid(field, "count must be at least 1"));
-        }
-        total = total.saturating_add(*count);
-    }
-    if total > MAX_DEVICES_PER_VM {
-        return Err(ApiError::invalid(
-            "devices",
-            format!("at most {MAX_DEVICES_PER_VM} devices per VM"),
-        ));
-    }
+    req.validate(|name| known.iter().any(|v| v.name == name))?;
     Ok(packages::insert(
         &ctx.db,
         packages::NewPackage {

@@ -2,6 +2,11 @@
 //! store at scrape time; what only this process sees (placements, job steps) is counted
 //! here.
 
+use super::Ctx;
+use super::auth::Caller;
+use crate::error::ApiResult;
+use crate::store::{ops, servers};
+use passage_model::api::Capacity;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -65,4 +70,31 @@ impl Metrics {
     pub fn snapshot(&self) -> Inner {
         self.inner.lock().map(|m| m.clone()).unwrap_or_default()
     }
+}
+
+/// The fleet as `/metrics` shows it, read from the store at scrape time.
+pub struct Fleet {
+    pub capacity: Vec<Capacity>,
+    pub servers: usize,
+    /// Servers whose agent was heard from recently.
+    pub heartbeating: usize,
+}
+
+/// Staff only: it describes the whole fleet.
+pub async fn fleet(ctx: &Ctx, caller: &Caller) -> ApiResult<Fleet> {
+    caller.require_staff()?;
+    let capacity = ops::capacity(&ctx.db, ctx.alive_after_ms()).await?;
+    let (all, _) = servers::list(&ctx.db, 1_000_000, 0).await?;
+    let heartbeating = all
+        .iter()
+        .filter(|s| {
+            s.last_heartbeat
+                .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms())
+        })
+        .count();
+    Ok(Fleet {
+        capacity,
+        servers: all.len(),
+        heartbeating,
+    })
 }

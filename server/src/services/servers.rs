@@ -3,7 +3,7 @@
 use super::Ctx;
 use super::auth::{Caller, JOIN_TOKEN_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
-use crate::store::page::{DeviceKey, Page, PageReq, TimeKey};
+use crate::listing::{DeviceFilter, DeviceKey, Page, PageReq, ServerFilter, TimeKey};
 use crate::store::{self, devices, room, servers, variants, vms};
 use chrono::Utc;
 use passage_model::api::{
@@ -179,7 +179,7 @@ pub async fn list(
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Server, TimeKey>> {
     caller.require_staff()?;
-    let filter = servers::ServerFilter {
+    let filter = ServerFilter {
         status,
         alive_after_ms: ctx.alive_after_ms(),
     };
@@ -228,7 +228,7 @@ pub enum Detail {
 pub async fn list_devices(
     ctx: &Ctx,
     caller: &Caller,
-    filter: &devices::DeviceFilter,
+    filter: &DeviceFilter,
     req: &PageReq<DeviceKey>,
 ) -> ApiResult<Page<DeviceRow, DeviceKey>> {
     caller.require_staff()?;

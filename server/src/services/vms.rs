@@ -4,35 +4,18 @@ use super::Ctx;
 use super::auth::Caller;
 use super::catalog;
 use crate::error::{ApiError, ApiResult};
+use crate::listing::{JobFilter, Page, PageReq, TimeKey, VmFilter};
 use crate::placement;
 use crate::store::create::{self, NewVm};
-use crate::store::page::{Page, PageReq, TimeKey};
 use crate::store::{self, StoreError, accounts, devices, jobs, room, vms};
 use crate::workflows::{self, destroy::Destroy};
 use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, PackageId, VmId};
 use std::collections::BTreeMap;
 
-pub const MAX_ALIAS_LEN: usize = 64;
 /// A lost race means someone else took a device; each retry re-reads the free devices, so
 /// this bounds work, not correctness.
 const MAX_PLACEMENT_ATTEMPTS: usize = 32;
-
-fn validate_alias(alias: &str) -> ApiResult<()> {
-    let ok = !alias.is_empty()
-        && alias.len() <= MAX_ALIAS_LEN
-        && alias
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            "alias",
-            format!("must be 1 to {MAX_ALIAS_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
-        ))
-    }
-}
 
 fn insufficient(request: &BTreeMap<String, u32>) -> ApiError {
     let what: Vec<String> = request.iter().map(|(v, n)| format!("{n} × {v}")).collect();
@@ -53,30 +36,24 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
     if caller.account.role == Role::Reader {
         return Err(ApiError::forbidden());
     }
-    validate_alias(&req.alias)?;
-    if req.package.is_some() && req.assigned_devices.is_some() {
-        return Err(ApiError::invalid(
-            "assigned_devices",
-            "give either a package or assigned_devices, not both",
-        ));
+    // Operators' fields are refused to others before their values are looked at.
+    if req.assigned_devices.is_some() || req.owner_uuid.is_some_and(|o| o != caller.account.uuid) {
+        caller.require_operator()?;
     }
+    req.validate()?;
     let owner = match req.owner_uuid {
-        Some(o) if o != caller.account.uuid => {
-            caller.require_operator()?;
-            match accounts::get(&ctx.db, o).await {
-                Ok(_) => o,
-                Err(StoreError::NotFound(_)) => {
-                    return Err(ApiError::missing("owner_uuid", "no such account"));
-                }
-                Err(e) => return Err(e.into()),
+        Some(o) if o != caller.account.uuid => match accounts::get(&ctx.db, o).await {
+            Ok(_) => o,
+            Err(StoreError::NotFound(_)) => {
+                return Err(ApiError::missing("owner_uuid", "no such account"));
             }
-        }
+            Err(e) => return Err(e.into()),
+        },
         _ => caller.account.uuid,
     };
     let job = JobId::new_ordered();
     let uuid = VmId::new_ordered();
     let vm = if let Some(devs) = req.assigned_devices.clone() {
-        caller.require_operator()?;
         create_with_devices(
             ctx,
             &req.alias,
@@ -93,18 +70,6 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             .package
             .as_deref()
             .ok_or_else(|| ApiError::invalid("package", "a package (uuid or name) is required"))?;
-        if req.server_uuid.is_some() {
-            return Err(ApiError::invalid(
-                "server_uuid",
-                "only with assigned_devices; packages are placed by the control plane",
-            ));
-        }
-        if req.vcpus.is_some() || req.memory_mib.is_some() {
-            return Err(ApiError::invalid(
-                "vcpus",
-                "the package sets vcpus and memory_mib",
-            ));
-        }
         let on_the_way = ctx.placer.on_the_way();
         let package = match catalog::find_package(ctx, key).await {
             Ok(p) => p,
@@ -335,23 +300,8 @@ async fn create_with_devices(
 ) -> ApiResult<Vm> {
     let server =
         server.ok_or_else(|| ApiError::invalid("server_uuid", "required with assigned_devices"))?;
-    if devs.is_empty() || devs.len() > passage_model::api::MAX_DEVICES_PER_VM as usize {
-        return Err(ApiError::invalid(
-            "assigned_devices",
-            format!(
-                "must list 1 to {} devices",
-                passage_model::api::MAX_DEVICES_PER_VM
-            ),
-        ));
-    }
     let vcpus = req.vcpus.unwrap_or(1);
     let memory_mib = req.memory_mib.unwrap_or(1024);
-    if !(1..=1024).contains(&vcpus) {
-        return Err(ApiError::invalid("vcpus", "must be 1 to 1024"));
-    }
-    if !(64..=16 * 1024 * 1024).contains(&memory_mib) {
-        return Err(ApiError::invalid("memory_mib", "must be 64 to 16777216"));
-    }
     let known = match store::servers::get(&ctx.db, server).await {
         Ok(_) => devices::for_server(&ctx.db, server).await?,
         Err(StoreError::NotFound(_)) => {
@@ -425,7 +375,7 @@ pub async fn get(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
 pub async fn list(
     ctx: &Ctx,
     caller: &Caller,
-    mut filter: vms::VmFilter,
+    mut filter: VmFilter,
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Vm, TimeKey>> {
     if !caller.account.role.sees_all() {
@@ -510,7 +460,7 @@ pub async fn list_jobs(
     state: Option<JobState>,
     req: &PageReq<TimeKey>,
 ) -> ApiResult<Page<Job, TimeKey>> {
-    let filter = jobs::JobFilter {
+    let filter = JobFilter {
         owner: (!caller.account.role.sees_all()).then_some(caller.account.uuid),
         state,
     };

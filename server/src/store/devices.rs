@@ -144,13 +144,7 @@ pub async fn state_counts(
     Ok(out)
 }
 
-/// Which assignable devices the fleet-wide list shows.
-#[derive(Clone, Debug, Default)]
-pub struct DeviceFilter {
-    pub state: Option<DeviceState>,
-    pub variant: Option<String>,
-    pub server: Option<ServerId>,
-}
+pub use crate::listing::DeviceFilter;
 
 /// An assignable device with the hostname of its server.
 #[derive(Clone, Debug)]

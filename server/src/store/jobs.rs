@@ -351,13 +351,7 @@ pub async fn step_ended(
     Ok(())
 }
 
-/// Which jobs a page lists.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct JobFilter {
-    /// Only the jobs on this account's VMs.
-    pub owner: Option<AccountId>,
-    pub state: Option<JobState>,
-}
+pub use crate::listing::JobFilter;
 
 #[derive(sqlx::FromRow)]
 struct StepOfJob {

@@ -189,14 +189,7 @@ pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRe
     ))
 }
 
-/// Which servers a page lists, by status (derived from the last heartbeat as
-/// `services::servers::status` does).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ServerFilter {
-    pub status: Option<passage_model::api::ServerStatus>,
-    /// The oldest heartbeat of a running server (ms since the epoch).
-    pub alive_after_ms: i64,
-}
+pub use crate::listing::ServerFilter;
 
 const SERVER_COLS: &str = "uuid, hostname, last_heartbeat, created_at, disabled";
 

@@ -9,7 +9,7 @@ use super::room::Allocation;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
-use passage_model::{AccountId, DeviceEvent, PackageId, ServerId, VmId};
+use passage_model::{DeviceEvent, PackageId, ServerId, VmId};
 
 #[derive(sqlx::FromRow)]
 struct VmRow {
@@ -69,13 +69,7 @@ pub async fn get(db: &Db, uuid: VmId) -> StoreResult<Vm> {
     row.ok_or(StoreError::NotFound("vm"))?.into_view()
 }
 
-#[derive(Default)]
-pub struct VmFilter {
-    pub owner: Option<AccountId>,
-    pub state: Option<VmState>,
-    pub server: Option<ServerId>,
-    pub assigned_device: Option<String>,
-}
+pub use crate::listing::VmFilter;
 
 /// One page of VMs, newest first, filtered in SQL.
 pub async fn list(db: &Db, f: &VmFilter, req: &PageReq<TimeKey>) -> StoreResult<Page<Vm, TimeKey>> {

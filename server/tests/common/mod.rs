@@ -1,12 +1,22 @@
 //! Test harness: a real server on loopback over a real SQLite file or a fresh Postgres
-//! database, real node agents (the library's loop, in-process) over fake sysfs trees.
+//! database, real node agents (the library's loop, in-process) over fake sysfs trees,
+//! and typed calls: `s.get::<Vm>(path)`, `s.with(&token).post::<Vm>(path, &body)` answer
+//! a [`Reply`] whose body is the model's type, or the error body.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use node_agent::agent::AgentConfig;
 use node_agent::fake::{FakeSpec, GpuModel};
 use node_agent::hypervisor::HypervisorKind;
+use passage_model::api::{Account, Job, JobState, JoinToken, LoginResponse, Package, Server};
+use passage_model::protocol::RegisterResponse;
+use passage_model::{
+    AccountId, ApiErrorBody, DevicePath, DeviceState, ErrorCode, JobId, PciDevice, ServerId,
+    Variant, VmId,
+};
 use passage_server::config::Config;
 use passage_server::services::Ctx;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -120,20 +130,53 @@ impl TestServer {
         format!("{}{}", self.base, path)
     }
 
-    pub async fn login(&self, login: &str, password: &str) -> String {
-        let (st, body) = self
-            .call(
-                "POST",
-                "/v1/auth/login",
-                None,
-                Some(json!({"login": login, "password": password})),
-            )
-            .await;
-        assert_eq!(st, 200, "login {login}: {body}");
-        body["token"].as_str().unwrap().to_string()
+    /// Calls made with `token` (none: anonymous). The client owns what it needs, so a
+    /// task of its own can use it.
+    pub fn client(&self, token: Option<&str>) -> Client {
+        Client {
+            http: self.http.clone(),
+            base: self.base.clone(),
+            token: token.map(String::from),
+        }
     }
 
-    /// One request; answers (status, JSON body or Null).
+    /// Calls made with `token`.
+    pub fn with(&self, token: &str) -> Client {
+        self.client(Some(token))
+    }
+
+    /// Calls made as the operator `admin`.
+    pub fn as_admin(&self) -> Client {
+        self.client(Some(&self.admin))
+    }
+
+    /// `GET` as `admin`.
+    pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
+        self.as_admin().get(path).await
+    }
+
+    /// `POST` with a JSON body as `admin`.
+    pub async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.as_admin().post(path, body).await
+    }
+
+    /// `PUT` with a JSON body as `admin`.
+    pub async fn put<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.as_admin().put(path, body).await
+    }
+
+    /// `PATCH` with a JSON body as `admin`.
+    pub async fn patch<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.as_admin().patch(path, body).await
+    }
+
+    /// `DELETE` as `admin`.
+    pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
+        self.as_admin().delete(path).await
+    }
+
+    /// One request, its answer as JSON whatever it is: for the tests that look at what
+    /// the typed calls would hide (documents, answers that are not the contract's).
     pub async fn call(
         &self,
         method: &str,
@@ -159,41 +202,23 @@ impl TestServer {
         (status, v)
     }
 
-    pub async fn raw(
-        &self,
-        method: &str,
-        path: &str,
-        token: Option<&str>,
-        body: &str,
-    ) -> (u16, Value) {
-        let mut rb = self
-            .http
-            .request(method.parse().unwrap(), self.url(path))
-            .header("content-type", "application/json")
-            .body(body.to_string());
-        if let Some(t) = token {
-            rb = rb.bearer_auth(t);
-        }
-        let resp = rb.send().await.unwrap();
-        let status = resp.status().as_u16();
-        let text = resp.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    pub async fn admin_call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let t = self.admin.clone();
-        self.call(method, path, Some(&t), body).await
+    pub async fn login(&self, login: &str, password: &str) -> String {
+        let body = json!({"login": login, "password": password});
+        let r: LoginResponse = self
+            .client(None)
+            .post("/v1/auth/login", &body)
+            .await
+            .ok(200);
+        r.token
     }
 
     pub async fn join_token(&self) -> String {
-        let (st, b) = self
-            .admin_call("POST", "/v1/servers/join-tokens", None)
-            .await;
-        assert_eq!(st, 201, "{b}");
-        b["token"].as_str().unwrap().to_string()
+        let t: JoinToken = self
+            .as_admin()
+            .post_empty("/v1/servers/join-tokens")
+            .await
+            .ok(201);
+        t.token
     }
 
     /// A node: a fake sysfs tree with `gpus` H100s and the real agent loop serving it.
@@ -235,10 +260,10 @@ impl TestServer {
         .expect("the node registered");
         // Its inventory arrives right after registration.
         wait_for(Duration::from_secs(20), || async {
-            let (_, s) = self
-                .admin_call("GET", &format!("/v1/servers/{uuid}"), None)
-                .await;
-            (s["sysinfo"]["PCI Devices"].as_array().map_or(0, Vec::len) > 0).then_some(())
+            let s: Server = self.get(&format!("/v1/servers/{uuid}")).await.ok(200);
+            s.sysinfo
+                .is_some_and(|i| !i.pci_devices.is_empty())
+                .then_some(())
         })
         .await
         .expect("the node reported its inventory");
@@ -253,7 +278,7 @@ impl TestServer {
     /// A node registered by hand (no agent loop: its tasks are never answered) that
     /// reported the inventory of a fake tree of `gpus` H100s: (server uuid, node
     /// credential, devices reported).
-    pub async fn manual_node(&self, gpus: u32) -> (String, String, Vec<passage_model::PciDevice>) {
+    pub async fn manual_node(&self, gpus: u32) -> (ServerId, String, Vec<PciDevice>) {
         self.manual_node_with(gpus, None).await
     }
 
@@ -262,7 +287,7 @@ impl TestServer {
         &self,
         gpus: u32,
         host: Option<Value>,
-    ) -> (String, String, Vec<passage_model::PciDevice>) {
+    ) -> (ServerId, String, Vec<PciDevice>) {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("sys");
         let spec = FakeSpec {
@@ -275,106 +300,277 @@ impl TestServer {
         let jt = self.join_token().await;
         let body = json!({"join_token": jt, "hostname": "cn-manual", "agent_version": "t",
                           "protocol_version": 1});
-        let (st, reg) = self
-            .call("POST", "/agent/v1/register", None, Some(body))
-            .await;
-        assert_eq!(st, 201, "{reg}");
-        let cred = reg["credential"].as_str().unwrap().to_string();
-        let uuid = reg["server_uuid"].as_str().unwrap().to_string();
+        let reg: RegisterResponse = self
+            .client(None)
+            .post("/agent/v1/register", &body)
+            .await
+            .ok(201);
         let mut inventory = json!({ "devices": devices });
         if let Some(h) = host {
             inventory["host"] = h;
         }
-        let (st, e) = self
-            .call("PUT", "/agent/v1/inventory", Some(&cred), Some(inventory))
-            .await;
-        assert_eq!(st, 204, "{e}");
-        (uuid, cred, devices)
+        self.with(&reg.credential)
+            .put::<()>("/agent/v1/inventory", &inventory)
+            .await
+            .ok(204);
+        (reg.server_uuid, reg.credential, devices)
     }
 
-    pub async fn server_uuids(&self) -> Vec<String> {
-        let (_, b) = self.admin_call("GET", "/v1/servers", None).await;
-        b.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|s| s["uuid"].as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default()
+    pub async fn server_uuids(&self) -> Vec<ServerId> {
+        let servers: Vec<Server> = self.get("/v1/servers").await.ok(200);
+        servers.into_iter().map(|s| s.uuid).collect()
     }
 
-    pub async fn server(&self, uuid: &str) -> Value {
-        let (st, s) = self
-            .admin_call("GET", &format!("/v1/servers/{uuid}"), None)
-            .await;
-        assert_eq!(st, 200, "{s}");
-        s
+    pub async fn server(&self, uuid: ServerId) -> Server {
+        self.get(&format!("/v1/servers/{uuid}")).await.ok(200)
     }
 
     /// Variant `NVIDIA_H100` and package `gpu-<n>x` asking for `n` of it.
     pub async fn h100_catalog(&self, n: u32) -> String {
-        let (st, b) = self
-            .admin_call(
-                "POST",
+        let r: Reply<Variant> = self
+            .post(
                 "/v1/variants",
-                Some(json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"})),
+                &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
             )
             .await;
-        assert!(st == 201 || st == 409, "{st} {b}");
+        assert!(r.status == 201 || r.status == 409, "{r:?}");
         let name = format!("gpu-{n}x");
-        let (st, b) = self
-            .admin_call(
-                "POST",
+        let _: Package = self
+            .post(
                 "/v1/packages",
-                Some(
-                    json!({"name": name, "vcpus": 4, "memory_mib": 4096, "disk_gib": 10,
-                            "devices": {"NVIDIA_H100": n}}),
-                ),
+                &json!({"name": name, "vcpus": 4, "memory_mib": 4096, "disk_gib": 10,
+                        "devices": {"NVIDIA_H100": n}}),
             )
-            .await;
-        assert_eq!(st, 201, "{b}");
+            .await
+            .ok(201);
         name
     }
 
-    pub async fn tenant(&self, login: &str) -> (String, String) {
-        let (st, b) = self
-            .admin_call(
-                "POST",
+    /// A tenant account `login` (password `tenant-password`) and a session of it.
+    pub async fn tenant(&self, login: &str) -> (AccountId, String) {
+        let a: Account = self
+            .post(
                 "/v1/accounts",
-                Some(json!({"login": login, "password": "tenant-password", "role": "tenant"})),
+                &json!({"login": login, "password": "tenant-password", "role": "tenant"}),
             )
-            .await;
-        assert_eq!(st, 201, "{b}");
-        let uuid = b["uuid"].as_str().unwrap().to_string();
-        (uuid, self.login(login, "tenant-password").await)
+            .await
+            .ok(201);
+        (a.uuid, self.login(login, "tenant-password").await)
     }
 
-    pub async fn wait_job(&self, job: &str) -> Value {
+    /// `job` once it has ended, either way.
+    pub async fn wait_job(&self, job: JobId) -> Job {
         wait_for(Duration::from_secs(60), || async {
-            let (_, j) = self
-                .admin_call("GET", &format!("/v1/jobs/{job}"), None)
-                .await;
-            matches!(j["state"].as_str(), Some("succeeded" | "failed")).then_some(j)
+            let j: Job = self.get(&format!("/v1/jobs/{job}")).await.ok(200);
+            matches!(j.state, JobState::Succeeded | JobState::Failed).then_some(j)
         })
         .await
         .unwrap_or_else(|| panic!("job {job} did not end"))
     }
 
-    /// Device states of a server's assignable devices, by id.
-    pub async fn device_states(&self, server: &str) -> Vec<(String, String, Option<String>)> {
-        let s = self.server(server).await;
-        s["assignable_devices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| {
-                (
-                    d["id"].as_str().unwrap().to_string(),
-                    d["state"].as_str().unwrap().to_string(),
-                    d["used_by"].as_str().map(String::from),
-                )
-            })
+    /// The states of a server's assignable devices: (id, state, the VM holding it).
+    pub async fn device_states(
+        &self,
+        server: ServerId,
+    ) -> Vec<(DevicePath, DeviceState, Option<VmId>)> {
+        self.server(server)
+            .await
+            .assignable_devices
+            .unwrap_or_default()
+            .into_iter()
+            .map(|d| (d.id, d.state, d.used_by))
             .collect()
+    }
+}
+
+/// Calls to the server with one token (or none).
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl Client {
+    /// Calls to a server this harness did not start (a `server` process), at `base`.
+    pub fn at(base: &str, token: Option<&str>) -> Client {
+        Client {
+            http: reqwest::Client::new(),
+            base: base.to_string(),
+            token: token.map(String::from),
+        }
+    }
+
+    /// One request with an optional body (JSON text); its answer decoded as `T` (a success) or
+    /// as the error body every failure carries.
+    pub async fn send<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<String>,
+    ) -> Reply<T> {
+        let mut rb = self
+            .http
+            .request(method.parse().unwrap(), format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            rb = rb.header("content-type", "application/json").body(b);
+        }
+        Reply::from(rb.send().await.unwrap()).await
+    }
+
+    /// A request whose body is `text` as it is, sent as JSON: for bodies that are not
+    /// what any request type would write.
+    pub async fn raw<T: DeserializeOwned>(&self, method: &str, path: &str, text: &str) -> Reply<T> {
+        let mut rb = self
+            .http
+            .request(method.parse().unwrap(), format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(text.to_string());
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        Reply::from(rb.send().await.unwrap()).await
+    }
+
+    pub async fn get<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
+        self.send("GET", path, None).await
+    }
+
+    /// `GET` with query parameters, encoded as a form (a NUL becomes `%00`).
+    pub async fn get_query<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, &str)],
+    ) -> Reply<T> {
+        let mut rb = self.http.get(format!("{}{path}", self.base)).query(query);
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        Reply::from(rb.send().await.unwrap()).await
+    }
+
+    pub async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.send("POST", path, Some(json_text(body))).await
+    }
+
+    /// `POST` without a body.
+    pub async fn post_empty<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
+        self.send("POST", path, None).await
+    }
+
+    pub async fn put<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.send("PUT", path, Some(json_text(body))).await
+    }
+
+    pub async fn patch<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Reply<T> {
+        self.send("PATCH", path, Some(json_text(body))).await
+    }
+
+    pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
+        self.send("DELETE", path, None).await
+    }
+}
+
+fn json_text(body: &impl Serialize) -> String {
+    serde_json::to_string(body).unwrap()
+}
+
+/// An answer: its status and headers, and its body decoded as `T` when the call
+/// succeeded (2xx; an empty body decodes as `()`) or as [`ApiErrorBody`] when it failed.
+/// A body that is neither fails the test: the contract says what every answer holds.
+pub struct Reply<T> {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Result<T, ApiErrorBody>,
+    /// The body as it came, for messages.
+    pub text: String,
+}
+
+impl<T: DeserializeOwned> Reply<T> {
+    async fn from(resp: reqwest::Response) -> Reply<T> {
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        let body = if (200..300).contains(&status) {
+            let json = if text.is_empty() { "null" } else { &text };
+            Ok(serde_json::from_str(json).unwrap_or_else(|e| {
+                panic!(
+                    "{status}: the answer is no {}: {e}\n{text}",
+                    std::any::type_name::<T>()
+                )
+            }))
+        } else {
+            Err(serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("{status}: the answer is no error body: {e}\n{text}")))
+        };
+        Reply {
+            status,
+            headers,
+            body,
+            text,
+        }
+    }
+}
+
+impl<T> Reply<T> {
+    /// The body of a success with exactly this status.
+    #[track_caller]
+    pub fn ok(self, status: u16) -> T {
+        match self.body {
+            Ok(v) if self.status == status => v,
+            _ => panic!("expected {status}, got {}: {}", self.status, self.text),
+        }
+    }
+
+    /// The error of a failure with exactly this status.
+    #[track_caller]
+    pub fn err(self, status: u16) -> ApiErrorBody {
+        match self.body {
+            Err(e) if self.status == status => e,
+            _ => panic!("expected {status}, got {}: {}", self.status, self.text),
+        }
+    }
+
+    /// The error of a failure with exactly this status and code.
+    #[track_caller]
+    pub fn fails(self, status: u16, code: ErrorCode) -> ApiErrorBody {
+        let e = self.err(status);
+        assert_eq!(e.code, code, "{e:?}");
+        e
+    }
+
+    /// A 400 `InvalidArgument` that names `field`.
+    #[track_caller]
+    pub fn invalid(self, field: &str) -> ApiErrorBody {
+        let e = self.fails(400, ErrorCode::InvalidArgument);
+        assert_eq!(e.field.as_deref(), Some(field), "{e:?}");
+        e
+    }
+
+    /// A 404 `ResourceNotFound` that names `field`: the body named what does not exist.
+    #[track_caller]
+    pub fn missing(self, field: &str) -> ApiErrorBody {
+        let e = self.fails(404, ErrorCode::ResourceNotFound);
+        assert_eq!(e.field.as_deref(), Some(field), "{e:?}");
+        e
+    }
+
+    /// The error's code, when the call failed.
+    pub fn code(&self) -> Option<ErrorCode> {
+        self.body.as_ref().err().map(|e| e.code)
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+impl<T> std::fmt::Debug for Reply<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, self.text)
     }
 }
 
@@ -387,7 +583,7 @@ impl Drop for TestServer {
 }
 
 pub struct Node {
-    pub uuid: String,
+    pub uuid: ServerId,
     pub sysfs: PathBuf,
     pub state: PathBuf,
     _dir: TempDir,

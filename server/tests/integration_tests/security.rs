@@ -2,9 +2,13 @@
 //! change, by idling and at their limit, security headers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config};
+use crate::common::{self, Backend, TestServer, fast_config};
+use passage_model::api::{
+    Account, ApiToken, Job, JoinToken, LoginResponse, Package, Server, ServerStatus, StepState, Vm,
+};
+use passage_model::protocol::{HeartbeatResponse, RegisterResponse};
+use passage_model::{DeviceState, ErrorCode, Variant};
+use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 
 #[derive(Clone, Copy, Debug)]
@@ -26,43 +30,49 @@ const ALL: [Who; 6] = [
     Who::Agent,
 ];
 
+/// Every object a refused call could have changed, as an operator reads it.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    vm: Vm,
+    job: Job,
+    account: Account,
+    package: Package,
+    variant: Variant,
+    server: Server,
+    tokens: Vec<ApiToken>,
+}
+
 async fn bola_matrix(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     // A fleet: one node (registered by hand, so jobs just wait), catalog, two tenants,
     // a reader, and the owner's VM, job and API token.
     let (server, agent, _) = s.manual_node(8).await;
     let pkg = s.h100_catalog(1).await;
-    let (_, pkg_obj) = s.admin_call("GET", "/v1/packages", None).await;
-    let pkg_uuid = pkg_obj[0]["uuid"].as_str().unwrap().to_string();
+    let packages: Vec<Package> = s.get("/v1/packages").await.ok(200);
+    let pkg_uuid = packages[0].uuid;
     let (owner_uuid, owner) = s.tenant("owner").await;
     let (_, other) = s.tenant("other").await;
-    s.admin_call(
-        "POST",
+    s.post::<Account>(
         "/v1/accounts",
-        Some(json!({"login":"ro","password":"reader-password","role":"reader"})),
+        &json!({"login":"ro","password":"reader-password","role":"reader"}),
     )
-    .await;
+    .await
+    .ok(201);
     let reader = s.login("ro", "reader-password").await;
-    let (_, vm) = s
-        .call(
-            "POST",
-            "/v1/vms",
-            Some(&owner),
-            Some(json!({"alias":"mine","package": pkg})),
-        )
-        .await;
-    let vm_uuid = vm["uuid"].as_str().unwrap().to_string();
-    let job_uuid = vm["job_uuid"].as_str().unwrap().to_string();
-    let (_, tok) = s
-        .call(
-            "POST",
-            "/v1/tokens",
-            Some(&owner),
-            Some(json!({"name":"t"})),
-        )
-        .await;
-    let tok_uuid = tok["uuid"].as_str().unwrap().to_string();
-    let device = s.device_states(&server).await[0].0.clone();
+    let vm: Vm = s
+        .with(&owner)
+        .post("/v1/vms", &json!({"alias":"mine","package": pkg}))
+        .await
+        .ok(202);
+    let vm_uuid = vm.uuid;
+    let job_uuid = vm.job_uuid.unwrap();
+    let tok: ApiToken = s
+        .with(&owner)
+        .post("/v1/tokens", &json!({"name":"t"}))
+        .await
+        .ok(201);
+    let tok_uuid = tok.uuid;
+    let device = s.device_states(server).await[0].0.clone();
 
     let token = |w: Who| -> Option<String> {
         match w {
@@ -75,34 +85,25 @@ async fn bola_matrix(b: Backend) {
         }
     };
     let snapshot = || async {
-        let mut out = Vec::new();
-        for p in [
-            format!("/v1/vms/{vm_uuid}"),
-            format!("/v1/jobs/{job_uuid}"),
-            format!("/v1/accounts/{owner_uuid}"),
-            format!("/v1/packages/{pkg_uuid}"),
-            "/v1/variants/NVIDIA_H100".to_string(),
-            format!("/v1/servers/{server}"),
-        ] {
-            let (_, mut v) = s.admin_call("GET", &p, None).await;
-            // Heartbeats move; nothing else may.
-            if let Some(o) = v.as_object_mut() {
-                o.remove("last_heartbeat");
-                o.remove("status");
-            }
-            out.push(v);
+        let mut server: Server = s.get(&format!("/v1/servers/{server}")).await.ok(200);
+        // Heartbeats move; nothing else may.
+        server.last_heartbeat = None;
+        server.status = ServerStatus::Running;
+        Snapshot {
+            vm: s.get(&format!("/v1/vms/{vm_uuid}")).await.ok(200),
+            job: s.get(&format!("/v1/jobs/{job_uuid}")).await.ok(200),
+            account: s.get(&format!("/v1/accounts/{owner_uuid}")).await.ok(200),
+            package: s.get(&format!("/v1/packages/{pkg_uuid}")).await.ok(200),
+            variant: s.get("/v1/variants/NVIDIA_H100").await.ok(200),
+            server,
+            tokens: s.with(&owner).get("/v1/tokens").await.ok(200),
         }
-        let (_, t) = s.call("GET", "/v1/tokens", Some(&owner), None).await;
-        out.push(t);
-        out
     };
     // The provision job waits on the silent node at `bind`; let it get there first, so
     // only refused calls could change what the snapshot sees.
     common::wait_for(std::time::Duration::from_secs(10), || async {
-        let (_, j) = s
-            .admin_call("GET", &format!("/v1/jobs/{job_uuid}"), None)
-            .await;
-        (j["steps"][1]["state"] == "running").then_some(())
+        let j: Job = s.get(&format!("/v1/jobs/{job_uuid}")).await.ok(200);
+        (j.steps[1].state == StepState::Running).then_some(())
     })
     .await
     .expect("the job reached bind");
@@ -200,29 +201,27 @@ async fn bola_matrix(b: Backend) {
             if expect[i] == 0 {
                 continue;
             }
-            let (st, e) = s
-                .call(method, path, token(*who).as_deref(), body.clone())
+            let r = s
+                .client(token(*who).as_deref())
+                .send::<IgnoredAny>(method, path, body.as_ref().map(Value::to_string))
                 .await;
-            assert_eq!(st, expect[i], "{method} {path} as {who:?}: {e}");
-            let code = match st {
-                401 => "Unauthorized",
-                403 => "Forbidden",
-                404 => "ResourceNotFound",
+            assert_eq!(r.status, expect[i], "{method} {path} as {who:?}: {r:?}");
+            let code = match r.status {
+                401 => ErrorCode::Unauthorized,
+                403 => ErrorCode::Forbidden,
+                404 => ErrorCode::ResourceNotFound,
                 _ => continue,
             };
-            assert_eq!(e["code"], code, "{method} {path} as {who:?}");
+            assert_eq!(r.code(), Some(code), "{method} {path} as {who:?}");
         }
     }
     let after = snapshot().await;
-    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
-        assert!(a == b, "refused calls changed object {i}");
-    }
+    assert_eq!(before, after, "refused calls changed something");
     // The owner may do what others may not.
-    let (st, _) = s.call("DELETE", &tok_p, Some(&owner), None).await;
-    assert_eq!(st, 204);
-    let (st, _) = s.call("DELETE", &vm_p, Some(&owner), None).await;
+    s.with(&owner).delete::<()>(&tok_p).await.ok(204);
+    let r = s.with(&owner).delete::<Vm>(&vm_p).await;
     assert_eq!(
-        st, 409,
+        r.status, 409,
         "still provisioning: the owner gets past the checks to the state check"
     );
 }
@@ -234,75 +233,67 @@ async fn login_throttling(b: Backend) {
     cfg.login_limits.per_address = 6;
     let s = TestServer::start(b, cfg).await;
     let attempt = |login: &'static str, pw: &'static str| {
-        let s = &s;
+        let anon = s.client(None);
         async move {
-            s.call(
-                "POST",
-                "/v1/auth/login",
-                None,
-                Some(json!({"login": login, "password": pw})),
-            )
-            .await
+            anon.post::<LoginResponse>("/v1/auth/login", &json!({"login": login, "password": pw}))
+                .await
         }
     };
     for _ in 0..3 {
-        assert_eq!(attempt("admin", "wrong-password").await.0, 401);
+        attempt("admin", "wrong-password").await.err(401);
     }
     // Locked: even the right password is refused for now.
-    let (st, e) = attempt("admin", common::ADMIN_PASSWORD).await;
-    assert_eq!((st, e["code"].as_str()), (429, Some("RateLimited")), "{e}");
+    attempt("admin", common::ADMIN_PASSWORD)
+        .await
+        .fails(429, ErrorCode::RateLimited);
     // An unknown name locks the same way: no hint of which accounts exist.
     for _ in 0..3 {
-        assert_eq!(attempt("ghost", "wrong-password").await.0, 401);
+        attempt("ghost", "wrong-password").await.err(401);
     }
-    assert_eq!(attempt("ghost", "wrong-password").await.0, 429);
+    attempt("ghost", "wrong-password").await.err(429);
     // Six failures from this address: now every name is refused from here.
-    let (st, _) = attempt("someone-else", "whatever-pw").await;
-    assert_eq!(st, 429);
+    attempt("someone-else", "whatever-pw").await.err(429);
 }
 both!(login_throttling_on, login_throttling);
 
 async fn password_change_ends_sessions(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     let (uuid, tenant) = s.tenant("pat").await;
-    let (_, api_tok) = s
-        .call(
-            "POST",
-            "/v1/tokens",
-            Some(&tenant),
-            Some(json!({"name":"ci"})),
-        )
-        .await;
-    let api_tok = api_tok["token"].as_str().unwrap().to_string();
-    let (st, _) = s
-        .admin_call(
-            "PATCH",
-            &format!("/v1/accounts/{uuid}"),
-            Some(json!({"password": "a-new-password"})),
-        )
-        .await;
-    assert_eq!(st, 200);
+    let api_tok: ApiToken = s
+        .with(&tenant)
+        .post("/v1/tokens", &json!({"name":"ci"}))
+        .await
+        .ok(201);
+    let api_tok = api_tok.token.unwrap();
+    s.patch::<Account>(
+        &format!("/v1/accounts/{uuid}"),
+        &json!({"password": "a-new-password"}),
+    )
+    .await
+    .ok(200);
     assert_eq!(
-        s.call("GET", "/v1/packages", Some(&tenant), None).await.0,
+        s.with(&tenant)
+            .get::<Vec<Package>>("/v1/packages")
+            .await
+            .status,
         401,
         "old session ended"
     );
     assert_eq!(
-        s.call("GET", "/v1/packages", Some(&api_tok), None).await.0,
+        s.with(&api_tok)
+            .get::<Vec<Package>>("/v1/packages")
+            .await
+            .status,
         200,
         "API tokens live on until revoked"
     );
-    assert_eq!(
-        s.call(
-            "POST",
+    s.client(None)
+        .post::<LoginResponse>(
             "/v1/auth/login",
-            None,
-            Some(json!({"login":"pat","password":"tenant-password"}))
+            &json!({"login":"pat","password":"tenant-password"}),
         )
         .await
-        .0,
-        401
-    );
+        .err(401);
     s.login("pat", "a-new-password").await;
 }
 both!(
@@ -318,18 +309,15 @@ async fn sessions_end_when_idle_and_at_their_limit(b: Backend) {
     let s = TestServer::start(b, cfg).await;
     let (_, tenant) = s.tenant("pat").await;
     let signed_in = Instant::now();
-    let (_, api) = s
-        .call(
-            "POST",
-            "/v1/tokens",
-            Some(&tenant),
-            Some(json!({"name":"ci"})),
-        )
-        .await;
-    let api = api["token"].as_str().unwrap().to_string();
+    let api: ApiToken = s
+        .with(&tenant)
+        .post("/v1/tokens", &json!({"name":"ci"}))
+        .await
+        .ok(201);
+    let api = api.token.unwrap();
     let me = |t: String| {
-        let s = &s;
-        async move { s.call("GET", "/v1/auth/me", Some(&t), None).await.0 }
+        let c = s.with(&t);
+        async move { c.get::<Account>("/v1/auth/me").await.status }
     };
     // In use, a session outlives its idle timeout many times over...
     while signed_in.elapsed() < Duration::from_millis(3500) {
@@ -397,84 +385,67 @@ async fn node_identity(b: Backend) {
     .unwrap();
     let devices = node_agent::host::discover(&dir.path().join("sys")).devices;
     let register = |jt: String| {
-        let s = &s;
+        let anon = s.client(None);
         async move {
-            s.call("POST", "/agent/v1/register", None,
-                   Some(json!({"join_token": jt, "hostname":"cn-1", "agent_version":"t", "protocol_version":1})))
-                .await
+            anon.post::<RegisterResponse>(
+                "/agent/v1/register",
+                &json!({"join_token": jt, "hostname":"cn-1", "agent_version":"t", "protocol_version":1}),
+            )
+            .await
         }
     };
-    let (_, reg) = register(s.join_token().await).await;
-    let server = reg["server_uuid"].as_str().unwrap().to_string();
-    let cred = reg["credential"].as_str().unwrap().to_string();
-    s.call(
-        "PUT",
-        "/agent/v1/inventory",
-        Some(&cred),
-        Some(json!({"devices": devices})),
-    )
-    .await;
+    let reg = register(s.join_token().await).await.ok(201);
+    let server = reg.server_uuid;
+    let cred = reg.credential;
+    s.with(&cred)
+        .put::<()>("/agent/v1/inventory", &json!({"devices": devices}))
+        .await
+        .ok(204);
     let hb = |c: String| {
-        let s = &s;
+        let c = s.with(&c);
         async move {
-            s.call("POST", "/agent/v1/heartbeat", Some(&c), Some(json!({})))
+            c.post::<HeartbeatResponse>("/agent/v1/heartbeat", &json!({}))
                 .await
-                .0
+                .status
         }
     };
 
-    let (st, rot) = s
-        .call("POST", "/agent/v1/credential", Some(&cred), Some(json!({})))
-        .await;
-    assert_eq!(
-        (st, rot["server_uuid"].as_str()),
-        (200, Some(server.as_str()))
-    );
-    let cred2 = rot["credential"].as_str().unwrap().to_string();
+    let rot: RegisterResponse = s
+        .with(&cred)
+        .post("/agent/v1/credential", &json!({}))
+        .await
+        .ok(200);
+    assert_eq!(rot.server_uuid, server);
+    let cred2 = rot.credential;
     assert_eq!(hb(cred.clone()).await, 401, "the old credential is dead");
     assert_eq!(hb(cred2.clone()).await, 200);
 
     let (_, tenant) = s.tenant("t").await;
     let path = format!("/v1/servers/{server}/credential");
-    assert_eq!(s.call("DELETE", &path, Some(&tenant), None).await.0, 403);
-    assert_eq!(s.admin_call("DELETE", &path, None).await.0, 204);
+    s.with(&tenant).delete::<()>(&path).await.err(403);
+    s.delete::<()>(&path).await.ok(204);
     assert_eq!(hb(cred2).await, 401, "revoked");
 
-    let (st, e) = s
-        .admin_call(
-            "POST",
-            "/v1/servers/join-tokens",
-            Some(json!({"server_uuid": "00000000-0000-0000-0000-000000000000"})),
-        )
-        .await;
-    assert_eq!((st, e["field"].as_str()), (404, Some("server_uuid")));
-    let (st, jt) = s
-        .admin_call(
-            "POST",
-            "/v1/servers/join-tokens",
-            Some(json!({"server_uuid": server})),
-        )
-        .await;
-    assert_eq!(st, 201);
-    let (st, back) = register(jt["token"].as_str().unwrap().to_string()).await;
-    assert_eq!(
-        (st, back["server_uuid"].as_str()),
-        (201, Some(server.as_str())),
-        "the same node"
-    );
-    assert_eq!(
-        hb(back["credential"].as_str().unwrap().to_string()).await,
-        200
-    );
-    assert_eq!(
-        s.server_uuids().await,
-        vec![server.clone()],
-        "no second server"
-    );
+    s.post::<JoinToken>(
+        "/v1/servers/join-tokens",
+        &json!({"server_uuid": "00000000-0000-0000-0000-000000000000"}),
+    )
+    .await
+    .missing("server_uuid");
+    let jt: JoinToken = s
+        .post("/v1/servers/join-tokens", &json!({"server_uuid": server}))
+        .await
+        .ok(201);
+    let back = register(jt.token).await.ok(201);
+    assert_eq!(back.server_uuid, server, "the same node");
+    assert_eq!(hb(back.credential).await, 200);
+    assert_eq!(s.server_uuids().await, vec![server], "no second server");
     assert!(
-        !s.server(&server).await["sysinfo"]["PCI Devices"]
-            .as_array()
+        !s.server(server)
+            .await
+            .sysinfo
             .unwrap()
+            .pci_devices
             .is_empty()
     );
 }
@@ -487,49 +458,32 @@ async fn quota_under_a_race(b: Backend) {
     let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let (uuid, tenant) = s.tenant("greedy").await;
-    s.admin_call(
-        "PATCH",
-        &format!("/v1/accounts/{uuid}"),
-        Some(json!({"gpu_quota": 4})),
-    )
-    .await;
-    let mut calls = Vec::new();
-    for i in 0..64 {
-        let (http, url, t) = (s.http.clone(), s.url("/v1/vms"), tenant.clone());
-        calls.push(tokio::spawn(async move {
-            let r = http
-                .post(url)
-                .bearer_auth(t)
-                .json(&json!({"alias": format!("q{i}"), "package": "gpu-1x"}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }));
-    }
+    s.patch::<Account>(&format!("/v1/accounts/{uuid}"), &json!({"gpu_quota": 4}))
+        .await
+        .ok(200);
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let body = json!({"alias": format!("q{i}"), "package": "gpu-1x"});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
     let mut ok = 0;
     for c in calls {
-        let (st, body) = c.await.unwrap();
-        if st == 202 {
+        let r = c.await.unwrap();
+        if r.status == 202 {
             ok += 1;
         } else {
-            assert_eq!(
-                (st, body["code"].as_str()),
-                (409, Some("QuotaExceeded")),
-                "{body}"
-            );
-            assert!(
-                body["message"].as_str().unwrap().contains("quota of 4"),
-                "{body}"
-            );
+            let e = r.fails(409, ErrorCode::QuotaExceeded);
+            assert!(e.message.contains("quota of 4"), "{e:?}");
         }
     }
     assert_eq!(ok, 4);
     let held = s
-        .device_states(&server)
+        .device_states(server)
         .await
         .iter()
-        .filter(|(_, st, _)| st == "provisioning")
+        .filter(|(_, st, _)| *st == DeviceState::Provisioning)
         .count();
     assert_eq!(held, 4, "exactly the winners' devices are held");
 }

@@ -4,10 +4,9 @@
 //! a key that does not match its certificate stops the start with a clear error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb, wait_for};
-use serde_json::{Value, json};
+use crate::common::{Backend, TestDb, wait_for};
+use passage_model::api::{JoinToken, LoginResponse, Server, ServerStatus};
+use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -95,18 +94,15 @@ async fn https_for_clients_and_agents_with_reload() {
     );
 
     // The real agent, trusting the certificate, registers and reports over https.
-    let (st, login) = {
-        let r = http
-            .post(format!("{base}/v1/auth/login"))
-            .json(&json!({"login":"admin","password":"tls-admin-password"}))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    };
-    assert_eq!(st, 200, "{login}");
-    let op = login["token"].as_str().unwrap().to_string();
-    let jt: Value = http
+    let r = http
+        .post(format!("{base}/v1/auth/login"))
+        .json(&json!({"login":"admin","password":"tls-admin-password"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let op = r.json::<LoginResponse>().await.unwrap().token;
+    let jt: JoinToken = http
         .post(format!("{base}/v1/servers/join-tokens"))
         .bearer_auth(&op)
         .send()
@@ -131,7 +127,7 @@ async fn https_for_clients_and_agents_with_reload() {
     let _agent = Proc(
         Command::new(&agent_bin)
             .args(["run", "--server", &base, "--join-token"])
-            .arg(jt["token"].as_str().unwrap())
+            .arg(&jt.token)
             .arg("--sysfs-root")
             .arg(&sysfs)
             .arg("--state-dir")
@@ -144,7 +140,7 @@ async fn https_for_clients_and_agents_with_reload() {
             .unwrap(),
     );
     let reported = wait_for(Duration::from_secs(30), || async {
-        let list: Value = http
+        let list: Vec<Server> = http
             .get(format!("{base}/v1/servers"))
             .bearer_auth(&op)
             .send()
@@ -153,8 +149,9 @@ async fn https_for_clients_and_agents_with_reload() {
             .json()
             .await
             .ok()?;
-        let s = list.as_array()?.first()?.clone();
-        (s["status"] == "running" && s["sysinfo"]["PCI Devices"].as_array()?.len() > 2).then_some(s)
+        let s = list.into_iter().next()?;
+        (s.status == ServerStatus::Running && s.sysinfo.as_ref()?.pci_devices.len() > 2)
+            .then_some(s)
     })
     .await;
     assert!(

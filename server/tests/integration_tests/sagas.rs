@@ -3,13 +3,11 @@
 //! injected after each step unwinds to what the workflow promises; unwinding again,
 //! twice, changes nothing. The scenarios are one exhaustive `match` over the job kinds,
 //! so a new workflow does not compile until it has one here.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, Node, TestServer, fast_config, wait_for};
-use passage_model::api::{Job, JobState, StepState, Vm, VmState};
+use crate::common::{Backend, Node, TestServer, fast_config, wait_for};
+use passage_model::api::{DeviceEventRecord, Job, JobState, StepState, Vm, VmState};
 use passage_model::jobs::JobKind;
+use passage_model::{AccountId, DevicePath, DeviceState, JobId, ServerId, VmId};
 use passage_server::config::Config;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -19,16 +17,16 @@ use std::time::Duration;
 struct Scenario {
     s: TestServer,
     nodes: Vec<Node>,
-    tenant: String,
+    tenant: AccountId,
     /// The VM the job works on (none for a scrub).
-    vm: Option<String>,
+    vm: Option<VmId>,
     /// The fleet just before the job was asked for.
     before: Snapshot,
-    job: String,
+    job: JobId,
 }
 
 /// A device as a snapshot keeps it: id, state, holder, driver.
-type DeviceLine = (String, String, Option<String>, Option<String>);
+type DeviceLine = (DevicePath, DeviceState, Option<VmId>, Option<String>);
 
 /// What a job may change, fleet-wide.
 #[derive(Debug, PartialEq, Clone)]
@@ -38,21 +36,21 @@ struct Snapshot {
     /// Per node: the VMs it runs.
     running: Vec<Vec<String>>,
     /// Every VM: (uuid, state, server, devices).
-    vms: Vec<(String, VmState, Option<String>, Vec<String>)>,
+    vms: Vec<(VmId, VmState, Option<ServerId>, Vec<DevicePath>)>,
     /// Devices charged to the tenant's quota.
     held: i64,
 }
 
-async fn snapshot(s: &TestServer, nodes: &[Node], tenant: &str) -> Snapshot {
+async fn snapshot(s: &TestServer, nodes: &[Node], tenant: AccountId) -> Snapshot {
     let mut devices = Vec::new();
     let mut running = Vec::new();
     for n in nodes {
-        let states = s.device_states(&n.uuid).await;
+        let states = s.device_states(n.uuid).await;
         devices.push(
             states
                 .into_iter()
                 .map(|(id, st, by)| {
-                    let driver = n.driver_of(&id);
+                    let driver = n.driver_of(&id.to_string());
                     (id, st, by, driver)
                 })
                 .collect(),
@@ -61,24 +59,16 @@ async fn snapshot(s: &TestServer, nodes: &[Node], tenant: &str) -> Snapshot {
         r.sort();
         running.push(r);
     }
-    let (st, list) = s.admin_call("GET", "/v1/vms", None).await;
-    assert_eq!(st, 200);
-    let mut vms: Vec<Vm> = serde_json::from_value(list).unwrap();
-    vms.sort_by_key(|v| v.uuid.to_string());
+    let mut vms: Vec<Vm> = s.get("/v1/vms").await.ok(200);
+    vms.sort_by_key(|v| v.uuid);
     let vms = vms
         .into_iter()
-        .map(|v| {
-            let mut d: Vec<String> = v.assigned_devices.iter().map(|d| d.to_string()).collect();
-            d.sort();
-            (
-                v.uuid.to_string(),
-                v.state,
-                v.server_uuid.map(|s| s.to_string()),
-                d,
-            )
+        .map(|mut v| {
+            v.assigned_devices.sort();
+            (v.uuid, v.state, v.server_uuid, v.assigned_devices)
         })
         .collect();
-    let held = passage_server::store::accounts::gpu_held(&s.ctx.db, tenant.parse().unwrap())
+    let held = passage_server::store::accounts::gpu_held(&s.ctx.db, tenant)
         .await
         .unwrap();
     Snapshot {
@@ -89,45 +79,24 @@ async fn snapshot(s: &TestServer, nodes: &[Node], tenant: &str) -> Snapshot {
     }
 }
 
-async fn job(s: &TestServer, uuid: &str) -> Job {
-    serde_json::from_value(s.wait_job(uuid).await).unwrap()
-}
-
-async fn vm(s: &TestServer, uuid: &str) -> Vm {
-    let (st, v) = s.admin_call("GET", &format!("/v1/vms/{uuid}"), None).await;
-    assert_eq!(st, 200, "{v}");
-    serde_json::from_value(v).unwrap()
-}
-
-/// Sends a call that answers a VM with its job, and waits for that job.
-async fn vm_job(
-    s: &TestServer,
-    token: &str,
-    method: &str,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> (Vm, Job) {
-    let (st, v) = s.call(method, path, Some(token), body).await;
-    assert_eq!(st, 202, "{method} {path}: {v}");
-    let v: Vm = serde_json::from_value(v).unwrap();
-    let j = job(s, &v.job_uuid.unwrap().to_string()).await;
-    (v, j)
+async fn vm(s: &TestServer, uuid: VmId) -> Vm {
+    s.get(&format!("/v1/vms/{uuid}")).await.ok(200)
 }
 
 /// Waits until nothing is being scrubbed or run.
 async fn settle(s: &TestServer, nodes: &[Node]) {
     wait_for(Duration::from_secs(60), || async {
         for n in nodes {
-            if s.device_states(&n.uuid)
-                .await
-                .iter()
-                .any(|(_, st, _)| st == "dirty" || st == "cleaning" || st == "provisioning")
-            {
+            if s.device_states(n.uuid).await.iter().any(|(_, st, _)| {
+                matches!(
+                    st,
+                    DeviceState::Dirty | DeviceState::Cleaning | DeviceState::Provisioning
+                )
+            }) {
                 return None;
             }
         }
-        let (_, jobs) = s.admin_call("GET", "/v1/jobs", None).await;
-        let jobs: Vec<Job> = serde_json::from_value(jobs).unwrap();
+        let jobs: Vec<Job> = s.get("/v1/jobs").await.ok(200);
         jobs.iter()
             .all(|j| matches!(j.state, JobState::Succeeded | JobState::Failed))
             .then_some(())
@@ -144,19 +113,22 @@ fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
     for (n, devs) in nodes.iter().zip(&snap.devices) {
         for (id, st, by, driver) in devs {
             assert!(
-                !matches!(st.as_str(), "provisioning" | "cleaning" | "dirty"),
+                !matches!(
+                    st,
+                    DeviceState::Provisioning | DeviceState::Cleaning | DeviceState::Dirty
+                ),
                 "{what}: {id} is {st} once settled"
             );
             if let Some(by) = by {
                 held += 1;
-                assert_eq!(st, "used", "{what}: {id} held in state {st}");
+                assert_eq!(*st, DeviceState::Used, "{what}: {id} held in state {st}");
                 let vm = snap.vms.iter().find(|v| &v.0 == by).unwrap();
                 assert!(
                     matches!(vm.1, VmState::Running | VmState::Stopped),
                     "{what}: {id} held by a VM in state {:?}",
                     vm.1
                 );
-                assert_eq!(vm.2.as_deref(), Some(n.uuid.as_str()), "{what}");
+                assert_eq!(vm.2, Some(n.uuid), "{what}");
                 assert!(vm.3.contains(id), "{what}: {by} does not list {id}");
                 assert_eq!(
                     driver.as_deref(),
@@ -171,8 +143,8 @@ fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
         let mut want: Vec<String> = snap
             .vms
             .iter()
-            .filter(|v| v.1 == VmState::Running && v.2.as_deref() == Some(n.uuid.as_str()))
-            .map(|v| v.0.clone())
+            .filter(|v| v.1 == VmState::Running && v.2 == Some(n.uuid))
+            .map(|v| v.0.to_string())
             .collect();
         want.sort();
         assert_eq!(running, &want, "{what}: the node runs the running VMs");
@@ -180,20 +152,23 @@ fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
 }
 
 async fn create_running(s: &TestServer, token: &str, package: &str) -> Vm {
-    let (v, j) = vm_job(
-        s,
-        token,
-        "POST",
-        "/v1/vms",
-        Some(json!({"alias": "saga", "package": package})),
-    )
-    .await;
+    let v: Vm = s
+        .with(token)
+        .post("/v1/vms", &json!({"alias": "saga", "package": package}))
+        .await
+        .ok(202);
+    let j = s.wait_job(v.job_uuid.unwrap()).await;
     assert_eq!(j.state, JobState::Succeeded, "{j:?}");
     v
 }
 
-async fn stop(s: &TestServer, token: &str, uuid: &str) {
-    let (_, j) = vm_job(s, token, "POST", &format!("/v1/vms/{uuid}/stop"), None).await;
+async fn stop(s: &TestServer, token: &str, uuid: VmId) {
+    let v: Vm = s
+        .with(token)
+        .post_empty(&format!("/v1/vms/{uuid}/stop"))
+        .await
+        .ok(202);
+    let j = s.wait_job(v.job_uuid.unwrap()).await;
     assert_eq!(j.state, JobState::Succeeded, "{j:?}");
 }
 
@@ -209,7 +184,7 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
         JobKind::Destroy | JobKind::Stop => Some(create_running(&s, &token, "gpu-1x").await),
         JobKind::Start | JobKind::Resize | JobKind::Migrate => {
             let v = create_running(&s, &token, "gpu-1x").await;
-            stop(&s, &token, &v.uuid.to_string()).await;
+            stop(&s, &token, v.uuid).await;
             Some(v)
         }
     };
@@ -217,121 +192,75 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
     if kind == JobKind::Migrate {
         nodes.push(s.add_node(2).await);
     }
-    let uuid = vm.as_ref().map(|v| v.uuid.to_string());
-    let node0 = nodes[0].uuid.clone();
+    let uuid = vm.as_ref().map(|v| v.uuid);
+    let node0 = nodes[0].uuid;
     // A device an operator took out of service, to be requeued through a scrub.
-    let free = s.device_states(&node0).await[0].0.clone();
+    let free = s.device_states(node0).await[0].0.clone();
+    let action = |action: &str| json!({"device": free, "action": action, "reason": "test"});
+    let actions = format!("/v1/servers/{node0}/device-actions");
     if kind == JobKind::Scrub {
-        let (st, e) = s
-            .admin_call(
-                "POST",
-                &format!("/v1/servers/{node0}/device-actions"),
-                Some(json!({"device": free, "action": "quarantine", "reason": "test"})),
-            )
-            .await;
-        assert_eq!(st, 200, "{e}");
+        let _: Vec<DeviceEventRecord> = s.post(&actions, &action("quarantine")).await.ok(200);
     }
-    let before = snapshot(&s, &nodes, &tenant).await;
-    let asked = |method: &str, path: String, body| {
-        let (s, token) = (&s, &token);
-        let method = method.to_string();
-        async move {
-            let (st, v) = s.call(&method, &path, Some(token), body).await;
-            assert_eq!(st, 202, "{method} {path}: {v}");
-            v["job_uuid"].as_str().unwrap().to_string()
-        }
-    };
-    let job = match kind {
-        JobKind::Provision => {
-            asked(
-                "POST",
-                "/v1/vms".into(),
-                Some(json!({"alias": "saga", "package": "gpu-1x"})),
-            )
+    let before = snapshot(&s, &nodes, tenant).await;
+    let on_vm = |path: &str| format!("/v1/vms/{}{path}", uuid.unwrap());
+    let as_tenant = s.with(&token);
+    let asked: Vm = match kind {
+        JobKind::Provision => as_tenant
+            .post("/v1/vms", &json!({"alias": "saga", "package": "gpu-1x"}))
             .await
-        }
-        JobKind::Destroy => {
-            asked("DELETE", format!("/v1/vms/{}", uuid.clone().unwrap()), None).await
-        }
-        JobKind::Stop => {
-            asked(
-                "POST",
-                format!("/v1/vms/{}/stop", uuid.clone().unwrap()),
-                None,
-            )
+            .ok(202),
+        JobKind::Destroy => as_tenant.delete(&on_vm("")).await.ok(202),
+        JobKind::Stop => as_tenant.post_empty(&on_vm("/stop")).await.ok(202),
+        JobKind::Start => as_tenant.post_empty(&on_vm("/start")).await.ok(202),
+        JobKind::Resize => as_tenant
+            .post(&on_vm("/resize"), &json!({"package": "gpu-2x"}))
             .await
-        }
-        JobKind::Start => {
-            asked(
-                "POST",
-                format!("/v1/vms/{}/start", uuid.clone().unwrap()),
-                None,
-            )
+            .ok(202),
+        JobKind::Migrate => s
+            .post(&on_vm("/migrate"), &json!({"server_uuid": nodes[1].uuid}))
             .await
-        }
-        JobKind::Resize => {
-            asked(
-                "POST",
-                format!("/v1/vms/{}/resize", uuid.clone().unwrap()),
-                Some(json!({"package": "gpu-2x"})),
-            )
-            .await
-        }
-        JobKind::Migrate => {
-            let (st, v) = s
-                .admin_call(
-                    "POST",
-                    &format!("/v1/vms/{}/migrate", uuid.clone().unwrap()),
-                    Some(json!({"server_uuid": nodes[1].uuid})),
-                )
-                .await;
-            assert_eq!(st, 202, "{v}");
-            v["job_uuid"].as_str().unwrap().to_string()
-        }
+            .ok(202),
         JobKind::Scrub => {
-            let (st, e) = s
-                .admin_call(
-                    "POST",
-                    &format!("/v1/servers/{node0}/device-actions"),
-                    Some(json!({"device": free, "action": "requeue", "reason": "test"})),
-                )
-                .await;
-            assert_eq!(st, 200, "{e}");
-            let (_, jobs) = s.admin_call("GET", "/v1/jobs", None).await;
-            let jobs: Vec<Job> = serde_json::from_value(jobs).unwrap();
-            jobs.iter()
-                .find(|j| j.name == "scrub")
-                .unwrap()
-                .uuid
-                .to_string()
+            let _: Vec<DeviceEventRecord> = s.post(&actions, &action("requeue")).await.ok(200);
+            let jobs: Vec<Job> = s.get("/v1/jobs").await.ok(200);
+            let job = jobs.iter().find(|j| j.name == "scrub").unwrap().uuid;
+            // No VM: the job is all there is to follow.
+            return Scenario {
+                s,
+                nodes,
+                tenant,
+                vm: None,
+                before,
+                job,
+            };
         }
     };
     Scenario {
+        job: asked.job_uuid.unwrap(),
         s,
         nodes,
         tenant,
         vm: uuid,
         before,
-        job,
     }
 }
 
-/// The VM a provision made (the one VM that was not there before).
-fn new_vm(sc: &Scenario, after: &Snapshot) -> String {
+/// The VM a provision made (the one VM that was not there before), or the scenario's.
+fn the_vm(sc: &Scenario, after: &Snapshot) -> VmId {
     after
         .vms
         .iter()
         .find(|v| !sc.before.vms.iter().any(|b| b.0 == v.0))
-        .map(|v| v.0.clone())
-        .or(sc.vm.clone())
+        .map(|v| v.0)
+        .or(sc.vm)
         .unwrap()
 }
 
-/// The devices of the tenant's VMs on each node, by state.
-fn states(snap: &Snapshot) -> BTreeMap<String, usize> {
+/// How many devices of the fleet are in each state.
+fn states(snap: &Snapshot) -> BTreeMap<DeviceState, usize> {
     let mut m = BTreeMap::new();
     for d in snap.devices.iter().flatten() {
-        *m.entry(d.1.clone()).or_default() += 1;
+        *m.entry(d.1).or_default() += 1;
     }
     m
 }
@@ -341,17 +270,21 @@ async fn check_succeeded(sc: &Scenario, kind: JobKind, after: &Snapshot) {
     let what = format!("{kind} succeeded");
     match kind {
         JobKind::Provision => {
-            let v = vm(&sc.s, &new_vm(sc, after)).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Running, "{what}");
             assert_eq!(after.held, 1, "{what}");
         }
         JobKind::Destroy => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Destroyed, "{what}");
-            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+            assert_eq!(
+                states(after).get(&DeviceState::Unassigned),
+                Some(&3),
+                "{what}"
+            );
         }
         JobKind::Stop | JobKind::Start => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             let want = if kind == JobKind::Stop {
                 VmState::Stopped
             } else {
@@ -361,21 +294,21 @@ async fn check_succeeded(sc: &Scenario, kind: JobKind, after: &Snapshot) {
             assert_eq!(after.held, 1, "{what}");
         }
         JobKind::Resize => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.assigned_devices.len(), 2, "{what}");
             assert_eq!(after.held, 2, "{what}");
         }
         JobKind::Migrate => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
-            assert_eq!(
-                v.server_uuid.map(|s| s.to_string()),
-                Some(sc.nodes[1].uuid.clone()),
-                "{what}"
-            );
+            let v = vm(&sc.s, the_vm(sc, after)).await;
+            assert_eq!(v.server_uuid, Some(sc.nodes[1].uuid), "{what}");
             assert_eq!(after.held, 1, "{what}");
         }
         JobKind::Scrub => {
-            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+            assert_eq!(
+                states(after).get(&DeviceState::Unassigned),
+                Some(&3),
+                "{what}"
+            );
         }
     }
 }
@@ -392,24 +325,32 @@ async fn check_failed(sc: &Scenario, kind: JobKind, step: &str, after: &Snapshot
         // Everything undone; the VM stays, failed.
         (JobKind::Provision, _) => {
             unchanged(after);
-            let v = vm(&sc.s, &new_vm(sc, after)).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Failed, "{what}");
         }
         // Before the release the VM's fate on the node is unknown: it is failed and its
         // device quarantined; after, it is gone and its device scrubbed.
         (JobKind::Destroy, "stop" | "unbind") => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Failed, "{what}");
-            assert_eq!(states(after).get("quarantined"), Some(&1), "{what}");
+            assert_eq!(
+                states(after).get(&DeviceState::Quarantined),
+                Some(&1),
+                "{what}"
+            );
         }
         (JobKind::Destroy, _) => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Destroyed, "{what}");
-            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+            assert_eq!(
+                states(after).get(&DeviceState::Unassigned),
+                Some(&3),
+                "{what}"
+            );
         }
         // Forward only: the VM was stopped before the failure.
         (JobKind::Stop, _) => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Stopped, "{what}");
             assert_eq!(after.held, 1, "{what}");
         }
@@ -425,22 +366,22 @@ async fn check_failed(sc: &Scenario, kind: JobKind, step: &str, after: &Snapshot
         }
         // After it, the VM has its new devices; the old ones are scrubbed.
         (JobKind::Resize, _) => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
+            let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.assigned_devices.len(), 2, "{what}");
             assert_eq!(after.held, 2, "{what}");
         }
         (JobKind::Migrate, _) => {
-            let v = vm(&sc.s, sc.vm.as_ref().unwrap()).await;
-            assert_eq!(
-                v.server_uuid.map(|s| s.to_string()),
-                Some(sc.nodes[1].uuid.clone()),
-                "{what}"
-            );
+            let v = vm(&sc.s, the_vm(sc, after)).await;
+            assert_eq!(v.server_uuid, Some(sc.nodes[1].uuid), "{what}");
             assert_eq!(after.held, 1, "{what}");
         }
         // Forward only: the scrub had succeeded.
         (JobKind::Scrub, _) => {
-            assert_eq!(states(after).get("unassigned"), Some(&3), "{what}");
+            assert_eq!(
+                states(after).get(&DeviceState::Unassigned),
+                Some(&3),
+                "{what}"
+            );
         }
     }
 }
@@ -459,7 +400,7 @@ async fn faults(b: Backend, kind: JobKind) {
         let mut cfg = saga_config();
         cfg.faults = vec![format!("{kind}.{step}")];
         let sc = scenario(b, kind, cfg).await;
-        let j = job(&sc.s, &sc.job).await;
+        let j = sc.s.wait_job(sc.job).await;
         let what = format!("{kind} failing after {step}");
         assert_eq!(j.state, JobState::Failed, "{what}: {j:?}");
         assert!(
@@ -475,18 +416,18 @@ async fn faults(b: Backend, kind: JobKind) {
             }
         }
         settle(&sc.s, &sc.nodes).await;
-        let after = snapshot(&sc.s, &sc.nodes, &sc.tenant).await;
+        let after = snapshot(&sc.s, &sc.nodes, sc.tenant).await;
         invariants(&after, &sc.nodes, &what);
         check_failed(&sc, kind, step, &after).await;
         // Unwinding again, twice, changes nothing.
         for _ in 0..2 {
-            let errors = passage_server::workflows::unwind(&sc.s.ctx, sc.job.parse().unwrap())
+            let errors = passage_server::workflows::unwind(&sc.s.ctx, sc.job)
                 .await
                 .unwrap();
             assert!(errors.is_empty(), "{what}: {errors:?}");
             settle(&sc.s, &sc.nodes).await;
             assert_eq!(
-                snapshot(&sc.s, &sc.nodes, &sc.tenant).await,
+                snapshot(&sc.s, &sc.nodes, sc.tenant).await,
                 after,
                 "{what}: a second unwind changed something"
             );
@@ -501,28 +442,20 @@ async fn twice(b: Backend, kind: JobKind) {
     let mut cfg = saga_config();
     cfg.repeat_steps = true;
     let sc = scenario(b, kind, cfg).await;
-    let j = job(&sc.s, &sc.job).await;
+    let j = sc.s.wait_job(sc.job).await;
     assert_eq!(j.state, JobState::Succeeded, "{kind} run twice: {j:?}");
     settle(&sc.s, &sc.nodes).await;
-    let after = snapshot(&sc.s, &sc.nodes, &sc.tenant).await;
+    let after = snapshot(&sc.s, &sc.nodes, sc.tenant).await;
     invariants(&after, &sc.nodes, &format!("{kind} run twice"));
     check_succeeded(&sc, kind, &after).await;
     for n in &sc.nodes {
-        let (_, events) =
-            sc.s.admin_call(
-                "GET",
-                &format!("/v1/servers/{}/device-events", n.uuid),
-                None,
-            )
-            .await;
-        let events: Vec<passage_model::api::DeviceEventRecord> =
-            serde_json::from_value(events).unwrap();
-        let mut by_device: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        let events: Vec<DeviceEventRecord> =
+            sc.s.get(&format!("/v1/servers/{}/device-events", n.uuid))
+                .await
+                .ok(200);
+        let mut by_device: BTreeMap<DevicePath, Vec<(DeviceState, DeviceState)>> = BTreeMap::new();
         for e in events {
-            by_device
-                .entry(e.device.to_string())
-                .or_default()
-                .push((e.from.to_string(), e.to.to_string()));
+            by_device.entry(e.device).or_default().push((e.from, e.to));
         }
         for (d, moves) in by_device {
             for w in moves.windows(2) {

@@ -1,9 +1,7 @@
 //! The store's own invariants, the same bodies on SQLite and on Postgres.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb};
+use crate::common::{Backend, TestDb};
 use passage_model::api::Role;
 use passage_model::{AccountId, DeviceEvent, DevicePath, DeviceState, JobId, ServerId, VmId};
 use passage_server::store::create::{self, NewVm};

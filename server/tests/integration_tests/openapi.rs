@@ -2,9 +2,7 @@
 //! the contract is in it, and every path in it is served.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestServer, fast_config};
+use crate::common::{Backend, TestServer, fast_config};
 use serde_json::Value;
 
 /// The /v1 routes of CONTRACT.md, plus the ones added since.

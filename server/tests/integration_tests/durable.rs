@@ -3,11 +3,13 @@
 //! into a clean failure; two replicas on one Postgres never run a job twice.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{Backend, TestDb, TestServer, fast_config, wait_for};
+use crate::common::{Backend, Client, TestDb, TestServer, fast_config, wait_for};
+use passage_model::api::{
+    AssignableDevice, Job, JobState, JoinToken, LoginResponse, Package, Vm, VmState,
+};
 use passage_model::jobs::JobKind;
-use serde_json::{Value, json};
+use passage_model::{DeviceState, ErrorCode, JobId, ServerId, Variant};
+use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -89,68 +91,48 @@ impl Server {
     }
 }
 
+/// Calls to the `server` process on `base`.
 struct Api {
-    http: reqwest::Client,
     base: String,
 }
 
 impl Api {
-    async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        token: Option<&str>,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let mut rb = self
-            .http
-            .request(method.parse().unwrap(), format!("{}{path}", self.base));
-        if let Some(t) = token {
-            rb = rb.bearer_auth(t);
-        }
-        if let Some(b) = body {
-            rb = rb.json(&b);
-        }
-        match rb.send().await {
-            Ok(r) => {
-                let st = r.status().as_u16();
-                (st, r.json().await.unwrap_or(Value::Null))
-            }
-            Err(_) => (0, Value::Null),
-        }
+    fn client(&self, token: Option<&str>) -> Client {
+        Client::at(&self.base, token)
     }
 
     async fn login(&self) -> String {
-        let (_, l) = self
-            .call(
-                "POST",
+        let l: LoginResponse = self
+            .client(None)
+            .post(
                 "/v1/auth/login",
-                None,
-                Some(json!({"login":"admin","password":"durable-admin-pw"})),
+                &json!({"login":"admin","password":"durable-admin-pw"}),
             )
-            .await;
-        l["token"].as_str().unwrap().to_string()
+            .await
+            .ok(200);
+        l.token
     }
 
-    async fn job_end(&self, token: &str, job: &str) -> Value {
+    async fn job_end(&self, token: &str, job: JobId) -> Job {
         wait_for(Duration::from_secs(60), || async {
-            let (_, j) = self
-                .call("GET", &format!("/v1/jobs/{job}"), Some(token), None)
-                .await;
-            matches!(j["state"].as_str(), Some("succeeded" | "failed")).then_some(j)
+            let j: Job = self
+                .client(Some(token))
+                .get(&format!("/v1/jobs/{job}"))
+                .await
+                .ok(200);
+            matches!(j.state, JobState::Succeeded | JobState::Failed).then_some(j)
         })
         .await
         .unwrap_or_else(|| panic!("job {job} never ended"))
     }
 
-    async fn devices(&self, token: &str, server: &str) -> Vec<Value> {
-        let (_, s) = self
-            .call("GET", &format!("/v1/servers/{server}"), Some(token), None)
-            .await;
-        s["assignable_devices"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
+    async fn devices(&self, token: &str, server: ServerId) -> Vec<AssignableDevice> {
+        let s: passage_model::api::Server = self
+            .client(Some(token))
+            .get(&format!("/v1/servers/{server}"))
+            .await
+            .ok(200);
+        s.assignable_devices.unwrap_or_default()
     }
 }
 
@@ -158,7 +140,6 @@ async fn killed_at_every_boundary(b: Backend) {
     let db = TestDb::new(b).await;
     let port = free_port();
     let api = Api {
-        http: reqwest::Client::new(),
         base: format!("http://127.0.0.1:{port}"),
     };
     let agent_bin = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
@@ -171,34 +152,30 @@ async fn killed_at_every_boundary(b: Backend) {
     // every server process below.
     let server = start(&db, port, None);
     let op = api.login().await;
-    api.call(
-        "POST",
-        "/v1/variants",
-        Some(&op),
-        Some(json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"})),
-    )
-    .await;
-    api.call(
-        "POST",
-        "/v1/packages",
-        Some(&op),
-        Some(json!({"name":"gpu-1x","vcpus":2,"memory_mib":2048,"devices":{"NVIDIA_H100":1}})),
-    )
-    .await;
-    let (_, jt) = api
-        .call("POST", "/v1/servers/join-tokens", Some(&op), None)
-        .await;
+    api.client(Some(&op))
+        .post::<Variant>(
+            "/v1/variants",
+            &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
+        )
+        .await
+        .ok(201);
+    api.client(Some(&op))
+        .post::<Package>(
+            "/v1/packages",
+            &json!({"name":"gpu-1x","vcpus":2,"memory_mib":2048,"devices":{"NVIDIA_H100":1}}),
+        )
+        .await
+        .ok(201);
+    let jt: JoinToken = api
+        .client(Some(&op))
+        .post_empty("/v1/servers/join-tokens")
+        .await
+        .ok(201);
     let sysfs = db.dir.path().join("sysfs");
     node_agent::fake::generate(&sysfs, &node_agent::fake::FakeSpec::default()).unwrap();
     let _agent = Proc(
         Command::new(&agent_bin)
-            .args([
-                "run",
-                "--server",
-                &api.base,
-                "--join-token",
-                jt["token"].as_str().unwrap(),
-            ])
+            .args(["run", "--server", &api.base, "--join-token", &jt.token])
             .arg("--sysfs-root")
             .arg(&sysfs)
             .arg("--state-dir")
@@ -209,10 +186,10 @@ async fn killed_at_every_boundary(b: Backend) {
             .unwrap(),
     );
     let node = wait_for(Duration::from_secs(30), || async {
-        let (_, l) = api.call("GET", "/v1/servers", Some(&op), None).await;
-        let s = l.as_array()?.first()?.clone();
-        (s["assignable_devices"].as_array()?.len() == 8)
-            .then(|| s["uuid"].as_str().unwrap().to_string())
+        let l: Vec<passage_model::api::Server> =
+            api.client(Some(&op)).get("/v1/servers").await.ok(200);
+        let s = l.into_iter().next()?;
+        (s.assignable_devices?.len() == 8).then_some(s.uuid)
     })
     .await
     .expect("the node registered");
@@ -223,73 +200,62 @@ async fn killed_at_every_boundary(b: Backend) {
         let key = format!("provision.{step}");
         let paused = start(&db, port, Some(&key));
         let op = api.login().await;
-        let (st, vm) = api
-            .call(
-                "POST",
+        let vm: Vm = api
+            .client(Some(&op))
+            .post(
                 "/v1/vms",
-                Some(&op),
-                Some(json!({"alias": format!("k-{step}"), "package":"gpu-1x"})),
+                &json!({"alias": format!("k-{step}"), "package":"gpu-1x"}),
             )
-            .await;
-        assert_eq!(st, 202, "{vm}");
+            .await
+            .ok(202);
         paused.wait_line(&format!("paused before {key}"), Duration::from_secs(30));
         paused.kill9();
         let _server = start(&db, port, None);
         let op = api.login().await;
-        let job = api.job_end(&op, vm["job_uuid"].as_str().unwrap()).await;
-        assert_eq!(job["state"], "succeeded", "{key}: {job}");
-        let (_, v) = api
-            .call(
-                "GET",
-                &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
-                Some(&op),
-                None,
-            )
-            .await;
-        assert_eq!(v["state"], "running", "{key}");
+        let job = api.job_end(&op, vm.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{key}: {job:?}");
+        let v: Vm = api
+            .client(Some(&op))
+            .get(&format!("/v1/vms/{}", vm.uuid))
+            .await
+            .ok(200);
+        assert_eq!(v.state, VmState::Running, "{key}");
         running_vms.push(v);
     }
     for (step, vm) in JobKind::Destroy.step_names().iter().zip(&running_vms) {
         let key = format!("destroy.{step}");
         let paused = start(&db, port, Some(&key));
         let op = api.login().await;
-        let (st, d) = api
-            .call(
-                "DELETE",
-                &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
-                Some(&op),
-                None,
-            )
-            .await;
-        assert_eq!(st, 202, "{d}");
+        let d: Vm = api
+            .client(Some(&op))
+            .delete(&format!("/v1/vms/{}", vm.uuid))
+            .await
+            .ok(202);
         paused.wait_line(&format!("paused before {key}"), Duration::from_secs(30));
         paused.kill9();
         let _server = start(&db, port, None);
         let op = api.login().await;
-        let job = api.job_end(&op, d["job_uuid"].as_str().unwrap()).await;
-        assert_eq!(job["state"], "succeeded", "{key}: {job}");
-        let (_, v) = api
-            .call(
-                "GET",
-                &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
-                Some(&op),
-                None,
-            )
-            .await;
-        assert_eq!(v["state"], "destroyed", "{key}");
+        let job = api.job_end(&op, d.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{key}: {job:?}");
+        let v: Vm = api
+            .client(Some(&op))
+            .get(&format!("/v1/vms/{}", vm.uuid))
+            .await
+            .ok(200);
+        assert_eq!(v.state, VmState::Destroyed, "{key}");
     }
     // Every VM is gone and every device is free again: none held by a dead job.
     let _server = start(&db, port, None);
     let op = api.login().await;
     let settled = wait_for(Duration::from_secs(30), || async {
-        let d = api.devices(&op, &node).await;
+        let d = api.devices(&op, node).await;
         (d.len() == 8
             && d.iter()
-                .all(|d| d["state"] == "unassigned" && d["used_by"].is_null()))
+                .all(|d| d.state == DeviceState::Unassigned && d.used_by.is_none()))
         .then_some(())
     })
     .await;
-    assert!(settled.is_some(), "{:?}", api.devices(&op, &node).await);
+    assert!(settled.is_some(), "{:?}", api.devices(&op, node).await);
 }
 both!(killed_at_every_boundary_on, killed_at_every_boundary);
 
@@ -300,31 +266,21 @@ async fn silent_agent_times_out(b: Backend) {
     // A node that registered and reported, then fell silent (no agent loop answers).
     let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
-    let (st, vm) = s
-        .admin_call(
-            "POST",
-            "/v1/vms",
-            Some(json!({"alias":"lonely","package":"gpu-1x"})),
-        )
-        .await;
-    assert_eq!(st, 202);
-    let job = s.wait_job(vm["job_uuid"].as_str().unwrap()).await;
-    assert_eq!(job["state"], "failed");
-    let err = job["error"].as_str().unwrap();
+    let vm: Vm = s
+        .post("/v1/vms", &json!({"alias":"lonely","package":"gpu-1x"}))
+        .await
+        .ok(202);
+    let job = s.wait_job(vm.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Failed);
+    let err = job.error.unwrap();
     assert!(
         err.contains("did not answer bind_passthrough within 1 s"),
         "{err}"
     );
-    let (_, v) = s
-        .admin_call(
-            "GET",
-            &format!("/v1/vms/{}", vm["uuid"].as_str().unwrap()),
-            None,
-        )
-        .await;
-    assert_eq!(v["state"], "failed");
+    let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+    assert_eq!(v.state, VmState::Failed);
     assert!(
-        s.device_states(&server)
+        s.device_states(server)
             .await
             .iter()
             .all(|(_, _, u)| u.is_none()),
@@ -343,44 +299,35 @@ async fn two_replicas_on_postgres() {
     let b_base = format!("http://{}", b.addr);
     let node = a.add_node(8).await;
     a.h100_catalog(1).await;
-    let mut calls = Vec::new();
-    for i in 0..32 {
-        let base = if i % 2 == 0 {
-            a.base.clone()
-        } else {
-            b_base.clone()
-        };
-        let http = a.http.clone();
-        let token = a.admin.clone();
-        calls.push(tokio::spawn(async move {
-            let r = http
-                .post(format!("{base}/v1/vms"))
-                .bearer_auth(token)
-                .json(&json!({"alias": format!("r{i}"), "package": "gpu-1x"}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }));
-    }
+    let calls: Vec<_> = (0..32)
+        .map(|i| {
+            let c = if i % 2 == 0 {
+                a.as_admin()
+            } else {
+                Client::at(&b_base, Some(&a.admin))
+            };
+            let body = json!({"alias": format!("r{i}"), "package": "gpu-1x"});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
     let mut jobs = Vec::new();
     for c in calls {
-        let (st, v) = c.await.unwrap();
-        if st == 202 {
-            jobs.push(v["job_uuid"].as_str().unwrap().to_string());
+        let r = c.await.unwrap();
+        if r.status == 202 {
+            jobs.push(r.ok(202).job_uuid.unwrap());
         } else {
-            assert_eq!(v["code"], "InsufficientCapacity");
+            r.fails(409, ErrorCode::InsufficientCapacity);
         }
     }
     assert_eq!(jobs.len(), 8);
     for j in &jobs {
-        assert_eq!(a.wait_job(j).await["state"], "succeeded");
+        assert_eq!(a.wait_job(*j).await.state, JobState::Succeeded);
     }
-    let states = a.device_states(&node.uuid).await;
+    let states = a.device_states(node.uuid).await;
     let mut holders: Vec<_> = states
         .iter()
-        .filter(|(_, st, _)| st == "used")
-        .map(|(_, _, u)| u.clone())
+        .filter(|(_, st, _)| *st == DeviceState::Used)
+        .map(|(_, _, u)| *u)
         .collect();
     holders.sort();
     holders.dedup();

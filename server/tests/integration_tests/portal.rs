@@ -2,9 +2,8 @@
 //! and the CSP nonce. (The pages in a real browser: end2end/, run by `cargo xtask test`.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{ADMIN_PASSWORD, Backend, TestServer, fast_config};
+use crate::common::{ADMIN_PASSWORD, Backend, TestServer, fast_config};
+use passage_model::api::{Account, Package, PackageAvailability, Vm};
 
 fn browser() -> reqwest::Client {
     reqwest::Client::builder()
@@ -192,10 +191,7 @@ async fn login_sets_an_httponly_cookie_and_logout_revokes_it() {
         .await
         .unwrap();
     assert_eq!(forged.status().as_u16(), 403);
-    assert_eq!(
-        s.call("GET", "/v1/auth/me", Some(&token), None).await.0,
-        200
-    );
+    s.with(&token).get::<Account>("/v1/auth/me").await.ok(200);
     let r = browser()
         .post(s.url(&logout))
         .header("accept", "text/html")
@@ -213,10 +209,7 @@ async fn login_sets_an_httponly_cookie_and_logout_revokes_it() {
             .unwrap()
             .contains("Max-Age=0")
     );
-    assert_eq!(
-        s.call("GET", "/v1/auth/me", Some(&token), None).await.0,
-        401
-    );
+    s.with(&token).get::<Account>("/v1/auth/me").await.err(401);
 }
 
 #[tokio::test]
@@ -248,52 +241,43 @@ async fn tenants_get_403_on_operator_pages_and_404_on_others_instances() {
 async fn package_availability_follows_capacity_and_quota() {
     let mut s = TestServer::start(Backend::Sqlite, fast_config()).await;
     let name = s.h100_catalog(2).await;
-    let (_, pkgs) = s.admin_call("GET", "/v1/packages", None).await;
-    let pkg = pkgs[0]["uuid"].as_str().unwrap().to_string();
+    let pkgs: Vec<Package> = s.get("/v1/packages").await.ok(200);
+    let pkg = pkgs[0].uuid;
     let (uuid, tenant) = s.tenant("pat").await;
     let path = format!("/v1/packages/{pkg}/availability");
-    let (st, a) = s.call("GET", &path, Some(&tenant), None).await;
-    assert_eq!(st, 200, "{a}");
-    assert_eq!(a["capacity_ok"], false, "no nodes yet: {a}");
-    assert_eq!(a["quota_ok"], true);
+    let a: PackageAvailability = s.with(&tenant).get(&path).await.ok(200);
+    assert!(!a.capacity_ok, "no nodes yet: {a:?}");
+    assert!(a.quota_ok);
     assert!(
-        a["message"].as_str().unwrap().contains("no running server"),
-        "{a}"
+        a.message.as_deref().unwrap().contains("no running server"),
+        "{a:?}"
     );
 
     s.add_node(2).await;
-    let (_, a) = s.call("GET", &path, Some(&tenant), None).await;
-    assert_eq!(a["capacity_ok"], true, "{a}");
-    assert!(a["message"].is_null());
+    let a: PackageAvailability = s.with(&tenant).get(&path).await.ok(200);
+    assert!(a.capacity_ok, "{a:?}");
+    assert!(a.message.is_none());
 
-    let (st, _) = s
-        .admin_call(
-            "PATCH",
-            &format!("/v1/accounts/{uuid}"),
-            Some(serde_json::json!({"gpu_quota": 1})),
-        )
-        .await;
-    assert_eq!(st, 200);
-    let (_, a) = s.call("GET", &path, Some(&tenant), None).await;
-    assert_eq!(a["quota_ok"], false, "2 devices over a quota of 1: {a}");
-    assert!(a["message"].as_str().unwrap().contains("quota"), "{a}");
+    s.patch::<Account>(
+        &format!("/v1/accounts/{uuid}"),
+        &serde_json::json!({"gpu_quota": 1}),
+    )
+    .await
+    .ok(200);
+    let a: PackageAvailability = s.with(&tenant).get(&path).await.ok(200);
+    assert!(!a.quota_ok, "2 devices over a quota of 1: {a:?}");
+    assert!(a.message.as_deref().unwrap().contains("quota"), "{a:?}");
 
     // Nothing was reserved by asking: the tenant with room can still take both devices.
-    let (st, vm) = s
-        .admin_call(
-            "POST",
-            "/v1/vms",
-            Some(serde_json::json!({"alias": "probe", "package": name})),
-        )
-        .await;
-    assert_eq!(st, 202, "{vm}");
-    let (st, _) = s
-        .call(
-            "GET",
-            "/v1/packages/not-a-uuid/availability",
-            Some(&tenant),
-            None,
-        )
-        .await;
-    assert_eq!(st, 404, "a malformed id names no package");
+    s.post::<Vm>(
+        "/v1/vms",
+        &serde_json::json!({"alias": "probe", "package": name}),
+    )
+    .await
+    .ok(202);
+    // A malformed id names no package.
+    s.with(&tenant)
+        .get::<PackageAvailability>("/v1/packages/not-a-uuid/availability")
+        .await
+        .err(404);
 }

@@ -1,0 +1,8 @@
+//! One module per area: discovery against pciutils, binding, scrubbing, the QEMU
+//! backend, robustness of the parsers.
+
+mod binding;
+mod pciutils;
+mod qemu;
+mod robustness;
+mod scrub;

@@ -1,0 +1,568 @@
+//! The REST and agent APIs over a real server on loopback, on SQLite and on Postgres.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::{Backend, TestServer, fast_config};
+use passage_model::api::{
+    Account, ApiToken, DeviceEventRecord, LoginResponse, Package, Ping, Vm, VmState,
+};
+use passage_model::protocol::{HeartbeatResponse, RegisterResponse};
+use passage_model::{DeviceState, ErrorCode, Variant};
+use serde::de::IgnoredAny;
+use serde_json::json;
+
+async fn auth_and_roles(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let anon = s.client(None);
+    // Ping needs nothing; everything else needs a token.
+    let p: Ping = anon.get("/v1/ping").await.ok(200);
+    assert!(p.ok);
+    anon.get::<Vec<Vm>>("/v1/vms")
+        .await
+        .fails(401, ErrorCode::Unauthorized);
+    s.with("pst_nonsense")
+        .get::<Vec<Vm>>("/v1/vms")
+        .await
+        .err(401);
+    // Wrong password and unknown user: the same answer.
+    let wrong = |login: &str| json!({"login": login, "password": "wrong-pass"});
+    let e1 = anon
+        .post::<LoginResponse>("/v1/auth/login", &wrong("admin"))
+        .await
+        .err(401);
+    let e2 = anon
+        .post::<LoginResponse>("/v1/auth/login", &wrong("nobody"))
+        .await
+        .err(401);
+    assert_eq!(e1, e2);
+
+    let (tenant_uuid, tenant) = s.tenant("alice").await;
+    let (_, other) = s.tenant("bob").await;
+    for (method, path) in [
+        ("GET", "/v1/accounts"),
+        ("GET", "/v1/servers"),
+        ("GET", "/v1/variants"),
+        ("POST", "/v1/servers/join-tokens"),
+    ] {
+        s.with(&tenant)
+            .send::<IgnoredAny>(method, path, None)
+            .await
+            .fails(403, ErrorCode::Forbidden);
+    }
+    s.with(&tenant)
+        .post::<Variant>(
+            "/v1/variants",
+            &json!({"name":"X","type":"gpu","vendor":"10de","device":"2330"}),
+        )
+        .await
+        .err(403);
+    // A tenant reads itself and packages, not other accounts.
+    let me: Account = s
+        .with(&tenant)
+        .get(&format!("/v1/accounts/{tenant_uuid}"))
+        .await
+        .ok(200);
+    assert_eq!(me.login, "alice");
+    // No field beyond the view's (a password hash above all) leaves the server.
+    let (_, raw) = s
+        .call(
+            "GET",
+            &format!("/v1/accounts/{tenant_uuid}"),
+            Some(&tenant),
+            None,
+        )
+        .await;
+    assert!(raw.get("password_hash").is_none());
+    s.with(&tenant)
+        .get::<Vec<Package>>("/v1/packages")
+        .await
+        .ok(200);
+
+    // A read-only operator reads everything and changes nothing.
+    s.post::<Account>(
+        "/v1/accounts",
+        &json!({"login":"ro","password":"reader-password","role":"reader"}),
+    )
+    .await
+    .ok(201);
+    let reader = s.login("ro", "reader-password").await;
+    let list: Vec<Account> = s.with(&reader).get("/v1/accounts").await.ok(200);
+    assert_eq!(list.len(), 4);
+    s.with(&reader)
+        .post::<Account>(
+            "/v1/accounts",
+            &json!({"login":"x","password":"xxxxxxxxxx"}),
+        )
+        .await
+        .err(403);
+    s.with(&reader)
+        .post::<Vm>("/v1/vms", &json!({"alias":"a","package":"p"}))
+        .await
+        .err(403);
+
+    // Node credentials and user tokens do not cross.
+    let jt = s.join_token().await;
+    let reg: RegisterResponse = anon
+        .post(
+            "/agent/v1/register",
+            &json!({"join_token": jt, "hostname":"cn-1", "agent_version":"t", "protocol_version":1}),
+        )
+        .await
+        .ok(201);
+    let cred = reg.credential;
+    s.with(&cred).get::<Vec<Vm>>("/v1/vms").await.err(401);
+    s.as_admin()
+        .post::<HeartbeatResponse>("/agent/v1/heartbeat", &json!({}))
+        .await
+        .err(401);
+    s.with(&cred)
+        .post::<HeartbeatResponse>("/agent/v1/heartbeat", &json!({}))
+        .await
+        .ok(200);
+    // A join token admits one node only.
+    anon.post::<RegisterResponse>(
+        "/agent/v1/register",
+        &json!({"join_token": jt, "hostname":"cn-2", "agent_version":"t", "protocol_version":1}),
+    )
+    .await
+    .err(401);
+
+    // Another tenant's VM is not found, not forbidden, and stays untouched.
+    s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let vm: Vm = s
+        .with(&tenant)
+        .post("/v1/vms", &json!({"alias":"mine","package":"gpu-1x"}))
+        .await
+        .ok(202);
+    let vm_path = format!("/v1/vms/{}", vm.uuid);
+    let job_path = format!("/v1/jobs/{}", vm.job_uuid.unwrap());
+    for (method, path) in [("GET", &vm_path), ("DELETE", &vm_path), ("GET", &job_path)] {
+        s.with(&other)
+            .send::<IgnoredAny>(method, path, None)
+            .await
+            .fails(404, ErrorCode::ResourceNotFound);
+    }
+    s.with(&reader).delete::<Vm>(&vm_path).await.err(403);
+    let list: Vec<Vm> = s.with(&other).get("/v1/vms").await.ok(200);
+    assert!(list.is_empty());
+    let mine: Vm = s.with(&tenant).get(&vm_path).await.ok(200);
+    assert_eq!(mine.state, VmState::Provisioning);
+    s.with(&tenant).get::<IgnoredAny>(&job_path).await.ok(200);
+
+    // API tokens: shown once, listed without the secret, work, revocable by their owner only.
+    let t: ApiToken = s
+        .with(&tenant)
+        .post("/v1/tokens", &json!({"name": "ci"}))
+        .await
+        .ok(201);
+    let api_token = t.token.clone().unwrap();
+    let list: Vec<ApiToken> = s.with(&tenant).get("/v1/tokens").await.ok(200);
+    assert_eq!(list.len(), 1);
+    assert!(list[0].token.is_none());
+    s.with(&api_token).get::<Vm>(&vm_path).await.ok(200);
+    let tok_path = format!("/v1/tokens/{}", t.uuid);
+    s.with(&other).delete::<()>(&tok_path).await.err(404);
+    s.with(&tenant).delete::<()>(&tok_path).await.ok(204);
+    s.with(&api_token).get::<Vm>(&vm_path).await.err(401);
+
+    // Logout ends the token.
+    s.with(&tenant)
+        .post_empty::<()>("/v1/auth/logout")
+        .await
+        .ok(204);
+    s.with(&tenant)
+        .get::<Vec<Package>>("/v1/packages")
+        .await
+        .err(401);
+}
+both!(auth_and_roles_on, auth_and_roles);
+
+async fn counts(s: &TestServer) -> (usize, usize, usize, usize) {
+    (
+        s.get::<Vec<Variant>>("/v1/variants").await.ok(200).len(),
+        s.get::<Vec<Package>>("/v1/packages").await.ok(200).len(),
+        s.get::<Vec<Account>>("/v1/accounts").await.ok(200).len(),
+        s.get::<Vec<Vm>>("/v1/vms").await.ok(200).len(),
+    )
+}
+
+async fn bad_input(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    s.h100_catalog(1).await;
+    let before = counts(&s).await;
+    let admin = s.as_admin();
+
+    // Bodies no request type would write, sent as they are.
+    admin
+        .raw::<Variant>("POST", "/v1/variants", "{not json")
+        .await
+        .fails(400, ErrorCode::InvalidArgument);
+    admin
+        .raw::<Variant>(
+            "POST",
+            "/v1/variants",
+            r#"{"name":"A","type":"gpu","vendor":"10de","device":"2330","colour":"red"}"#,
+        )
+        .await
+        .invalid("colour");
+    admin
+        .raw::<Variant>(
+            "POST",
+            "/v1/variants",
+            r#"{"name":"A","type":"gpu","vendor":"10de"}"#,
+        )
+        .await
+        .invalid("device");
+    admin
+        .raw::<Variant>(
+            "POST",
+            "/v1/variants",
+            r#"{"name":"A","type":"gpu","vendor":"10dz","device":"2330"}"#,
+        )
+        .await
+        .invalid("vendor");
+    admin
+        .raw::<Variant>(
+            "POST",
+            "/v1/variants",
+            r#"{"name":"bad name","type":"gpu","vendor":"10de","device":"2330"}"#,
+        )
+        .await
+        .invalid("name");
+    admin
+        .raw::<Package>(
+            "POST",
+            "/v1/packages",
+            r#"{"name":"p","vcpus":1,"memory_mib":1024,"devices":{"NO_SUCH":1}}"#,
+        )
+        .await
+        .missing("devices.NO_SUCH");
+    admin
+        .raw::<Package>(
+            "POST",
+            "/v1/packages",
+            r#"{"name":"p","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":0}}"#,
+        )
+        .await
+        .invalid("devices.NVIDIA_H100");
+    admin
+        .raw::<Package>(
+            "POST",
+            "/v1/packages",
+            r#"{"name":"p","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":-2}}"#,
+        )
+        .await
+        .invalid("devices.NVIDIA_H100");
+    admin
+        .raw::<Package>(
+            "POST",
+            "/v1/packages",
+            r#"{"name":"p","vcpus":0,"memory_mib":1024}"#,
+        )
+        .await
+        .invalid("vcpus");
+    admin
+        .raw::<Vm>(
+            "POST",
+            "/v1/vms",
+            r#"{"alias":"v","package":"gpu-1x","assigned_devices":["/devices/pci0000:00/0000:00:01.0"]}"#,
+        )
+        .await
+        .invalid("assigned_devices");
+    admin
+        .raw::<Vm>(
+            "POST",
+            "/v1/vms",
+            r#"{"alias":"v","assigned_devices":["/devices/pci0000:00/0000:00:01.99"],"server_uuid":"00000000-0000-0000-0000-000000000000"}"#,
+        )
+        .await
+        .invalid("assigned_devices[0]");
+    admin
+        .raw::<Vm>(
+            "POST",
+            "/v1/vms",
+            r#"{"alias":"v","package":"no-such-package"}"#,
+        )
+        .await
+        .missing("package");
+    admin
+        .raw::<Vm>(
+            "POST",
+            "/v1/vms",
+            r#"{"alias":"bad alias!","package":"gpu-1x"}"#,
+        )
+        .await
+        .invalid("alias");
+    admin
+        .raw::<Account>(
+            "POST",
+            "/v1/accounts",
+            r#"{"login":"x","password":"short"}"#,
+        )
+        .await
+        .invalid("password");
+    admin
+        .get::<Vec<Vm>>("/v1/vms?limit=0")
+        .await
+        .invalid("limit");
+    admin
+        .get::<Vec<Vm>>("/v1/vms?state=sleepy")
+        .await
+        .invalid("state");
+
+    // Arrays are not objects, even where serde would take one field by field.
+    admin
+        .raw::<Variant>("POST", "/v1/variants", r#"["A","gpu","10de","2330"]"#)
+        .await
+        .invalid("body");
+    // NUL never reaches the store (Postgres text cannot hold it).
+    admin
+        .raw::<Variant>(
+            "POST",
+            "/v1/variants",
+            r#"{"name":"A","type":"gpu","vendor":"10de","device":"2330","description":"a\u0000b"}"#,
+        )
+        .await
+        .invalid("body");
+    s.client(None)
+        .raw::<LoginResponse>(
+            "POST",
+            "/v1/auth/login",
+            r#"{"login":"a\u0000","password":"x"}"#,
+        )
+        .await
+        .err(400);
+    admin
+        .get::<Vec<Vm>>("/v1/vms?assigned_device=%00")
+        .await
+        .invalid("assigned_device");
+    admin.get::<Variant>("/v1/variants/a%00b").await.err(404);
+
+    // Oversize body: 413, whatever it holds.
+    let big = format!(
+        r#"{{"name":"{}","vcpus":1,"memory_mib":1024}}"#,
+        "x".repeat(200_000)
+    );
+    // The server stops reading and closes that connection: a client of its own, so
+    // the shared pool never reuses a connection being closed.
+    let oversize = reqwest::Client::new()
+        .post(s.url("/v1/packages"))
+        .bearer_auth(&s.admin)
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(oversize.status().as_u16(), 413);
+    let e: passage_model::ApiErrorBody = oversize.json().await.unwrap();
+    assert_eq!(e.code, ErrorCode::PayloadTooLarge, "{e:?}");
+
+    // Agent messages get the same treatment.
+    let jt = s.join_token().await;
+    let anon = s.client(None);
+    anon.raw::<RegisterResponse>(
+        "POST",
+        "/agent/v1/register",
+        &format!(r#"{{"join_token":"{jt}","hostname":"bad host","agent_version":"t","protocol_version":1}}"#),
+    )
+    .await
+    .invalid("hostname");
+    let reg: RegisterResponse = anon
+        .post(
+            "/agent/v1/register",
+            &json!({"join_token": jt, "hostname":"cn-1", "agent_version":"t", "protocol_version":1}),
+        )
+        .await
+        .ok(201);
+    s.with(&reg.credential)
+        .raw::<()>(
+            "PUT",
+            "/agent/v1/inventory",
+            r#"{"devices":[{"id":"/devices/pci0000:00/0000:00:01.0","vendor":"10de","device":"2330","subvendor":"10de","subsystem":"16c1","revision":"a1","class":"03020","driver":null,"numa_node":0,"iommu_group":1}]}"#,
+        )
+        .await
+        .invalid("devices[0].class");
+
+    assert_eq!(
+        counts(&s).await,
+        before,
+        "nothing was written by refused calls"
+    );
+}
+both!(bad_input_on, bad_input);
+
+async fn inventory_and_variants(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let (server, cred, devices) = s.manual_node(8).await;
+    let srv = s.server(server).await;
+    assert_eq!(srv.sysinfo.unwrap().pci_devices.len(), devices.len());
+    assert_eq!(srv.assignable_devices.unwrap().len(), 0, "no variant yet");
+    assert_eq!(srv.status, passage_model::api::ServerStatus::Running);
+
+    // A variant makes the matching devices assignable; changing it recomputes.
+    s.h100_catalog(1).await;
+    assert_eq!(s.device_states(server).await.len(), 8);
+    s.put::<Variant>(
+        "/v1/variants/NVIDIA_H100",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330","revision":"ff"}),
+    )
+    .await
+    .ok(200);
+    assert_eq!(
+        s.device_states(server).await.len(),
+        0,
+        "revision ff matches none"
+    );
+    s.put::<Variant>(
+        "/v1/variants/NVIDIA_H100",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330","revision":"a1"}),
+    )
+    .await
+    .ok(200);
+    assert_eq!(s.device_states(server).await.len(), 8);
+    // In use by a package: not deletable.
+    s.delete::<()>("/v1/variants/NVIDIA_H100")
+        .await
+        .fails(409, ErrorCode::Conflict);
+
+    // Reserve one device (no agent answers, so the job waits; the reservation stands).
+    let vm: Vm = s
+        .post("/v1/vms", &json!({"alias":"held","package":"gpu-1x"}))
+        .await
+        .ok(202);
+    let held_id = vm.assigned_devices[0].clone();
+
+    // The node now reports everything but the held device and one free GPU.
+    let free_gone = s
+        .device_states(server)
+        .await
+        .into_iter()
+        .find(|(id, st, _)| *id != held_id && *st == DeviceState::Unassigned)
+        .unwrap()
+        .0;
+    let partial: Vec<_> = devices
+        .iter()
+        .filter(|d| d.id != held_id && d.id != free_gone)
+        .collect();
+    s.with(&cred)
+        .put::<()>("/agent/v1/inventory", &json!({"devices": partial}))
+        .await
+        .ok(204);
+    let srv = s.server(server).await;
+    let assignable = srv.assignable_devices.unwrap();
+    let find =
+        |id: &passage_model::DevicePath| assignable.iter().find(|d| d.id == *id).cloned().unwrap();
+    let held = find(&held_id);
+    assert_eq!(
+        held.state,
+        DeviceState::Provisioning,
+        "a missing held device is never freed"
+    );
+    assert_eq!(held.used_by, Some(vm.uuid));
+    assert!(held.taint.unwrap().contains("missing"));
+    assert!(find(&free_gone).taint.is_some());
+
+    // Tainted devices are not placed: 8 - 1 held - 1 missing = 6 more fit, not 7.
+    let mut ok = 0;
+    for i in 0..8 {
+        let r = s
+            .post::<Vm>(
+                "/v1/vms",
+                &json!({"alias": format!("v{i}"), "package":"gpu-1x"}),
+            )
+            .await;
+        if r.status == 202 {
+            ok += 1;
+        } else {
+            r.err(409);
+        }
+    }
+    assert_eq!(ok, 6);
+
+    // Reported again: the taint clears, the device stays held.
+    s.with(&cred)
+        .put::<()>("/agent/v1/inventory", &json!({"devices": devices}))
+        .await
+        .ok(204);
+    let back = s
+        .server(server)
+        .await
+        .assignable_devices
+        .unwrap()
+        .into_iter()
+        .find(|d| d.id == held_id)
+        .unwrap();
+    assert!(back.taint.is_none());
+    assert_eq!(back.used_by, Some(vm.uuid));
+}
+both!(inventory_and_variants_on, inventory_and_variants);
+
+async fn race_for_the_last_devices(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let (server, _cred, _) = s.manual_node(8).await;
+    s.h100_catalog(1).await;
+    let (_, tenant) = s.tenant("racer").await;
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let body = json!({"alias": format!("race-{i}"), "package": "gpu-1x"});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
+    let mut won = Vec::new();
+    let mut lost = 0;
+    for c in calls {
+        let r = c.await.unwrap();
+        match r.status {
+            202 => won.push(r.ok(202)),
+            _ => {
+                r.fails(409, ErrorCode::InsufficientCapacity);
+                lost += 1;
+            }
+        }
+    }
+    assert_eq!((won.len(), lost), (8, 56));
+    let states = s.device_states(server).await;
+    assert!(
+        states
+            .iter()
+            .all(|(_, st, _)| *st == DeviceState::Provisioning)
+    );
+    let mut holders: Vec<_> = states.iter().filter_map(|(_, _, u)| *u).collect();
+    holders.sort();
+    holders.dedup();
+    assert_eq!(holders.len(), 8, "each device held by a different VM");
+    let mut assigned: Vec<_> = won.iter().map(|v| v.assigned_devices[0].clone()).collect();
+    assigned.sort();
+    assigned.dedup();
+    assert_eq!(assigned.len(), 8, "no device given twice");
+    // The history agrees: one reservation per device, ever.
+    let events: Vec<DeviceEventRecord> = s
+        .get(&format!("/v1/servers/{server}/device-events"))
+        .await
+        .ok(200);
+    let reserves = events
+        .iter()
+        .filter(|e| e.to == DeviceState::Provisioning)
+        .count();
+    assert_eq!(reserves, 8);
+}
+both!(race_for_the_last_devices_on, race_for_the_last_devices);
+
+async fn lists_page_newest_first(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    for name in ["t1", "t2", "t3"] {
+        s.tenant(name).await;
+    }
+    let r = s.get::<Vec<Account>>("/v1/accounts?limit=2&offset=0").await;
+    assert_eq!(r.header("x-resource-count"), Some("4"));
+    let logins: Vec<String> = r.ok(200).into_iter().map(|a| a.login).collect();
+    assert_eq!(logins, ["t3", "t2"]);
+    let rest: Vec<Account> = s.get("/v1/accounts?limit=2&offset=2").await.ok(200);
+    let logins: Vec<String> = rest.into_iter().map(|a| a.login).collect();
+    assert_eq!(logins, ["t1", "admin"]);
+    s.get::<Vec<Account>>("/v1/accounts?limit=1001")
+        .await
+        .invalid("limit");
+}
+both!(lists_page_newest_first_on, lists_page_newest_first);

@@ -1,0 +1,267 @@
+//! The real `server` and `node-agent` binaries on loopback over a fake tree of 8 H100s:
+//! operator sets up, tenant provisions and destroys, the device is scrubbed before reuse.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::{Backend, Client, TestDb, wait_for};
+use passage_model::api::{
+    Account, DeviceEventRecord, JoinToken, LoginResponse, Package, ScrubRecord, Server,
+    ServerStatus, Vm, VmState,
+};
+use passage_model::{DeviceState, ServerId, Variant};
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn node_agent_bin() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins; \
+         cargo xtask test does)",
+        p.display()
+    );
+    p
+}
+
+fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_server"))
+        .args(["--listen", "127.0.0.1:0", "--database", &db.url])
+        .args(extra)
+        .env("PASSAGE_ADMIN_PASSWORD", "e2e-admin-password")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let proc = Proc(child);
+    let mut lines = BufReader::new(stdout).lines();
+    let base = loop {
+        let line = lines
+            .next()
+            .expect("server exited before listening")
+            .unwrap();
+        if let Some(url) = line.strip_prefix("Passage listening on ") {
+            break url.trim().to_string();
+        }
+    };
+    (proc, base)
+}
+
+async fn login(base: &str, login: &str, password: &str) -> String {
+    let l: LoginResponse = Client::at(base, None)
+        .post(
+            "/v1/auth/login",
+            &json!({"login": login, "password": password}),
+        )
+        .await
+        .ok(200);
+    l.token
+}
+
+async fn walk(b: Backend) {
+    let db = TestDb::new(b).await;
+    let agent_bin = node_agent_bin();
+    let (_server, base) = start_server(&db, &[]);
+
+    // Operator: log in, admit a node.
+    let op = Client::at(
+        &base,
+        Some(&login(&base, "admin", "e2e-admin-password").await),
+    );
+    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
+    let sysfs = db.dir.path().join("sysfs");
+    let out = Command::new(&agent_bin)
+        .args(["fake-sysfs", "--out"])
+        .arg(&sysfs)
+        .args(["--gpus", "8", "--model", "h100"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _agent = Proc(
+        Command::new(&agent_bin)
+            .args(["run", "--server", &base, "--join-token", &jt.token])
+            .arg("--sysfs-root")
+            .arg(&sysfs)
+            .arg("--state-dir")
+            .arg(db.dir.path().join("agent-state"))
+            .args([
+                "--hypervisor",
+                "sim",
+                "--heartbeat-secs",
+                "1",
+                "--hostname",
+                "cn-e2e",
+            ])
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
+    let server_uuid = wait_for(Duration::from_secs(30), || async {
+        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+        let s = list.into_iter().next()?;
+        (s.sysinfo?.pci_devices.len() > 8).then_some(s.uuid)
+    })
+    .await
+    .expect("the node registered and reported");
+
+    // Operator: variant, package, tenant.
+    op.post::<Variant>(
+        "/v1/variants",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
+    )
+    .await
+    .ok(201);
+    let srv: Server = op.get(&format!("/v1/servers/{server_uuid}")).await.ok(200);
+    assert_eq!(srv.status, ServerStatus::Running);
+    assert_eq!(srv.assignable_devices.unwrap().len(), 8);
+    op.post::<Package>("/v1/packages", &json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"disk_gib":100,"devices":{"NVIDIA_H100":1}}))
+        .await
+        .ok(201);
+    op.post::<Account>(
+        "/v1/accounts",
+        &json!({"login":"tenant1","password":"tenant-password","role":"tenant"}),
+    )
+    .await
+    .ok(201);
+    let tenant = Client::at(
+        &base,
+        Some(&login(&base, "tenant1", "tenant-password").await),
+    );
+
+    // Tenant: create, watch it run with one device.
+    let vm: Vm = tenant
+        .post("/v1/vms", &json!({"alias":"train-1","package":"gpu-1x"}))
+        .await
+        .ok(202);
+    let vm_path = format!("/v1/vms/{}", vm.uuid);
+    let running = wait_for(Duration::from_secs(30), || async {
+        let v: Vm = tenant.get(&vm_path).await.ok(200);
+        (v.state == VmState::Running).then_some(v)
+    })
+    .await
+    .expect("the VM reached running");
+    assert_eq!(running.assigned_devices.len(), 1);
+    let dev = running.assigned_devices[0].to_string();
+    let lspci = Command::new(&agent_bin)
+        .args(["lspci", "--sysfs-root"])
+        .arg(&sysfs)
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&lspci.stdout);
+    let line = listing.lines().find(|l| l.contains(&dev)).unwrap();
+    assert!(line.ends_with(" vfio-pci"), "bound for passthrough: {line}");
+
+    // Tenant: destroy. The device goes dirty, and is unassigned only after its scrub.
+    tenant.delete::<Vm>(&vm_path).await.ok(202);
+    wait_for(Duration::from_secs(30), || async {
+        let v: Vm = tenant.get(&vm_path).await.ok(200);
+        (v.state == VmState::Destroyed).then_some(())
+    })
+    .await
+    .expect("the VM was destroyed");
+    let events_path = format!("/v1/servers/{server_uuid}/device-events?device={dev}");
+    let events = wait_for(Duration::from_secs(30), || async {
+        let ev: Vec<DeviceEventRecord> = op.get(&events_path).await.ok(200);
+        (ev.last()?.to == DeviceState::Unassigned && ev.len() > 2).then_some(ev)
+    })
+    .await
+    .expect("the device came back");
+    let path: Vec<DeviceState> = events.iter().map(|e| e.to).collect();
+    use DeviceState::*;
+    assert_eq!(path, [Provisioning, Used, Dirty, Cleaning, Unassigned]);
+    let reports: Vec<ScrubRecord> = op
+        .get(&format!(
+            "/v1/servers/{server_uuid}/scrub-reports?device={dev}"
+        ))
+        .await
+        .ok(200);
+    let report = &reports[0];
+    assert!(report.ok);
+    let (dirty_at, back_at) = (events[2].at, events[4].at);
+    assert!(
+        dirty_at <= report.at && report.at <= back_at,
+        "{dirty_at} {} {back_at}",
+        report.at
+    );
+    let srv: Server = op.get(&format!("/v1/servers/{server_uuid}")).await.ok(200);
+    assert!(
+        srv.assignable_devices
+            .unwrap()
+            .iter()
+            .all(|d| d.state == DeviceState::Unassigned)
+    );
+}
+both!(real_binaries, walk);
+
+/// `--sim-servers`: simulated nodes register themselves, keep their identity across a
+/// restart of the server, and are placed on like any other.
+async fn simulated_nodes(b: Backend) {
+    let db = TestDb::new(b).await;
+    let sim_dir = db.dir.path().join("sim");
+    let sim = sim_dir.to_str().unwrap().to_string();
+    let args = [
+        "--sim-servers",
+        "2",
+        "--sim-gpus",
+        "4",
+        "--sim-model",
+        "a100",
+        "--sim-dir",
+        &sim,
+    ];
+    let mut uuids: Vec<ServerId> = Vec::new();
+    for round in 0..2 {
+        let (server, base) = start_server(&db, &args);
+        let op = Client::at(
+            &base,
+            Some(&login(&base, "admin", "e2e-admin-password").await),
+        );
+        let list = wait_for(Duration::from_secs(30), || async {
+            let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+            let ready = list
+                .iter()
+                .filter(|s| s.status == ServerStatus::Running)
+                .filter(|s| {
+                    s.sysinfo.as_ref().is_some_and(|i| {
+                        i.pci_devices
+                            .iter()
+                            .filter(|d| d.device.to_string() == "20b0")
+                            .count()
+                            == 4
+                    })
+                })
+                .count();
+            (ready == 2).then_some(list)
+        })
+        .await
+        .unwrap_or_else(|| panic!("round {round}: two simulated nodes with 4 A100s each"));
+        let mut now: Vec<ServerId> = list.iter().map(|s| s.uuid).collect();
+        now.sort();
+        if round == 0 {
+            uuids = now;
+        } else {
+            assert_eq!(
+                now, uuids,
+                "the same two nodes after a restart, no new ones"
+            );
+        }
+        drop(server);
+    }
+}
+both!(sim_servers, simulated_nodes);

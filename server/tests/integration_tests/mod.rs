@@ -1,0 +1,18 @@
+//! One module per area; `cargo nextest run -E 'test(api::)'` (or any part of a test's
+//! path) picks an area.
+
+mod api;
+mod durable;
+mod e2e;
+mod lifecycle;
+mod openapi;
+mod ops;
+mod pagination;
+mod portal;
+mod room;
+mod sagas;
+mod schema;
+mod security;
+mod store;
+mod tls;
+mod workflows;

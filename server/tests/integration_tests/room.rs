@@ -1,0 +1,174 @@
+//! vCPUs and memory as a placement filter: what nodes report, what VMs hold, and the
+//! check that keeps concurrent creations within a node, on SQLite and Postgres.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::{Backend, TestServer, fast_config};
+use passage_model::api::{PlacementExplanation, Server, Vm};
+use passage_model::{DeviceState, ErrorCode};
+use passage_server::store::room::Allocation;
+use serde_json::json;
+use std::time::Duration;
+
+fn resources(server: &Server) -> (i64, i64, i64, i64) {
+    let r = server.resources.expect("the node reported its resources");
+    (
+        r.vcpus_total,
+        r.vcpus_used,
+        r.memory_total_mib,
+        r.memory_used_mib,
+    )
+}
+
+async fn cpus_and_memory_bound_placement(b: Backend) {
+    let mut cfg = fast_config();
+    // Jobs wait on a node that never answers: the VMs stay provisioning, holding room.
+    cfg.task_timeout = Duration::from_secs(600);
+    cfg.alloc = Allocation {
+        cpu_ratio: 1.0,
+        reserved_memory_mib: 1024,
+    };
+    let mut s = TestServer::start(b, cfg).await;
+    s.h100_catalog(1).await; // 4 vCPUs, 4096 MiB, one H100
+
+    // Reported: 8 CPUs and 9 GiB, of which 1 GiB stays with the host. Four free GPUs,
+    // room for two VMs.
+    let host = json!({"cpus": 8, "memory_mib": 9216});
+    let (small, _, _) = s.manual_node_with(4, Some(host)).await;
+    assert_eq!(resources(&s.server(small).await), (8, 0, 8192, 0));
+
+    // Sixty-four creations race for that room: exactly two win.
+    let (_, tenant) = s.tenant("racer").await;
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let body = json!({"alias": format!("r{i}"), "package": "gpu-1x"});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for c in calls {
+        results.push(c.await.unwrap());
+    }
+    let won = results.iter().filter(|r| r.status == 202).count();
+    assert_eq!(won, 2, "{results:?}");
+    for r in results.into_iter().filter(|r| r.status != 202) {
+        r.fails(409, ErrorCode::InsufficientCapacity);
+    }
+    let srv = s.server(small).await;
+    assert_eq!(resources(&srv), (8, 8, 8192, 8192));
+    let devices = srv.assignable_devices.clone().unwrap();
+    let free = devices
+        .iter()
+        .filter(|d| d.state == DeviceState::Unassigned)
+        .count();
+    assert_eq!(free, 2, "GPUs are left, but no vCPUs: {srv:?}");
+
+    // The dry run says why.
+    let dry: PlacementExplanation = s
+        .post("/v1/placement/dry-run", &json!({"package": "gpu-1x"}))
+        .await
+        .ok(200);
+    assert!(dry.server.is_none(), "{dry:?}");
+    let why = dry.servers[0].reasons.join("; ");
+    assert!(why.contains("has 0 vCPUs free, needs 4"), "{why}");
+    assert!(
+        why.contains("has 0 MiB of memory free, needs 4096"),
+        "{why}"
+    );
+
+    // An operator naming a free device there is refused for the same reason.
+    let free_dev = devices
+        .iter()
+        .find(|x| x.state == DeviceState::Unassigned)
+        .unwrap()
+        .id
+        .clone();
+    let e = s
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"alias": "pinned", "server_uuid": small,
+                    "assigned_devices": [free_dev], "vcpus": 1, "memory_mib": 128}),
+        )
+        .await
+        .fails(409, ErrorCode::InsufficientCapacity);
+    assert!(e.message.contains("vCPUs"), "{e:?}");
+
+    // Operators naming devices skip placement's own look at the room: the check in the
+    // reservation alone decides. Eight distinct free GPUs, room for four VMs of 2 vCPUs.
+    let host = json!({"cpus": 8, "memory_mib": 9216});
+    let (pinned, _, _) = s.manual_node_with(8, Some(host)).await;
+    let ids: Vec<_> = s
+        .server(pinned)
+        .await
+        .assignable_devices
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(ids.len(), 8);
+    let calls: Vec<_> = ids
+        .into_iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let c = s.as_admin();
+            let body = json!({"alias": format!("p{i}"), "server_uuid": pinned,
+                              "assigned_devices": [id], "vcpus": 2, "memory_mib": 1024});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
+    let mut won = 0;
+    for c in calls {
+        let r = c.await.unwrap();
+        match r.status {
+            202 => won += 1,
+            _ => {
+                r.err(409);
+            }
+        }
+    }
+    assert_eq!(won, 4);
+    assert_eq!(resources(&s.server(pinned).await), (8, 8, 8192, 4096));
+
+    // A node that never reported its CPUs is not held to them.
+    let (other, _, _) = s.manual_node(1).await;
+    assert!(s.server(other).await.resources.is_none());
+    let vm: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"alias": "elsewhere", "package": "gpu-1x"}),
+        )
+        .await
+        .ok(202);
+    assert_eq!(vm.server_uuid, Some(other));
+
+    // A report out of range is refused and changes nothing.
+    let (_, cred, devices) = s
+        .manual_node_with(1, Some(json!({"cpus": 2, "memory_mib": 4096})))
+        .await;
+    for bad in [
+        json!({"cpus": 0, "memory_mib": 1}),
+        json!({"cpus": 1, "memory_mib": 0}),
+        json!({"cpus": 70000, "memory_mib": 1}),
+        json!({"cpus": 1}),
+        json!({"cpus": 1, "memory_mib": 1, "gpus": 2}),
+    ] {
+        s.with(&cred)
+            .put::<()>(
+                "/agent/v1/inventory",
+                &json!({"devices": devices, "host": bad}),
+            )
+            .await
+            .fails(400, ErrorCode::InvalidArgument);
+    }
+
+    // The real agent reports what its tree says: 64 CPUs, 512 GiB over two NUMA nodes.
+    let node = s.add_node(1).await;
+    assert_eq!(
+        resources(&s.server(node.uuid).await),
+        (64, 0, 512 * 1024 - 1024, 0)
+    );
+}
+both!(
+    cpus_and_memory_bound_placement,
+    cpus_and_memory_bound_placement
+);
