@@ -41,12 +41,12 @@ pub fn shell(options: LeptosOptions) -> impl IntoView {
 }
 
 /// The session, loaded once per page and shared by the layout and the pages.
-pub type Session = Resource<Result<Option<crate::rpc::Me>, crate::error::PortalError>>;
+pub type Session = crate::data::Data<Option<crate::rpc::Me>>;
 
 #[component]
 pub fn App() -> impl IntoView {
     provide_meta_context();
-    let session: Session = Resource::new(|| (), |_| crate::rpc::whoami());
+    let session: Session = crate::data::load(|| (), |_| crate::rpc::whoami());
     provide_context(session);
     // Every route renders whole before it is sent, so pages work without JavaScript.
     let ssr = SsrMode::Async;
