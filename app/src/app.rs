@@ -22,13 +22,15 @@ pub fn shell(options: LeptosOptions) -> impl IntoView {
             res.insert_header(http::header::CONTENT_SECURITY_POLICY, v);
         }
     }
+    // Beside the scripts, in the bundle's folder named by the hash of its files.
+    let stylesheet = format!("/{}/passage.css", options.site_pkg_dir);
     view! {
         <!DOCTYPE html>
         <html lang="en">
             <head>
                 <meta charset="utf-8"/>
                 <meta name="viewport" content="width=device-width, initial-scale=1"/>
-                <link rel="stylesheet" href="/pkg/passage.css"/>
+                <link rel="stylesheet" href=stylesheet/>
                 <link rel="icon" href="/favicon.ico"/>
                 <HydrationScripts options/>
                 <leptos_meta::MetaTags/>
