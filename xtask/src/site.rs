@@ -13,6 +13,9 @@
 //!    folder; the one before stays, so a server started earlier keeps working;
 //! 5. each file also brotli- and gzip-compressed beside it (`.br`, `.gz`), which the
 //!    server sends to browsers that take them.
+//!
+//! Steps 2 to 5 are skipped when their inputs (the wasm, the stylesheet, the tools) are
+//! those `site/bundle.inputs` recorded for a bundle that is still there.
 
 use crate::util::{cargo, on_path, repo_root, run_checked, target_dir};
 use anyhow::{Context, Result, bail};
@@ -70,8 +73,58 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
         "hydrate",
     ]))?;
     let wasm = target.join("wasm32-unknown-unknown/wasm-release/passage_app.wasm");
+    let css = root.join("style/passage.css");
     let site = target.join("site");
     let pkg = site.join("pkg");
+    std::fs::create_dir_all(&pkg).with_context(|| format!("cannot create {}", pkg.display()))?;
+
+    // wasm-bindgen and wasm-opt take half a minute even when cargo had nothing to do:
+    // the same inputs (and tools) make the same bundle, which may be there already.
+    let inputs = inputs_key(&[&wasm, &css], &bindgen, optimizer.as_deref())?;
+    let inputs_file = site.join("bundle.inputs");
+    let reusable = std::fs::read_to_string(&inputs_file)
+        .ok()
+        .and_then(|s| {
+            let (key, id) = s.trim().split_once(' ')?;
+            (key == inputs).then(|| id.to_string())
+        })
+        .filter(|id| pkg.join(id).is_dir());
+    let id = match reusable {
+        Some(id) => {
+            eprintln!("xtask: the portal's bundle is up to date");
+            id
+        }
+        None => {
+            let id = make_bundle(&wasm, &css, &bindgen, optimizer.as_deref(), &site)?;
+            write_atomically(&inputs_file, format!("{inputs} {id}").as_bytes())?;
+            id
+        }
+    };
+    let previous = std::fs::read_to_string(site.join("bundle")).ok();
+    write_atomically(&site.join("bundle"), id.as_bytes())?;
+    prune(&pkg, &id, previous.as_deref().map(str::trim))?;
+
+    let public = root.join("app/public");
+    for entry in
+        std::fs::read_dir(&public).with_context(|| format!("cannot read {}", public.display()))?
+    {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            copy(&entry.path(), &site.join(entry.file_name()))?;
+        }
+    }
+    report(&pkg.join(&id))?;
+    Ok(site)
+}
+
+/// Binds, shrinks and compresses the bundle into `site/pkg/<id>/`; answers the id.
+fn make_bundle(
+    wasm: &Path,
+    css: &Path,
+    bindgen: &Path,
+    optimizer: Option<&Path>,
+    site: &Path,
+) -> Result<String> {
     let staging = site.join(".staging");
     if staging.exists() {
         std::fs::remove_dir_all(&staging)
@@ -80,7 +133,7 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
     std::fs::create_dir_all(&staging)
         .with_context(|| format!("cannot create {}", staging.display()))?;
     run_checked(
-        Command::new(&bindgen)
+        Command::new(bindgen)
             .args([
                 "--target",
                 "web",
@@ -90,7 +143,7 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
                 "--out-dir",
             ])
             .arg(&staging)
-            .arg(&wasm),
+            .arg(wasm),
     )?;
     if let Some(optimizer) = optimizer {
         let bg = staging.join(format!("{OUTPUT_NAME}_bg.wasm"));
@@ -107,18 +160,14 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
         std::fs::rename(&shrunk, &bg)
             .with_context(|| format!("cannot replace {}", bg.display()))?;
     }
-    copy(
-        &root.join("style/passage.css"),
-        &staging.join(format!("{OUTPUT_NAME}.css")),
-    )?;
+    copy(css, &staging.join(format!("{OUTPUT_NAME}.css")))?;
 
     let files = files_under(&staging)?;
     let id = bundle_id(&staging, &files)?;
     for f in &files {
         precompress(&staging.join(f))?;
     }
-    std::fs::create_dir_all(&pkg).with_context(|| format!("cannot create {}", pkg.display()))?;
-    let dest = pkg.join(&id);
+    let dest = site.join("pkg").join(&id);
     if dest.exists() {
         // The same files again: what is there is already right.
         std::fs::remove_dir_all(&staging)
@@ -127,21 +176,28 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
         std::fs::rename(&staging, &dest)
             .with_context(|| format!("cannot move the bundle to {}", dest.display()))?;
     }
-    let previous = std::fs::read_to_string(site.join("bundle")).ok();
-    write_atomically(&site.join("bundle"), id.as_bytes())?;
-    prune(&pkg, &id, previous.as_deref().map(str::trim))?;
+    Ok(id)
+}
 
-    let public = root.join("app/public");
-    for entry in
-        std::fs::read_dir(&public).with_context(|| format!("cannot read {}", public.display()))?
-    {
-        let entry = entry?;
-        if entry.file_type()?.is_file() {
-            copy(&entry.path(), &site.join(entry.file_name()))?;
-        }
+/// A digest of what a bundle is made from: the files, and which tools made it.
+fn inputs_key(files: &[&Path], bindgen: &Path, optimizer: Option<&Path>) -> Result<String> {
+    let mut h = Sha256::new();
+    for f in files {
+        let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
     }
-    report(&dest, &files);
-    Ok(site)
+    // The tools by path: wasm-opt's names its pinned version; wasm-bindgen's version
+    // follows Cargo.lock, which the wasm already reflects.
+    for tool in [Some(bindgen), optimizer] {
+        h.update(
+            tool.map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        );
+        h.update([0]);
+    }
+    h.update(WASM_FEATURES.join(" "));
+    Ok(hex::encode(&h.finalize()[..16]))
 }
 
 /// The WebAssembly features Rust's wasm32 target enables by default, so wasm-opt accepts
@@ -254,11 +310,14 @@ fn prune(pkg: &Path, current: &str, previous: Option<&str>) -> Result<()> {
 }
 
 /// Prints each file's size, raw and compressed.
-fn report(dir: &Path, files: &[PathBuf]) {
+fn report(dir: &Path) -> Result<()> {
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
     eprintln!("xtask: the portal's bundle, {}:", dir.display());
-    for f in files {
-        let path = dir.join(f);
+    for f in files_under(dir)? {
+        if f.extension().is_some_and(|e| e == "br" || e == "gz") {
+            continue;
+        }
+        let path = dir.join(&f);
         let mut br = path.as_os_str().to_owned();
         br.push(".br");
         let mut gz = path.as_os_str().to_owned();
@@ -271,6 +330,7 @@ fn report(dir: &Path, files: &[PathBuf]) {
             size(Path::new(&gz))
         );
     }
+    Ok(())
 }
 
 fn ensure_wasm_target() -> Result<()> {
