@@ -22,13 +22,15 @@ pub fn shell(options: LeptosOptions) -> impl IntoView {
             res.insert_header(http::header::CONTENT_SECURITY_POLICY, v);
         }
     }
+    // Beside the scripts, in the bundle's folder named by the hash of its files.
+    let stylesheet = format!("/{}/passage.css", options.site_pkg_dir);
     view! {
         <!DOCTYPE html>
         <html lang="en">
             <head>
                 <meta charset="utf-8"/>
                 <meta name="viewport" content="width=device-width, initial-scale=1"/>
-                <link rel="stylesheet" href="/pkg/passage.css"/>
+                <link rel="stylesheet" href=stylesheet/>
                 <link rel="icon" href="/favicon.ico"/>
                 <HydrationScripts options/>
                 <leptos_meta::MetaTags/>
@@ -41,12 +43,12 @@ pub fn shell(options: LeptosOptions) -> impl IntoView {
 }
 
 /// The session, loaded once per page and shared by the layout and the pages.
-pub type Session = Resource<Result<Option<crate::rpc::Me>, crate::error::PortalError>>;
+pub type Session = crate::data::Data<Option<crate::rpc::Me>>;
 
 #[component]
 pub fn App() -> impl IntoView {
     provide_meta_context();
-    let session: Session = Resource::new(|| (), |_| crate::rpc::whoami());
+    let session: Session = crate::data::load(|| (), |_| crate::rpc::whoami());
     provide_context(session);
     // Every route renders whole before it is sent, so pages work without JavaScript.
     let ssr = SsrMode::Async;

@@ -4,6 +4,7 @@ use crate::error::{PortalError, PortalResult};
 use crate::rpc::Page;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use leptos::prelude::*;
+use passage_model::ErrorCode;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
@@ -66,7 +67,7 @@ pub fn check_csrf(given: &str) -> PortalResult<()> {
     } else {
         pass_status_on(StatusCode::FORBIDDEN);
         Err(PortalError::new(
-            "Forbidden",
+            ErrorCode::Forbidden,
             "This form has expired or did not come from this portal. Reload the page and try again.",
         ))
     }
@@ -93,7 +94,7 @@ pub fn check_same_origin() -> PortalResult<()> {
     let origin_host = origin.split_once("://").map(|(_, h)| h).unwrap_or(origin);
     if origin == "null" || origin_host != host {
         return Err(PortalError::new(
-            "Forbidden",
+            ErrorCode::Forbidden,
             "This form was posted from another site.",
         ));
     }
@@ -144,7 +145,7 @@ pub struct Reply {
 /// Calls `/v1{path}` as the session's account (or anonymously without a session).
 pub async fn call(method: Method, path: &str, body: Option<Vec<u8>>) -> PortalResult<Reply> {
     let backend = use_context::<BackendHandle>()
-        .ok_or_else(|| PortalError::new("Portal", "the portal is not connected to the API"))?;
+        .ok_or_else(|| PortalError::portal("the portal is not connected to the API"))?;
     let mut req = Request::builder()
         .method(method)
         .uri(format!("/v1{path}"))
@@ -163,7 +164,7 @@ pub async fn call(method: Method, path: &str, body: Option<Vec<u8>>) -> PortalRe
         Some(b) => req.header(header::CONTENT_TYPE, "application/json").body(b),
         None => req.body(Vec::new()),
     }
-    .map_err(|e| PortalError::new("Portal", format!("bad request: {e}")))?;
+    .map_err(|e| PortalError::portal(format!("bad request: {e}")))?;
     let res = backend.0.call(req).await;
     let header_str = |name: &str| {
         res.headers()
@@ -208,20 +209,20 @@ pub fn pass_status_on(status: StatusCode) {
 fn api_error(status: StatusCode, body: &[u8]) -> PortalError {
     match serde_json::from_slice::<passage_model::ApiErrorBody>(body) {
         Ok(b) => PortalError {
-            code: serde_json::to_value(b.code)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_else(|| "InternalError".to_string()),
+            code: b.code.into(),
             message: b.message,
             field: b.field,
         },
-        Err(_) => PortalError::new("InternalError", format!("the API answered {status}")),
+        Err(_) => PortalError::new(
+            ErrorCode::InternalError,
+            format!("the API answered {status}"),
+        ),
     }
 }
 
 fn decode<T: DeserializeOwned>(body: &[u8]) -> PortalResult<T> {
     serde_json::from_slice(body)
-        .map_err(|e| PortalError::new("Portal", format!("unexpected answer from the API: {e}")))
+        .map_err(|e| PortalError::portal(format!("unexpected answer from the API: {e}")))
 }
 
 pub async fn get<T: DeserializeOwned>(path: &str) -> PortalResult<T> {
@@ -244,7 +245,7 @@ pub async fn send<T: DeserializeOwned>(
     body: &impl Serialize,
 ) -> PortalResult<T> {
     let b = serde_json::to_vec(body)
-        .map_err(|e| PortalError::new("Portal", format!("could not encode the form: {e}")))?;
+        .map_err(|e| PortalError::portal(format!("could not encode the form: {e}")))?;
     decode(&call(method, path, Some(b)).await?.body)
 }
 
@@ -263,6 +264,9 @@ pub fn segment(s: &str) -> PortalResult<&str> {
     {
         Ok(s)
     } else {
-        Err(PortalError::new("ResourceNotFound", "no such object"))
+        Err(PortalError::new(
+            ErrorCode::ResourceNotFound,
+            "no such object",
+        ))
     }
 }

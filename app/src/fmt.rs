@@ -1,11 +1,30 @@
 //! Small display helpers shared by the pages.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, Datelike, Timelike, Utc};
+use passage_model::api::ServerStatus;
 
 /// "2026-11-22 05:14:03 UTC": exact, sortable, the same on server and browser (no
-/// time-zone guess during hydration).
+/// time-zone guess during hydration). Written out by hand: chrono's `format` would bring
+/// its whole format-string interpreter into the browser bundle.
 pub fn time(t: &DateTime<Utc>) -> String {
-    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
+        t.year(),
+        t.month(),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
+}
+
+/// A server's status as the API spells it.
+pub fn server_status(s: ServerStatus) -> &'static str {
+    match s {
+        ServerStatus::Running => "running",
+        ServerStatus::Unknown => "unknown",
+        ServerStatus::Offline => "offline",
+    }
 }
 
 pub fn opt_time(t: &Option<DateTime<Utc>>) -> String {
@@ -62,6 +81,31 @@ pub fn short_uuid(u: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn time_is_utc_to_the_second() {
+        let t = chrono::DateTime::parse_from_rfc3339("2026-01-02T03:04:05.678Z")
+            .map(|t| t.with_timezone(&chrono::Utc));
+        assert_eq!(
+            t.map(|t| super::time(&t)).ok().as_deref(),
+            Some("2026-01-02 03:04:05 UTC")
+        );
+    }
+
+    #[test]
+    fn server_status_is_the_apis_word() {
+        use passage_model::api::ServerStatus;
+        for s in [
+            ServerStatus::Running,
+            ServerStatus::Unknown,
+            ServerStatus::Offline,
+        ] {
+            assert_eq!(
+                serde_json::to_value(s).ok(),
+                Some(serde_json::Value::from(super::server_status(s)))
+            );
+        }
+    }
+
     #[test]
     fn query_skips_empty_values_and_encodes() {
         assert_eq!(super::query(&[("a", None), ("b", Some(""))]), "");

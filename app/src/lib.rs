@@ -11,6 +11,7 @@ pub mod app;
 #[cfg(feature = "ssr")]
 pub mod backend;
 pub mod components;
+pub mod data;
 pub mod error;
 pub mod fmt;
 pub mod pages;

@@ -4,8 +4,8 @@
 
 use crate::error::PortalError;
 use leptos::prelude::*;
-use passage_model::Variant;
-use passage_model::api::{Account, Alert, Capacity, Job, Package, Server, Vm};
+use passage_model::api::{Account, Alert, Capacity, Job, Package, Role, Server, Vm};
+use passage_model::{AccountId, Variant};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -13,6 +13,11 @@ use std::collections::BTreeMap;
 use crate::backend::{self as be, query};
 #[cfg(feature = "ssr")]
 use http::Method;
+#[cfg(feature = "ssr")]
+use passage_model::ErrorCode;
+// The API's request bodies, by their module: several server functions share their names.
+#[cfg(feature = "ssr")]
+use passage_model::api;
 
 /// One page of a list, and the cursor of the next one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -25,19 +30,20 @@ pub struct Page<T> {
 /// The signed-in person, and the CSRF token their forms carry.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Me {
-    pub uuid: String,
+    pub uuid: AccountId,
     pub login: String,
-    pub role: String,
+    pub role: Role,
     pub gpu_quota: Option<u32>,
     pub csrf: String,
 }
 
 impl Me {
+    /// Operators and readers: the admin pages are theirs.
     pub fn is_staff(&self) -> bool {
-        self.role == "operator" || self.role == "reader"
+        self.role.sees_all()
     }
     pub fn is_operator(&self) -> bool {
-        self.role == "operator"
+        self.role == Role::Operator
     }
 }
 
@@ -51,27 +57,21 @@ pub async fn whoami() -> Result<Option<Me>, PortalError> {
     };
     match be::get::<Account>("/auth/me").await {
         Ok(a) => Ok(Some(Me {
-            uuid: a.uuid.to_string(),
+            uuid: a.uuid,
             login: a.login,
-            role: a.role.as_str().to_string(),
+            role: a.role,
             gpu_quota: a.gpu_quota,
             csrf: be::csrf_for(&token),
         })),
         // The cookie's session has ended (idle, expired, revoked): say so once, at the
         // login page, and drop the cookie.
-        Err(e) if e.is_unauthorized() => {
+        Err(e) if e.is(ErrorCode::Unauthorized) => {
             be::clear_session_cookie();
-            Err(PortalError::new(
-                SESSION_ENDED,
-                "Your session has ended. Sign in again.",
-            ))
+            Err(PortalError::session_ended())
         }
         Err(e) => Err(e),
     }
 }
-
-/// `whoami`'s error code when the session cookie no longer names a live session.
-pub const SESSION_ENDED: &str = "SessionEnded";
 
 /// Where to go after signing in: only a path on this site.
 pub fn safe_next(next: Option<&str>) -> String {
@@ -97,21 +97,16 @@ pub async fn login(
 ) -> Result<(), PortalError> {
     be::check_same_origin()?;
     if login.trim().is_empty() {
-        return Err(PortalError {
-            code: "InvalidArgument".into(),
-            message: "Enter your login.".into(),
-            field: Some("login".into()),
-        });
+        return Err(invalid("login", "Enter your login."));
     }
-    let body = serde_json::json!({ "login": login, "password": password });
+    let body = api::LoginRequest { login, password };
     let r: passage_model::api::LoginResponse =
         match be::send(Method::POST, "/auth/login", &body).await {
             Ok(r) => r,
-            Err(e) if e.is_unauthorized() => {
+            Err(e) if e.is(ErrorCode::Unauthorized) => {
                 return Err(PortalError {
-                    code: "Unauthorized".into(),
-                    message: "Wrong login or password.".into(),
                     field: Some("password".into()),
+                    ..PortalError::new(ErrorCode::Unauthorized, "Wrong login or password.")
                 });
             }
             Err(e) => return Err(e),
@@ -130,7 +125,7 @@ pub async fn logout(csrf: String) -> Result<(), PortalError> {
     be::clear_session_cookie();
     leptos_axum::redirect("/login");
     match r {
-        Err(e) if !e.is_unauthorized() => Err(e),
+        Err(e) if !e.is(ErrorCode::Unauthorized) => Err(e),
         _ => Ok(()),
     }
 }
@@ -186,7 +181,7 @@ impl ServerRow {
         ServerRow {
             uuid: s.uuid.to_string(),
             hostname: s.hostname.clone(),
-            status: format!("{:?}", s.status).to_lowercase(),
+            status: crate::fmt::server_status(s.status).to_string(),
             disabled: s.disabled,
             last_heartbeat: s.last_heartbeat,
             devices: s.device_counts.values().sum(),
@@ -257,8 +252,12 @@ pub struct JoinTokenView {
 #[server(prefix = "/portal/fn")]
 pub async fn create_join_token(csrf: String) -> Result<JoinTokenView, PortalError> {
     be::check_csrf(&csrf)?;
-    let t: passage_model::api::JoinToken =
-        be::send(Method::POST, "/servers/join-tokens", &serde_json::json!({})).await?;
+    let t: passage_model::api::JoinToken = be::send(
+        Method::POST,
+        "/servers/join-tokens",
+        &api::CreateJoinToken::default(),
+    )
+    .await?;
     let host = use_context::<http::request::Parts>()
         .and_then(|p| {
             p.headers
@@ -305,14 +304,23 @@ pub async fn list_variants() -> Result<Vec<VariantRow>, PortalError> {
         .collect())
 }
 
+/// A form's text, `None` when left empty.
 #[cfg(feature = "ssr")]
-fn opt(s: &str) -> serde_json::Value {
-    let t = s.trim();
-    if t.is_empty() {
-        serde_json::Value::Null
-    } else {
-        serde_json::Value::String(t.to_string())
-    }
+fn optional(s: &str) -> Option<&str> {
+    Some(s.trim()).filter(|t| !t.is_empty())
+}
+
+/// A form field's value refused: the message goes next to the field, and a script
+/// calling the server function gets a 400.
+#[cfg(feature = "ssr")]
+fn invalid(field: &str, message: impl Into<String>) -> PortalError {
+    be::pass_status_on(http::StatusCode::BAD_REQUEST);
+    PortalError::invalid(field, message)
+}
+
+#[cfg(feature = "ssr")]
+fn hex_id(field: &str, v: &str) -> Result<passage_model::HexId, PortalError> {
+    v.trim().parse().map_err(|e| invalid(field, format!("{e}")))
 }
 
 /// Creates a variant, or replaces the one named `original`.
@@ -329,23 +337,37 @@ pub async fn save_variant(
     subsystem: String,
     description: String,
 ) -> Result<(), PortalError> {
+    use passage_model::variant::DeviceType;
     be::check_csrf(&csrf)?;
-    let body = serde_json::json!({
-        "name": name.trim(),
-        "type": kind.trim(),
-        "vendor": vendor.trim(),
-        "device": device.trim(),
-        "subvendor": opt(&subvendor),
-        "subsystem": opt(&subsystem),
-        "description": opt(&description),
-    });
-    match original.as_deref().filter(|o| !o.is_empty()) {
+    let original = original.as_deref().and_then(optional);
+    // What the form does not show (revision, scrub pipeline) stays as it was.
+    let existing = match original {
+        Some(o) => Some(be::get::<Variant>(&format!("/variants/{}", be::segment(o)?)).await?),
+        None => None,
+    };
+    let variant = Variant {
+        name: name.trim().to_string(),
+        kind: DeviceType::parse(kind.trim())
+            .ok_or_else(|| invalid("type", "choose one of the listed types"))?,
+        vendor: hex_id("vendor", &vendor)?,
+        device: hex_id("device", &device)?,
+        subvendor: optional(&subvendor)
+            .map(|v| hex_id("subvendor", v))
+            .transpose()?,
+        subsystem: optional(&subsystem)
+            .map(|v| hex_id("subsystem", v))
+            .transpose()?,
+        revision: existing.as_ref().and_then(|v| v.revision),
+        description: optional(&description).map(str::to_string),
+        scrub: existing.and_then(|v| v.scrub),
+    };
+    match original {
         Some(o) => {
             let path = format!("/variants/{}", be::segment(o)?);
-            be::send::<Variant>(Method::PUT, &path, &body).await?;
+            be::send::<Variant>(Method::PUT, &path, &variant).await?;
         }
         None => {
-            be::send::<Variant>(Method::POST, "/variants", &body).await?;
+            be::send::<Variant>(Method::POST, "/variants", &variant).await?;
         }
     }
     leptos_axum::redirect("/admin/variants");
@@ -365,40 +387,53 @@ pub async fn list_packages() -> Result<Vec<Package>, PortalError> {
 
 #[cfg(feature = "ssr")]
 fn number<T: std::str::FromStr>(field: &str, v: &str) -> Result<T, PortalError> {
-    v.trim().parse().map_err(|_| {
-        be::pass_status_on(http::StatusCode::BAD_REQUEST);
-        PortalError {
-            code: "InvalidArgument".into(),
-            message: format!("{field}: enter a whole number"),
-            field: Some(field.to_string()),
+    v.trim()
+        .parse()
+        .map_err(|_| invalid(field, format!("{field}: enter a whole number")))
+}
+
+/// The package form's device counts: `devices[VARIANT]` → how many of that variant each
+/// VM gets, empty or 0 for none.
+#[cfg(feature = "ssr")]
+fn device_counts(form: &BTreeMap<String, String>) -> Result<BTreeMap<String, u32>, PortalError> {
+    let mut devices = BTreeMap::new();
+    for (variant, count) in form {
+        let Some(count) = optional(count) else {
+            continue;
+        };
+        let field = format!("devices.{variant}");
+        let n: u32 = count
+            .parse()
+            .map_err(|_| invalid(&field, format!("{variant}: enter a whole number")))?;
+        if n > 0 {
+            devices.insert(variant.clone(), n);
         }
-    })
+    }
+    Ok(devices)
 }
 
 #[server(prefix = "/portal/fn")]
-#[allow(clippy::too_many_arguments)]
 pub async fn create_package(
     csrf: String,
     name: String,
     vcpus: String,
     memory_mib: String,
     disk_gib: String,
-    variant: String,
-    count: String,
+    #[server(default)] devices: BTreeMap<String, String>,
 ) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
-    let mut devices = BTreeMap::new();
-    if !variant.trim().is_empty() {
-        devices.insert(variant.trim().to_string(), number::<u32>("count", &count)?);
-    }
-    let body = serde_json::json!({
-        "name": name.trim(),
-        "vcpus": number::<u32>("vcpus", &vcpus)?,
-        "memory_mib": number::<u64>("memory_mib", &memory_mib)?,
-        "disk_gib": if disk_gib.trim().is_empty() { 0 } else { number::<u64>("disk_gib", &disk_gib)? },
-        "devices": devices,
-    });
-    be::send::<Package>(Method::POST, "/packages", &body).await?;
+    let package = api::CreatePackage {
+        name: name.trim().to_string(),
+        vcpus: number("vcpus", &vcpus)?,
+        memory_mib: number("memory_mib", &memory_mib)?,
+        disk_gib: match optional(&disk_gib) {
+            Some(d) => number("disk_gib", d)?,
+            None => 0,
+        },
+        devices: device_counts(&devices)?,
+        placement: None,
+    };
+    be::send::<Package>(Method::POST, "/packages", &package).await?;
     Ok(())
 }
 
@@ -419,13 +454,12 @@ pub async fn list_accounts(offset: Option<u64>) -> Result<Page<Account>, PortalE
     Ok(p)
 }
 
+/// The quota field: empty for no limit.
 #[cfg(feature = "ssr")]
-fn quota_value(gpu_quota: &str) -> Result<serde_json::Value, PortalError> {
-    Ok(if gpu_quota.trim().is_empty() {
-        serde_json::Value::Null
-    } else {
-        serde_json::json!(number::<u32>("gpu_quota", gpu_quota)?)
-    })
+fn quota(gpu_quota: &str) -> Result<Option<u32>, PortalError> {
+    optional(gpu_quota)
+        .map(|q| number("gpu_quota", q))
+        .transpose()
 }
 
 #[server(prefix = "/portal/fn")]
@@ -437,22 +471,26 @@ pub async fn create_account(
     gpu_quota: String,
 ) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
-    let body = serde_json::json!({
-        "login": login.trim(),
-        "password": password,
-        "role": role,
-        "gpu_quota": quota_value(&gpu_quota)?,
-    });
-    be::send::<Account>(Method::POST, "/accounts", &body).await?;
+    let account = api::CreateAccount {
+        login: login.trim().to_string(),
+        password,
+        role: Role::parse(role.trim())
+            .ok_or_else(|| invalid("role", "choose one of the listed roles"))?,
+        gpu_quota: quota(&gpu_quota)?,
+    };
+    be::send::<Account>(Method::POST, "/accounts", &account).await?;
     Ok(())
 }
 
 #[server(prefix = "/portal/fn")]
 pub async fn set_quota(csrf: String, uuid: String, gpu_quota: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
-    let body = serde_json::json!({ "gpu_quota": quota_value(&gpu_quota)? });
+    let change = api::UpdateAccount {
+        gpu_quota: Some(quota(&gpu_quota)?),
+        ..api::UpdateAccount::default()
+    };
     let path = format!("/accounts/{}", be::segment(&uuid)?);
-    be::send::<Account>(Method::PATCH, &path, &body).await?;
+    be::send::<Account>(Method::PATCH, &path, &change).await?;
     Ok(())
 }
 
@@ -515,18 +553,23 @@ pub async fn offers() -> Result<Vec<Offer>, PortalError> {
 pub async fn create_instance(
     csrf: String,
     alias: String,
-    package: String,
+    // A form without a chosen package has no `package` field at all.
+    package: Option<String>,
 ) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
-    if package.trim().is_empty() {
-        return Err(PortalError {
-            code: "InvalidArgument".into(),
-            message: "Choose a package.".into(),
-            field: Some("package".into()),
-        });
-    }
-    let body = serde_json::json!({ "alias": alias.trim(), "package": package.trim() });
-    let vm: Vm = be::send(Method::POST, "/vms", &body).await?;
+    let Some(package) = package.as_deref().and_then(optional) else {
+        return Err(invalid("package", "Choose a package."));
+    };
+    let vm = api::CreateVm {
+        alias: alias.trim().to_string(),
+        package: Some(package.to_string()),
+        owner_uuid: None,
+        assigned_devices: None,
+        server_uuid: None,
+        vcpus: None,
+        memory_mib: None,
+    };
+    let vm: Vm = be::send(Method::POST, "/vms", &vm).await?;
     leptos_axum::redirect(&format!("/instances/{}", vm.uuid));
     Ok(())
 }

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, GPUS, NODES, PACKAGE, VARIANT, hydrated, signIn, watchConsole } from './helpers';
+import { ADMIN_PASSWORD, GPUS, NODES, PACKAGE, VARIANT, api, apiToken, hydrated, signIn, watchConsole } from './helpers';
 
 test('operator: sign in, variant, package, tenant, servers and devices with correct counts', async ({ page }) => {
   const problems = watchConsole(page);
@@ -46,13 +46,13 @@ test('operator: sign in, variant, package, tenant, servers and devices with corr
   await expect(page.getByRole('heading', { name: 'Packages' })).toBeVisible();
   await hydrated(page);
   await page.locator('#p-name').fill(PACKAGE);
-  await page.locator('#p-variant').selectOption(VARIANT);
-  await page.locator('#p-count').fill('1');
+  await page.locator(`#p-dev-${VARIANT}`).fill('1');
   await page.getByRole('button', { name: 'Create package' }).click();
   await expect(page.locator(`tr[data-package="${PACKAGE}"]`)).toContainText(`1 × ${VARIANT}`);
 
   // A package can be deleted again.
   await page.locator('#p-name').fill('short-lived');
+  await page.locator(`#p-dev-${VARIANT}`).fill('');
   await page.getByRole('button', { name: 'Create package' }).click();
   await expect(page.locator('tr[data-package="short-lived"]')).toBeVisible();
   await page.getByRole('button', { name: 'Delete short-lived' }).click();
@@ -139,6 +139,37 @@ test('operator: bad variant input shows an inline error and saves nothing', asyn
   await page.locator('#p-vcpus').fill('many');
   await page.getByRole('button', { name: 'Create package' }).click();
   await expect(page.locator('#vcpus-error')).toContainText('whole number');
+  // A device count that is no number: said next to its variant.
+  await page.locator('#p-vcpus').fill('8');
+  await page.locator(`#p-dev-${VARIANT}`).fill('two');
+  await page.getByRole('button', { name: 'Create package' }).click();
+  await expect(page.locator(`[id="devices.${VARIANT}-error"]`)).toContainText('whole number');
   await page.reload();
   await expect(page.locator('tr[data-package="broken-package"]')).toHaveCount(0);
+});
+
+test('operator: a package asks for devices of several variants at once', async ({ page }) => {
+  const problems = watchConsole(page);
+  const admin = await apiToken('admin', ADMIN_PASSWORD());
+  for (const v of [
+    { name: 'E2E_FPGA', type: 'fpga', vendor: '1172', device: '0e3b' },
+    { name: 'E2E_NIC', type: 'nic', vendor: '15b3', device: '101d' },
+  ]) {
+    const r = await api(admin, 'POST', '/variants', v);
+    expect([201, 409]).toContain(r.status);
+  }
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await page.goto('/admin/packages');
+  await hydrated(page);
+  await page.locator('#p-name').fill('gpu-fpga');
+  await page.locator('#p-dev-E2E_FPGA').fill('1');
+  await page.locator('#p-dev-E2E_NIC').fill('0');
+  await page.locator('#p-dev-NVIDIA_H100').fill('2');
+  await page.getByRole('button', { name: 'Create package' }).click();
+  const row = page.locator('tr[data-package="gpu-fpga"]');
+  await expect(row.getByTestId('devices')).toHaveText('1 × E2E_FPGA, 2 × NVIDIA_H100');
+  const packages = await api(admin, 'GET', '/packages');
+  const made = (packages.body as Array<{ name: string; devices: Record<string, number> }>).find((p) => p.name === 'gpu-fpga');
+  expect(made?.devices).toEqual({ E2E_FPGA: 1, NVIDIA_H100: 2 });
+  expect(problems).toEqual([]);
 });

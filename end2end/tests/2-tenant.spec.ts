@@ -65,3 +65,39 @@ test('tenant: create from a package, see it run with a device, destroy it; the o
 
   expect(problems).toEqual([]);
 });
+
+test('tenant: creating without a package says to choose one; a lone fitting package is chosen already', async ({ page }) => {
+  const problems = watchConsole(page);
+  // With no GPU quota no package fits, so none is chosen for you.
+  const none = await newTenant('nopkg', 0);
+  await signIn(page, none.login, none.password);
+  await page.goto('/instances/new');
+  await hydrated(page);
+  await expect(page.locator('input[name="package"]:checked')).toHaveCount(0);
+  await page.locator('#alias').fill('no-package');
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page.locator('#package-error')).toHaveText('Choose a package.');
+  await expect(page.locator('fieldset').filter({ has: page.locator('#package-error') })).toContainText(PACKAGE);
+  await expect(page.getByText('Something went wrong')).toHaveCount(0);
+  await expect(page).toHaveURL(/\/instances\/new$/);
+
+  // With room for one GPU, the one-GPU package is the only one that fits: it is chosen.
+  await page.context().clearCookies();
+  const one = await newTenant('onepkg', 1);
+  await signIn(page, one.login, one.password);
+  await page.goto('/instances/new');
+  const fitting = page.locator('.offer').filter({ has: page.getByTestId('availability').filter({ hasText: 'available now' }) });
+  await expect(fitting).toHaveCount(1);
+  await expect(fitting).toHaveAttribute('data-package', PACKAGE);
+  await expect(fitting.getByRole('radio')).toBeChecked();
+  await hydrated(page);
+  await expect(fitting.getByRole('radio')).toBeChecked();
+  await page.locator('#alias').fill('chosen-1');
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page.getByRole('heading', { name: 'Instance chosen-1' })).toBeVisible();
+  await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
+  await page.getByRole('link', { name: 'Destroy instance' }).click();
+  await page.getByRole('button', { name: 'Yes, destroy chosen-1' }).click();
+  await expect(page.getByTestId('vm-state')).toHaveText('destroyed', { timeout: 60_000 });
+  expect(problems).toEqual([]);
+});

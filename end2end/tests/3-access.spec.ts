@@ -50,7 +50,7 @@ test('state-changing posts without the CSRF token are refused', async ({ page, r
   expect(session?.sameSite).toBe('Lax');
   const res = await request.post(action as string, {
     headers: { cookie: `passage_session=${session?.value}`, accept: 'application/json' },
-    form: { csrf: 'forged', name: 'csrf-test', vcpus: '1', memory_mib: '1024', disk_gib: '1', variant: '', count: '1' },
+    form: { csrf: 'forged', name: 'csrf-test', vcpus: '1', memory_mib: '1024', disk_gib: '1', 'devices[NVIDIA_H100]': '1' },
   });
   expect(res.status()).toBeGreaterThanOrEqual(400);
   await page.reload();

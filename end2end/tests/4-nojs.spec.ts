@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { PACKAGE, ensureCatalog, newTenant } from './helpers';
+import { PACKAGE, ensureCatalog, newTenant, signIn } from './helpers';
 
 test.use({ javaScriptEnabled: false });
 
@@ -40,4 +40,26 @@ test('without JavaScript: sign in, create an instance, destroy it', async ({ pag
     await page.reload();
     await expect(page.getByTestId('vm-state')).toHaveText(/destroying|destroyed/, { timeout: 1000 });
   }).toPass({ timeout: 60_000 });
+});
+
+test('without JavaScript: creating without a package says to choose one, next to the packages', async ({ page }) => {
+  const t = await newTenant('nojs-nopkg', 0);
+  await signIn(page, t.login, t.password);
+  await page.goto('/instances/new');
+  await expect(page.locator('input[name="package"]:checked')).toHaveCount(0);
+  await page.locator('#alias').fill('plain-none');
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page).toHaveURL(/\/instances\/new/);
+  await expect(page.locator('#package-error')).toHaveText('Choose a package.');
+  await expect(page.getByText('Something went wrong')).toHaveCount(0);
+  await expect(page.getByText('serializ')).toHaveCount(0);
+});
+
+test('without JavaScript: a lone fitting package is chosen already', async ({ page }) => {
+  const t = await newTenant('nojs-onepkg', 1);
+  await signIn(page, t.login, t.password);
+  await page.goto('/instances/new');
+  const fitting = page.locator('.offer').filter({ has: page.getByTestId('availability').filter({ hasText: 'available now' }) });
+  await expect(fitting).toHaveCount(1);
+  await expect(fitting.getByRole('radio')).toBeChecked();
 });

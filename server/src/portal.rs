@@ -1,6 +1,10 @@
 //! Serves the portal (the `passage-app` crate) at `/`: its pages, its server functions
 //! and its static files (the WebAssembly bundle and the stylesheet under `/pkg`).
 //!
+//! The bundle lives in `site/pkg/<hash of its files>/` (see xtask/src/site.rs), named by
+//! `site/bundle`: pages link to that folder, so its files can be cached for a year and
+//! a new build is fetched under its new name. Each file lies there precompressed too.
+//!
 //! The portal reaches the control plane through [`InProcessApi`]: its requests go to
 //! the same `/v1` router that answers HTTP clients, without a socket, so every rule of
 //! the API (roles, validation, audit) applies to the portal too.
@@ -8,7 +12,7 @@
 use axum::Router;
 use axum::body::Body;
 use axum::extract::OriginalUri;
-use axum::http::{Request, Response, StatusCode};
+use axum::http::{HeaderValue, Request, Response, StatusCode, header};
 use leptos::prelude::*;
 use leptos_axum::{LeptosRoutes, generate_route_list};
 use passage_app::backend::{Backend, BackendHandle};
@@ -86,13 +90,67 @@ pub fn site_root() -> PathBuf {
     beside_exe.unwrap_or_else(|| PathBuf::from("target/site"))
 }
 
+/// The current bundle's folder below the site root: `pkg/<hash>` as `site/bundle` names
+/// it, or `pkg` where no bundle was built (the pages then work as without scripts).
+fn bundle_dir(site: &std::path::Path) -> String {
+    let file = site.join("bundle");
+    match std::fs::read_to_string(&file) {
+        Ok(id) => {
+            let id = id.trim();
+            if !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return format!("pkg/{id}");
+            }
+            tracing::warn!(file = %file.display(), "not a bundle id; serving the portal without its scripts");
+        }
+        Err(e) => {
+            tracing::warn!(file = %file.display(), error = %e, "no portal bundle; run `cargo xtask site`");
+        }
+    }
+    "pkg".to_string()
+}
+
+/// The bundle's files never change under their name: a browser may keep them a year.
+const IMMUTABLE: HeaderValue = HeaderValue::from_static("public, max-age=31536000, immutable");
+
+/// Static files of `dir`, precompressed variants first, cacheable for good.
+fn bundle_files(
+    dir: std::path::PathBuf,
+) -> impl tower::Service<
+    Request<Body>,
+    Response = Response<tower_http::services::fs::ServeFileSystemResponseBody>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ Sync
++ 'static {
+    use tower_http::set_header::SetResponseHeaderLayer;
+    let files = tower_http::services::ServeDir::new(dir)
+        .precompressed_br()
+        .precompressed_gzip();
+    tower::ServiceBuilder::new()
+        .layer(SetResponseHeaderLayer::overriding(
+            header::CACHE_CONTROL,
+            |res: &Response<_>| {
+                (res.status().is_success() || res.status() == StatusCode::NOT_MODIFIED)
+                    .then_some(IMMUTABLE)
+            },
+        ))
+        // A shared cache must not hand a brotli body to a client that asked for none.
+        .layer(SetResponseHeaderLayer::appending(
+            header::VARY,
+            HeaderValue::from_static("accept-encoding"),
+        ))
+        .service(files)
+}
+
 /// The portal's routes, ready to merge into the main router.
 pub fn router(v1: Router) -> Router {
     let site = site_root();
     let options = LeptosOptions::builder()
         .output_name("passage")
         .site_root(site.to_string_lossy().to_string())
-        .site_pkg_dir("pkg")
+        .site_pkg_dir(bundle_dir(&site))
         .build();
     let backend = BackendHandle(Arc::new(InProcessApi { v1 }));
     let routes = generate_route_list(passage_app::App);
@@ -103,7 +161,7 @@ pub fn router(v1: Router) -> Router {
         let options = options.clone();
         move || passage_app::shell(options.clone())
     });
-    let pkg = tower_http::services::ServeDir::new(site.join("pkg"));
+    let pkg = bundle_files(site.join("pkg"));
     let favicon = tower_http::services::ServeFile::new(site.join("favicon.ico"));
     Router::new()
         .leptos_routes_with_context(&options, routes, context, move || {
@@ -113,4 +171,26 @@ pub fn router(v1: Router) -> Router {
         .route_service("/favicon.ico", favicon)
         .fallback(move |req: Request<Body>| not_found(req))
         .with_state(options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bundle_dir;
+
+    #[test]
+    fn pages_link_the_bundle_that_site_bundle_names() {
+        let site = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        // No bundle built: the plain folder, where the pages find nothing and work
+        // without scripts.
+        assert_eq!(bundle_dir(site.path()), "pkg");
+        let write = |s: &str| {
+            std::fs::write(site.path().join("bundle"), s).unwrap_or_else(|e| panic!("{e}"))
+        };
+        write("3a867090bf6edb3f\n");
+        assert_eq!(bundle_dir(site.path()), "pkg/3a867090bf6edb3f");
+        for bad in ["", "../../etc", "3a86 7090", "pkg/3a86", &"a".repeat(65)] {
+            write(bad);
+            assert_eq!(bundle_dir(site.path()), "pkg", "{bad:?}");
+        }
+    }
 }

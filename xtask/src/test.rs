@@ -74,7 +74,9 @@ pub fn run(args: &Args) -> Result<()> {
         util::run_checked(cargo().args(["build", "--workspace", "--bins"]))
     })?;
     // The portal's browser half, which the server serves and the end2end tests load.
-    stages.run("site", || crate::site::build().map(|_| ()))?;
+    stages.run("site", || {
+        crate::site::build_with(crate::site::WasmOpt::Required).map(|_| ())
+    })?;
     // nextest does not run doc tests. They go first so the test runner's own summary is
     // the last thing printed (CI reads it).
     if nextest {

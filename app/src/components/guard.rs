@@ -1,7 +1,8 @@
 //! Pages for signed-in people only, some for operators only.
 
 use crate::app::Session;
-use crate::components::widgets::ErrorBox;
+use crate::components::errors::ErrorBox;
+use crate::error::Code;
 use leptos::prelude::*;
 use leptos_router::components::Redirect;
 use leptos_router::hooks::use_location;
@@ -40,7 +41,7 @@ pub fn Guard(audience: Audience, children: ChildrenFn) -> impl IntoView {
                         }
                     }
                     Ok(None) => to_login(&location, false),
-                    Err(e) if e.code == crate::rpc::SESSION_ENDED => to_login(&location, true),
+                    Err(e) if e.code == Code::SessionEnded => to_login(&location, true),
                     Err(e) => view! { <ErrorBox error=e/> }.into_any(),
                 }
             })}}

@@ -1,5 +1,7 @@
 //! Pieces the pages share.
 
+pub mod errors;
 pub mod guard;
 pub mod layout;
+pub mod list;
 pub mod widgets;

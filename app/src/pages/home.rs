@@ -1,5 +1,6 @@
 use crate::app::Session;
-use crate::components::widgets::ErrorBox;
+use crate::components::errors::ErrorBox;
+use crate::error::Code;
 use leptos::prelude::*;
 use leptos_router::components::Redirect;
 
@@ -14,7 +15,7 @@ pub fn Home() -> impl IntoView {
                     Ok(Some(me)) if me.is_staff() => view! { <Redirect path="/admin"/> }.into_any(),
                     Ok(Some(_)) => view! { <Redirect path="/instances"/> }.into_any(),
                     Ok(None) => view! { <Redirect path="/login"/> }.into_any(),
-                    Err(e) if e.code == crate::rpc::SESSION_ENDED => {
+                    Err(e) if e.code == Code::SessionEnded => {
                         view! { <Redirect path="/login?ended=1"/> }.into_any()
                     }
                     Err(e) => view! { <ErrorBox error=e/> }.into_any(),

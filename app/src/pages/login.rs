@@ -1,5 +1,5 @@
 use crate::app::Session;
-use crate::components::widgets::{FieldError, FormStatus};
+use crate::components::errors::{FieldError, FormStatus};
 use crate::rpc::Login;
 use leptos::prelude::*;
 use leptos_meta::Title;

@@ -1,22 +1,25 @@
+use crate::components::errors::{FieldError, FormStatus};
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, CsrfField, ErrorBox, FieldError, FormStatus, Pager};
+use crate::components::list::{ListPage, use_query_param};
+use crate::components::widgets::{Badge, CsrfField};
+use crate::data::load;
 use crate::fmt;
 use crate::rpc::{CreateAccount, SetQuota, list_accounts};
 use leptos::prelude::*;
 use leptos_meta::Title;
-use leptos_router::hooks::use_query_map;
+use passage_model::api::Account;
 
 #[component]
 pub fn AccountsPage() -> impl IntoView {
     let create = ServerAction::<CreateAccount>::new();
     let quota = ServerAction::<SetQuota>::new();
-    let q = use_query_map();
-    let data = Resource::new(
+    let get = use_query_param();
+    let data = load(
         move || {
             (
                 create.version().get(),
                 quota.version().get(),
-                q.read().get("offset").and_then(|o| o.parse::<u64>().ok()),
+                get("offset").and_then(|o| o.parse::<u64>().ok()),
             )
         },
         |(_, _, offset)| list_accounts(offset),
@@ -27,56 +30,10 @@ pub fn AccountsPage() -> impl IntoView {
         <Title text="Accounts · Passage"/>
         <Guard audience=Audience::Staff>
             <h1>"Accounts"</h1>
-            <Transition fallback=|| view! { <p class="loading">"Loading…"</p> }>
-                {move || Suspend::new(async move {
-                    match data.await {
-                        Err(e) => view! { <ErrorBox error=e/> }.into_any(),
-                        Ok(p) => {
-                            let shown = p.items.len();
-                            view! {
-                                <table data-testid="accounts">
-                                    <thead>
-                                        <tr>
-                                            <th scope="col">"Login"</th>
-                                            <th scope="col">"Role"</th>
-                                            <th scope="col">"GPU quota"</th>
-                                            <th scope="col">"Created"</th>
-                                        </tr>
-                                    </thead>
-                                    <tbody>
-                                        {p.items.into_iter().map(|a| {
-                                            let id = format!("quota-{}", a.uuid);
-                                            let login = a.login.clone();
-                                            let login2 = a.login.clone();
-                                            let for_login = format!("of {}", a.login);
-                                            view! {
-                                                <tr data-login=a.login.clone()>
-                                                    <th scope="row">{login2}</th>
-                                                    <td><Badge state=a.role.as_str()/></td>
-                                                    <td>
-                                                        <ActionForm action=quota>
-                                                            <CsrfField/>
-                                                            <input type="hidden" name="uuid" value=a.uuid.to_string()/>
-                                                            <label for=id.clone() class="sr-only">"GPU quota of " {login}</label>
-                                                            <input id=id name="gpu_quota" type="text" inputmode="numeric" size="5"
-                                                                placeholder="none" value=a.gpu_quota.map(|n| n.to_string()).unwrap_or_default()/>
-                                                            <button type="submit">"Set quota " <span class="sr-only">{for_login}</span></button>
-                                                        </ActionForm>
-                                                    </td>
-                                                    <td>{fmt::time(&a.created_at)}</td>
-                                                </tr>
-                                            }
-                                        }).collect_view()}
-                                    </tbody>
-                                </table>
-                                <Pager total=p.total shown=shown next=p.next base="/admin/accounts" cursor_param="offset"/>
-                            }.into_any()
-                        }
-                    }
-                })}
-            </Transition>
-            <FormStatus result=quota_result ok="Quota saved."/>
-            {move || quota_result.get().and_then(|r| r.err()).filter(|e| e.field.is_some()).map(|e| view! { <ErrorBox error=e/> })}
+            <ListPage path="/admin/accounts" data=data cursor="offset" let:accounts>
+                <AccountTable accounts=accounts quota=quota/>
+            </ListPage>
+            <FormStatus result=quota_result ok="Quota saved." with_fields=true/>
             <section class="card" aria-labelledby="acct-form-h">
                 <h2 id="acct-form-h">"New account"</h2>
                 <ActionForm action=create>
@@ -110,5 +67,47 @@ pub fn AccountsPage() -> impl IntoView {
                 </ActionForm>
             </section>
         </Guard>
+    }
+}
+
+/// Each account, with its GPU quota editable in place.
+#[component]
+fn AccountTable(accounts: Vec<Account>, quota: ServerAction<SetQuota>) -> impl IntoView {
+    view! {
+        <table data-testid="accounts">
+            <thead>
+                <tr>
+                    <th scope="col">"Login"</th>
+                    <th scope="col">"Role"</th>
+                    <th scope="col">"GPU quota"</th>
+                    <th scope="col">"Created"</th>
+                </tr>
+            </thead>
+            <tbody>
+                {accounts.into_iter().map(|a| {
+                    let id = format!("quota-{}", a.uuid);
+                    let login = a.login.clone();
+                    let login2 = a.login.clone();
+                    let for_login = format!("of {}", a.login);
+                    view! {
+                        <tr data-login=a.login.clone()>
+                            <th scope="row">{login2}</th>
+                            <td><Badge state=a.role.as_str()/></td>
+                            <td>
+                                <ActionForm action=quota>
+                                    <CsrfField/>
+                                    <input type="hidden" name="uuid" value=a.uuid.to_string()/>
+                                    <label for=id.clone() class="sr-only">"GPU quota of " {login}</label>
+                                    <input id=id name="gpu_quota" type="text" inputmode="numeric" size="5"
+                                        placeholder="none" value=a.gpu_quota.map(|n| n.to_string()).unwrap_or_default()/>
+                                    <button type="submit">"Set quota " <span class="sr-only">{for_login}</span></button>
+                                </ActionForm>
+                            </td>
+                            <td>{fmt::time(&a.created_at)}</td>
+                        </tr>
+                    }
+                }).collect_view()}
+            </tbody>
+        </table>
     }
 }

@@ -1,17 +1,23 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, ErrorBox, Pager, VmLink, poll};
+use crate::components::list::{Filter, ListPage, use_query_param};
+use crate::components::widgets::{Badge, VmLink};
+use crate::data::{load, poll};
 use crate::fmt;
 use crate::rpc::list_jobs;
 use leptos::prelude::*;
 use leptos_meta::Title;
-use leptos_router::hooks::use_query_map;
 use passage_model::api::Job;
+
+const FILTERS: &[Filter] = &[Filter::choice(
+    "state",
+    "State",
+    &["queued", "running", "succeeded", "failed"],
+)];
 
 #[component]
 pub fn JobsPage() -> impl IntoView {
-    let q = use_query_map();
-    let get = move |k: &str| q.read().get(k).filter(|v| !v.is_empty());
-    let data = Resource::new(
+    let get = use_query_param();
+    let data = load(
         move || (get("state"), get("after")),
         |(state, after)| list_jobs(state, after),
     );
@@ -20,36 +26,11 @@ pub fn JobsPage() -> impl IntoView {
         <Title text="Jobs · Passage"/>
         <Guard audience=Audience::Staff>
             <h1>"Jobs"</h1>
-            <form method="get" action="/admin/jobs" class="filters" role="search">
-                <label for="f-state">"State"</label>
-                <select id="f-state" name="state">
-                    <option value="">"any"</option>
-                    {["queued", "running", "succeeded", "failed"].into_iter().map(|s| view! {
-                        <option value=s selected=move || get("state").as_deref() == Some(s)>{s}</option>
-                    }).collect_view()}
-                </select>
-                <button type="submit">"Filter jobs"</button>
-            </form>
-            <Transition fallback=|| view! { <p class="loading">"Loading…"</p> }>
-                {move || Suspend::new(async move {
-                    match data.await {
-                        Err(e) => view! { <ErrorBox error=e/> }.into_any(),
-                        Ok(p) => {
-                            let shown = p.items.len();
-                            let base = match get("state") {
-                                Some(s) => format!("/admin/jobs?state={s}"),
-                                None => "/admin/jobs".to_string(),
-                            };
-                            view! {
-                                <div class="jobs">
-                                    {p.items.into_iter().map(|j| view! { <JobCard job=j/> }).collect_view()}
-                                </div>
-                                <Pager total=p.total shown=shown next=p.next base=base/>
-                            }.into_any()
-                        }
-                    }
-                })}
-            </Transition>
+            <ListPage path="/admin/jobs" data=data filters=FILTERS filter_label="Filter jobs" let:jobs>
+                <div class="jobs">
+                    {jobs.into_iter().map(|j| view! { <JobCard job=j/> }).collect_view()}
+                </div>
+            </ListPage>
         </Guard>
     }
 }

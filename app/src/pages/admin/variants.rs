@@ -1,5 +1,7 @@
+use crate::components::errors::{FieldError, FormStatus, Loaded};
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{CsrfField, ErrorBox, FieldError, FormStatus};
+use crate::components::widgets::CsrfField;
+use crate::data::load;
 use crate::rpc::{DeleteVariant, SaveVariant, list_variants};
 use leptos::prelude::*;
 use leptos_meta::Title;
@@ -10,7 +12,7 @@ use passage_model::Variant;
 pub fn VariantsPage() -> impl IntoView {
     let save = ServerAction::<SaveVariant>::new();
     let delete = ServerAction::<DeleteVariant>::new();
-    let data = Resource::new(
+    let data = load(
         move || (save.version().get(), delete.version().get()),
         |_| list_variants(),
     );
@@ -21,67 +23,62 @@ pub fn VariantsPage() -> impl IntoView {
         <Guard audience=Audience::Staff>
             <h1>"Device variants"</h1>
             <p>"A variant names a kind of device by its PCI ids; packages ask for variants."</p>
-            <Transition fallback=|| view! { <p class="loading">"Loading…"</p> }>
-                {move || Suspend::new(async move {
-                    match data.await {
-                        Err(e) => view! { <ErrorBox error=e/> }.into_any(),
-                        Ok(rows) => {
-                            let edit = editing().and_then(|n| rows.iter().find(|r| r.variant.name == n).map(|r| r.variant.clone()));
-                            view! {
-                                <table data-testid="variants">
-                                    <thead>
-                                        <tr>
-                                            <th scope="col">"Name"</th>
-                                            <th scope="col">"Type"</th>
-                                            <th scope="col">"Vendor:device"</th>
-                                            <th scope="col">"Subsystem"</th>
-                                            <th scope="col">"Matches"</th>
-                                            <th scope="col">"Description"</th>
-                                            <th scope="col"><span class="sr-only">"Actions"</span></th>
-                                        </tr>
-                                    </thead>
-                                    <tbody>
-                                        {rows.into_iter().map(|r| {
-                                            let v = r.variant;
-                                            let name = v.name.clone();
-                                            let sub = match (&v.subvendor, &v.subsystem) {
-                                                (None, None) => "any".to_string(),
-                                                (a, b) => format!(
-                                                    "{}:{}",
-                                                    a.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into()),
-                                                    b.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into())
-                                                ),
-                                            };
-                                            let hidden = name.clone();
-                                            let label = format!("Delete {name}");
-                                            view! {
-                                                <tr data-variant=name.clone()>
-                                                    <th scope="row">{name.clone()}</th>
-                                                    <td>{v.kind.as_str()}</td>
-                                                    <td><code>{format!("{}:{}", v.vendor, v.device)}</code></td>
-                                                    <td><code>{sub}</code></td>
-                                                    <td data-testid="matches">{r.matches} " devices"</td>
-                                                    <td>{v.description.clone().unwrap_or_default()}</td>
-                                                    <td class="actions">
-                                                        <a href=format!("/admin/variants?edit={name}")>"Edit " <span class="sr-only">{name.clone()}</span></a>
-                                                        <ActionForm action=delete>
-                                                            <CsrfField/>
-                                                            <input type="hidden" name="name" value=hidden/>
-                                                            <button type="submit" class="danger">{label}</button>
-                                                        </ActionForm>
-                                                    </td>
-                                                </tr>
-                                            }
-                                        }).collect_view()}
-                                    </tbody>
-                                </table>
-                                {move || delete.value().get().and_then(|r| r.err()).map(|e| view! { <ErrorBox error=e/> })}
-                                <VariantForm action=save existing=edit/>
-                            }.into_any()
-                        }
-                    }
-                })}
-            </Transition>
+            <Loaded data=data let:rows>
+                {
+                let edit = editing().and_then(|n| rows.iter().find(|r| r.variant.name == n).map(|r| r.variant.clone()));
+                view! {
+                    <table data-testid="variants">
+                        <thead>
+                            <tr>
+                                <th scope="col">"Name"</th>
+                                <th scope="col">"Type"</th>
+                                <th scope="col">"Vendor:device"</th>
+                                <th scope="col">"Subsystem"</th>
+                                <th scope="col">"Matches"</th>
+                                <th scope="col">"Description"</th>
+                                <th scope="col"><span class="sr-only">"Actions"</span></th>
+                            </tr>
+                        </thead>
+                        <tbody>
+                            {rows.into_iter().map(|r| {
+                                let v = r.variant;
+                                let name = v.name.clone();
+                                let sub = match (&v.subvendor, &v.subsystem) {
+                                    (None, None) => "any".to_string(),
+                                    (a, b) => format!(
+                                        "{}:{}",
+                                        a.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into()),
+                                        b.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into())
+                                    ),
+                                };
+                                let hidden = name.clone();
+                                let label = format!("Delete {name}");
+                                view! {
+                                    <tr data-variant=name.clone()>
+                                        <th scope="row">{name.clone()}</th>
+                                        <td>{v.kind.as_str()}</td>
+                                        <td><code>{format!("{}:{}", v.vendor, v.device)}</code></td>
+                                        <td><code>{sub}</code></td>
+                                        <td data-testid="matches">{r.matches} " devices"</td>
+                                        <td>{v.description.clone().unwrap_or_default()}</td>
+                                        <td class="actions">
+                                            <a href=format!("/admin/variants?edit={name}")>"Edit " <span class="sr-only">{name.clone()}</span></a>
+                                            <ActionForm action=delete>
+                                                <CsrfField/>
+                                                <input type="hidden" name="name" value=hidden/>
+                                                <button type="submit" class="danger">{label}</button>
+                                            </ActionForm>
+                                        </td>
+                                    </tr>
+                                }
+                            }).collect_view()}
+                        </tbody>
+                    </table>
+                    <FormStatus result=Signal::derive(move || delete.value().get())/>
+                    <VariantForm action=save existing=edit/>
+                }
+                }
+            </Loaded>
         </Guard>
     }
 }

@@ -1,13 +1,15 @@
+use crate::components::errors::{FieldError, FormStatus, Loaded};
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{CsrfField, ErrorBox, FieldError, FormStatus};
-use crate::rpc::{CreateInstance, offers};
+use crate::components::widgets::CsrfField;
+use crate::data::load;
+use crate::rpc::{CreateInstance, Offer, offers};
 use leptos::prelude::*;
 use leptos_meta::Title;
 
 #[component]
 pub fn CreatePage() -> impl IntoView {
     let create = ServerAction::<CreateInstance>::new();
-    let data = Resource::new(move || create.version().get(), |_| offers());
+    let data = load(move || create.version().get(), |_| offers());
     let result = Signal::derive(move || create.value().get());
     view! {
         <Title text="Create instance · Passage"/>
@@ -24,52 +26,63 @@ pub fn CreatePage() -> impl IntoView {
                 </div>
                 <fieldset aria-describedby="package-error">
                     <legend>"Package"</legend>
-                    <Transition fallback=|| view! { <p class="loading">"Loading packages…"</p> }>
-                        {move || Suspend::new(async move {
-                            match data.await {
-                                Err(e) => view! { <ErrorBox error=e/> }.into_any(),
-                                Ok(list) if list.is_empty() => view! {
-                                    <p>"No packages are offered yet. Ask your operator."</p>
-                                }.into_any(),
-                                Ok(list) => list.into_iter().map(|o| {
-                                    let p = o.package;
-                                    let a = o.availability;
-                                    let id = format!("pkg-{}", p.uuid);
-                                    let devices = p.devices.iter().map(|(v, n)| format!("{n} × {v}")).collect::<Vec<_>>().join(", ");
-                                    let verdict = if !a.quota_ok {
-                                        "over your GPU quota"
-                                    } else if !a.capacity_ok {
-                                        "no capacity right now"
-                                    } else {
-                                        "available now"
-                                    };
-                                    let ok = a.quota_ok && a.capacity_ok;
-                                    view! {
-                                        <div class="offer" data-package=p.name.clone()>
-                                            <input type="radio" name="package" id=id.clone() value=p.name.clone()/>
-                                            <label for=id>
-                                                <strong>{p.name.clone()}</strong>
-                                                " · " {p.vcpus} " vCPUs · " {p.memory_mib / 1024} " GiB memory · "
-                                                {if devices.is_empty() { "no devices".to_string() } else { devices }}
-                                                " · "
-                                                <span class=if ok { "avail yes" } else { "avail no" } data-testid="availability">
-                                                    {if ok { "✔ " } else { "✘ " }}{verdict}
-                                                </span>
-                                                {a.message.clone().map(|m| view! { <span class="muted">" (" {m} ")"</span> })}
-                                            </label>
-                                        </div>
-                                    }
-                                }).collect_view().into_any(),
-                            }
-                        })}
-                    </Transition>
                     <FieldError result=result field="package"/>
+                    <Loaded data=data let:list>
+                        <Offers list=list/>
+                    </Loaded>
                 </fieldset>
-                <FormStatus result=result ok=""/>
+                <FormStatus result=result/>
                 <button type="submit" disabled=move || create.pending().get()>
                     {move || if create.pending().get() { "Creating…" } else { "Create instance" }}
                 </button>
             </ActionForm>
         </Guard>
     }
+}
+
+/// The packages to choose from, each with whether it can be had now. When exactly one
+/// can, it is chosen already.
+#[component]
+fn Offers(list: Vec<Offer>) -> impl IntoView {
+    if list.is_empty() {
+        return view! { <p>"No packages are offered yet. Ask your operator."</p> }.into_any();
+    }
+    let fits = |o: &Offer| o.availability.quota_ok && o.availability.capacity_ok;
+    let only_fit = match list.iter().filter(|o| fits(o)).count() {
+        1 => list.iter().find(|o| fits(o)).map(|o| o.package.uuid),
+        _ => None,
+    };
+    list.into_iter()
+        .map(|o| {
+            let ok = fits(&o);
+            let p = o.package;
+            let a = o.availability;
+            let id = format!("pkg-{}", p.uuid);
+            let chosen = only_fit == Some(p.uuid);
+            let devices = p.devices.iter().map(|(v, n)| format!("{n} × {v}")).collect::<Vec<_>>().join(", ");
+            let verdict = if !a.quota_ok {
+                "over your GPU quota"
+            } else if !a.capacity_ok {
+                "no capacity right now"
+            } else {
+                "available now"
+            };
+            view! {
+                <div class="offer" data-package=p.name.clone()>
+                    <input type="radio" name="package" id=id.clone() value=p.name.clone() checked=chosen/>
+                    <label for=id>
+                        <strong>{p.name.clone()}</strong>
+                        " · " {p.vcpus} " vCPUs · " {p.memory_mib / 1024} " GiB memory · "
+                        {if devices.is_empty() { "no devices".to_string() } else { devices }}
+                        " · "
+                        <span class=if ok { "avail yes" } else { "avail no" } data-testid="availability">
+                            {if ok { "✔ " } else { "✘ " }}{verdict}
+                        </span>
+                        {a.message.clone().map(|m| view! { <span class="muted">" (" {m} ")"</span> })}
+                    </label>
+                </div>
+            }
+        })
+        .collect_view()
+        .into_any()
 }

@@ -1,42 +1,26 @@
 use crate::components::guard::{Audience, Guard};
-use crate::components::widgets::{Badge, ErrorBox, Pager, poll};
+use crate::components::list::{ListPage, use_query_param};
+use crate::components::widgets::Badge;
+use crate::data::{load, poll};
 use crate::fmt;
 use crate::rpc::list_vms;
 use leptos::prelude::*;
 use leptos_meta::Title;
-use leptos_router::hooks::use_query_map;
 use passage_model::api::Vm;
 
 #[component]
 pub fn InstancesPage() -> impl IntoView {
-    let q = use_query_map();
-    let data = Resource::new(
-        move || q.read().get("after"),
-        |after| list_vms(None, None, after),
-    );
+    let get = use_query_param();
+    let data = load(move || get("after"), |after| list_vms(None, None, after));
     poll(data, 3000);
     view! {
         <Title text="My instances · Passage"/>
         <Guard audience=Audience::Anyone>
             <h1>"My instances"</h1>
             <p><a class="button" href="/instances/new">"Create instance"</a></p>
-            <Transition fallback=|| view! { <p class="loading">"Loading…"</p> }>
-                {move || Suspend::new(async move {
-                    match data.await {
-                        Err(e) => view! { <ErrorBox error=e/> }.into_any(),
-                        Ok(p) if p.items.is_empty() => view! {
-                            <p>"You have no instances yet."</p>
-                        }.into_any(),
-                        Ok(p) => {
-                            let shown = p.items.len();
-                            view! {
-                                <VmTable vms=p.items show_owner=false/>
-                                <Pager total=p.total shown=shown next=p.next base="/instances"/>
-                            }.into_any()
-                        }
-                    }
-                })}
-            </Transition>
+            <ListPage path="/instances" data=data empty="You have no instances yet." let:vms>
+                <VmTable vms=vms show_owner=false/>
+            </ListPage>
         </Guard>
     }
 }
