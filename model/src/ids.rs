@@ -56,6 +56,8 @@ typed_id!(
     TaskId,
     /// An API token.
     TokenId,
+    /// An image in the catalog.
+    ImageId,
 );
 
 #[cfg(test)]

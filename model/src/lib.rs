@@ -8,6 +8,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ids;
+pub mod images;
 pub mod jobs;
 pub mod pci;
 pub mod protocol;

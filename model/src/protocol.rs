@@ -2,9 +2,13 @@
 //!
 //! Paths (all JSON, under `/agent/v1`): `POST register` (join token → node credential),
 //! then with `Authorization: Bearer <credential>`: `POST heartbeat`, `PUT inventory`,
-//! `GET tasks?wait=SECONDS` (long-poll), `POST tasks/{id}/result`.
+//! `GET tasks?wait=SECONDS` (long-poll), `POST tasks/{id}/result`,
+//! `POST tasks/{id}/progress` ([`TaskProgress`], while a long task runs), and
+//! `GET images/{sha256}` (an image file's bytes, honouring `Range: bytes=N-` so an
+//! interrupted download resumes).
 
 use crate::ids::{ServerId, TaskId, VmId};
+use crate::images::{ImageType, Sha256};
 use crate::pci::{DevicePath, PciDevice};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -91,6 +95,36 @@ pub struct VmSpec {
     pub vcpus: u32,
     pub memory_mib: u64,
     pub devices: Vec<DevicePath>,
+    /// The boot disk; absent for VMs made before images (they boot nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskSpec>,
+}
+
+/// An image file as the node fetches and caches it: named by its digest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageRef {
+    pub sha256: Sha256,
+    /// Bytes.
+    pub size: u64,
+    #[serde(rename = "type")]
+    pub image_type: ImageType,
+}
+
+/// A VM's boot disk: an overlay on the cached image, grown to the package's size.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    pub image: ImageRef,
+    pub size_gib: u64,
+}
+
+/// How far a long task (an image download) has come; the server shows it on the job step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskProgress {
+    pub done: u64,
+    pub total: u64,
 }
 
 /// Work for one agent. Every task is idempotent on the agent: run twice, same result.
@@ -112,6 +146,16 @@ pub enum Task {
     },
     /// Stop the VM; a VM that is not running is already stopped.
     StopVm {
+        vm_uuid: VmId,
+    },
+    /// Bring the VM's image into the node's cache (download and verify it unless it is
+    /// there and whole) and make the VM's boot disk on it unless the disk exists.
+    FetchImage {
+        vm_uuid: VmId,
+        disk: DiskSpec,
+    },
+    /// Delete the VM's boot disk; a disk that is not there is already deleted.
+    DeleteDisk {
         vm_uuid: VmId,
     },
     /// Clean devices a VM had, each step reported.
@@ -163,6 +207,8 @@ impl Task {
             Task::UnbindPassthrough { .. } => "unbind_passthrough",
             Task::StartVm { .. } => "start_vm",
             Task::StopVm { .. } => "stop_vm",
+            Task::FetchImage { .. } => "fetch_image",
+            Task::DeleteDisk { .. } => "delete_disk",
             Task::Scrub { .. } => "scrub",
         }
     }

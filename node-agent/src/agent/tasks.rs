@@ -65,6 +65,11 @@ impl Executor {
                 Ok(()) => TaskResult::success(),
                 Err(e) => TaskResult::failure(e.to_string()),
             },
+            // Images and disks are the agent's next work (issue 17); until then a node
+            // says plainly that it cannot do them.
+            Task::FetchImage { .. } | Task::DeleteDisk { .. } => {
+                TaskResult::failure(format!("this agent cannot run {} tasks yet", task.name()))
+            }
             Task::Scrub { devices, pipelines } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());

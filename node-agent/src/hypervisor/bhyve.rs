@@ -76,6 +76,7 @@ mod tests {
             vcpus: 2,
             memory_mib: 2048,
             devices: Vec::new(),
+            disk: None,
         }
     }
 

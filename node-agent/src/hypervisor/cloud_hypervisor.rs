@@ -56,6 +56,7 @@ mod tests {
                     .parse()
                     .unwrap(),
             ],
+            disk: None,
         };
         let argv = cloud_hypervisor_argv(
             Path::new("cloud-hypervisor"),

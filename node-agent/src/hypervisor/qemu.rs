@@ -382,6 +382,7 @@ mod tests {
                     .parse()
                     .unwrap(),
             ],
+            disk: None,
         };
         let files = VmFiles::new(Path::new("/var/lib/passage-agent"), spec.uuid);
         let argv = qemu_argv(&cfg, &spec, &files);

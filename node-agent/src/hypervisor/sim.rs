@@ -92,6 +92,7 @@ mod tests {
             vcpus: 4,
             memory_mib: 4096,
             devices: Vec::new(),
+            disk: None,
         }
     }
 

@@ -192,6 +192,7 @@ fn executor_runs_a_vm_lifecycle() {
         vcpus: 8,
         memory_mib: 16384,
         devices: devices.clone(),
+        disk: None,
     };
 
     // Launching before binding fails, as a real hypervisor would.

@@ -34,6 +34,7 @@ fn spec() -> VmSpec {
         vcpus: 1,
         memory_mib: 64,
         devices: Vec::new(),
+        disk: None,
     }
 }
 

@@ -35,6 +35,7 @@ pub(super) fn spec(vm: &Vm) -> VmSpec {
         vcpus: vm.vcpus,
         memory_mib: vm.memory_mib,
         devices: vm.assigned_devices.clone(),
+        disk: None,
     }
 }
 
