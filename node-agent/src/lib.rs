@@ -7,6 +7,7 @@ pub mod config;
 pub mod fake;
 pub mod host;
 pub mod hypervisor;
+pub mod images;
 pub mod ppt;
 pub mod scrub;
 pub mod state;

@@ -2,9 +2,10 @@
 //! an error value saying whether retrying can help.
 
 use passage_model::TaskId;
+use passage_model::images::Sha256;
 use passage_model::protocol::{
     Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TaskEnvelope,
-    TaskResult,
+    TaskProgress, TaskResult,
 };
 use reqwest::StatusCode;
 use serde::de::DeserializeOwned;
@@ -237,6 +238,51 @@ impl AgentClient {
             )
             .await?;
         Ok(())
+    }
+    /// How far a long task has come; the server shows it on the job step.
+    pub async fn post_progress(
+        &self,
+        id: TaskId,
+        progress: &TaskProgress,
+    ) -> Result<(), ClientError> {
+        let _: serde_json::Value = self
+            .call(
+                "task progress",
+                reqwest::Method::POST,
+                &format!("tasks/{id}/progress"),
+                progress,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Starts the download of an image file from byte `offset` (`Range: bytes=N-`). The
+    /// answer is the open response, its status checked: 206 (from `offset`) or 200 (the
+    /// whole file: a server that ignores ranges). No overall timeout: a large image takes
+    /// as long as it takes; a stalled connection is caught by the reader's idle timeout.
+    pub async fn get_image(
+        &self,
+        sha256: &Sha256,
+        offset: u64,
+    ) -> Result<reqwest::Response, ClientError> {
+        let what = "image download";
+        let mut req = self.http.get(self.url(&format!("images/{sha256}")));
+        if offset > 0 {
+            req = req.header(reqwest::header::RANGE, format!("bytes={offset}-"));
+        }
+        if let Some(c) = &self.credential {
+            req = req.bearer_auth(c);
+        }
+        let resp = req
+            .send()
+            .await
+            .map_err(|source| ClientError::Transport { what, source })?;
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let body = read_body(what, resp).await.unwrap_or_default();
+        Err(server_error(what, status, &body))
     }
 }
 

@@ -3,16 +3,23 @@
 
 use crate::host::Binder;
 use crate::hypervisor::Hypervisor;
+use crate::images::ImageService;
 use crate::scrub::{ScrubEnv, scrub_for_task};
 use passage_model::DevicePath;
-use passage_model::protocol::{MAX_TASK_DEVICES, Task, TaskResult};
+use passage_model::VmId;
+use passage_model::protocol::{DiskSpec, MAX_TASK_DEVICES, Task, TaskProgress, TaskResult};
 use std::sync::Arc;
+use tokio::sync::watch;
 
 pub struct Executor {
     pub binder: Binder,
     pub hypervisor: Arc<dyn Hypervisor>,
     /// The programs and block devices scrub steps use.
     pub scrub_env: ScrubEnv,
+    /// Images and boot disks; `None` on a node without real disks (the sim hypervisor),
+    /// where `FetchImage` and `DeleteDisk` succeed at once: a fleet of simulated nodes
+    /// must not each download image files.
+    pub images: Option<Arc<ImageService>>,
 }
 
 impl Executor {
@@ -24,6 +31,47 @@ impl Executor {
             binder,
             hypervisor,
             scrub_env,
+            images: None,
+        }
+    }
+
+    pub fn with_images(mut self, images: Arc<ImageService>) -> Self {
+        self.images = Some(images);
+        self
+    }
+
+    /// Runs `task` from async code: `FetchImage` as the download it is (on the runtime,
+    /// reporting `progress`), everything else on a blocking thread through [`execute`].
+    ///
+    /// [`execute`]: Self::execute
+    pub async fn run(
+        self: Arc<Self>,
+        task: Task,
+        progress: watch::Sender<TaskProgress>,
+    ) -> TaskResult {
+        if let Task::FetchImage { vm_uuid, disk } = &task {
+            return self.fetch_image(*vm_uuid, disk, &progress).await;
+        }
+        tokio::task::spawn_blocking(move || self.execute(&task))
+            .await
+            .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")))
+    }
+
+    async fn fetch_image(
+        &self,
+        vm: VmId,
+        disk: &DiskSpec,
+        progress: &watch::Sender<TaskProgress>,
+    ) -> TaskResult {
+        let Some(images) = &self.images else {
+            return TaskResult::success();
+        };
+        if disk.size_gib == 0 {
+            return TaskResult::failure("a boot disk of 0 GiB cannot hold the image".to_string());
+        }
+        match images.fetch(vm, disk, progress).await {
+            Ok(_) => TaskResult::success(),
+            Err(e) => TaskResult::failure(e.to_string()),
         }
     }
 
@@ -65,10 +113,29 @@ impl Executor {
                 Ok(()) => TaskResult::success(),
                 Err(e) => TaskResult::failure(e.to_string()),
             },
-            // Images and disks are the agent's next work (issue 17); until then a node
-            // says plainly that it cannot do them.
-            Task::FetchImage { .. } | Task::DeleteDisk { .. } => {
-                TaskResult::failure(format!("this agent cannot run {} tasks yet", task.name()))
+            // A download: it runs on the async runtime (see `run`). Without images (the
+            // sim) there is nothing to do.
+            Task::FetchImage { .. } => match self.images {
+                None => TaskResult::success(),
+                Some(_) => TaskResult::failure(
+                    "internal: fetch_image tasks run through Executor::run".to_string(),
+                ),
+            },
+            Task::DeleteDisk { vm_uuid } => {
+                let Some(images) = &self.images else {
+                    return TaskResult::success();
+                };
+                // QEMU writes to the disk while the VM runs: deleting it under the guest
+                // would lose nothing QEMU cares about but leave a VM without a disk.
+                if self.hypervisor.running().contains(vm_uuid) {
+                    return TaskResult::failure(format!(
+                        "VM {vm_uuid} is still running; stop it before deleting its disk"
+                    ));
+                }
+                match crate::images::delete_disk(&images.state_dir, *vm_uuid) {
+                    Ok(()) => TaskResult::success(),
+                    Err(e) => TaskResult::failure(e.to_string()),
+                }
             }
             Task::Scrub { devices, pipelines } => {
                 if devices.len() > MAX_TASK_DEVICES {

@@ -1,0 +1,128 @@
+//! VM boot disks: a qcow2 overlay on the cached image, `STATE/qemu/<vm>/disk.qcow2`,
+//! with `disk.json` beside it naming the image (so the cache knows the image is in use).
+//! The disk is a plain file: stop/start and agent or node restarts keep it; only
+//! [`delete_disk`] (the VM's destroy) removes it.
+
+use super::ImageError;
+use crate::state::{read_json, write_json};
+use passage_model::VmId;
+use passage_model::images::Sha256;
+use passage_model::protocol::DiskSpec;
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub const QEMU_IMG_BINARY: &str = "qemu-img";
+pub const DISK_FILE: &str = "disk.qcow2";
+const DISK_SPEC_FILE: &str = "disk.json";
+const DISK_TMP_FILE: &str = ".disk.qcow2.tmp";
+/// Files of a VM that go with its disk when it is destroyed: the guest's console may
+/// hold the tenant's data.
+const VM_FILES: &[&str] = &["console.log", "qemu.log"];
+
+/// `STATE/qemu/<vm>`: the VM's directory (shared with the QEMU backend's files).
+pub fn vm_dir(state_dir: &Path, vm: VmId) -> PathBuf {
+    state_dir.join("qemu").join(vm.to_string())
+}
+
+pub fn disk_path(state_dir: &Path, vm: VmId) -> PathBuf {
+    vm_dir(state_dir, vm).join(DISK_FILE)
+}
+
+/// Makes the VM's disk unless it exists: `qemu-img create -f qcow2 -b IMAGE -F TYPE` at
+/// `size_gib`, under a temporary name renamed into place, so a crash leaves either no
+/// disk or a whole one. An existing disk is kept as it is (the guest's data).
+pub fn create_overlay(
+    qemu_img: &Path,
+    state_dir: &Path,
+    vm: VmId,
+    disk: &DiskSpec,
+    image_path: &Path,
+) -> Result<PathBuf, ImageError> {
+    let dir = vm_dir(state_dir, vm);
+    let path = dir.join(DISK_FILE);
+    let spec_path = dir.join(DISK_SPEC_FILE);
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| ImageError::Io { path: p, source }
+    };
+    fs::create_dir_all(&dir).map_err(io(&dir))?;
+    // Written first: from here on the image counts as in use, so no eviction races the
+    // disk being made on it.
+    if read_json::<DiskSpec>(&spec_path).ok().flatten().as_ref() != Some(disk) {
+        write_json(&spec_path, disk, 0o600).map_err(io(&spec_path))?;
+    }
+    if path.exists() {
+        return Ok(path);
+    }
+    let backing = fs::canonicalize(image_path).map_err(io(image_path))?;
+    let tmp = dir.join(DISK_TMP_FILE);
+    let _ = fs::remove_file(&tmp);
+    let out = Command::new(qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-b"])
+        .arg(&backing)
+        .args(["-F", disk.image.image_type.as_str()])
+        .arg(&tmp)
+        .arg(format!("{}G", disk.size_gib))
+        .output()
+        .map_err(|e| {
+            ImageError::Disk(format!(
+                "running {}: {e} (is qemu-utils installed?)",
+                qemu_img.display()
+            ))
+        })?;
+    if !out.status.success() {
+        let _ = fs::remove_file(&tmp);
+        // No disk, so no longer a user of the image.
+        let _ = fs::remove_file(&spec_path);
+        return Err(ImageError::Disk(format!(
+            "qemu-img create failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    if let Ok(f) = fs::File::open(&tmp) {
+        let _ = f.sync_all();
+    }
+    fs::rename(&tmp, &path).map_err(io(&path))?;
+    super::cache::sync_dir(&dir);
+    tracing::info!(vm = %vm, disk = %path.display(), image = %disk.image.sha256, size_gib = disk.size_gib, "boot disk created");
+    Ok(path)
+}
+
+/// Deletes the VM's disk, its record and console, then its directory if nothing else is
+/// left there. A disk that is not there is already deleted.
+pub fn delete_disk(state_dir: &Path, vm: VmId) -> Result<(), ImageError> {
+    let dir = vm_dir(state_dir, vm);
+    for name in [DISK_FILE, DISK_TMP_FILE, DISK_SPEC_FILE]
+        .iter()
+        .chain(VM_FILES)
+    {
+        let p = dir.join(name);
+        match fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(ImageError::Io { path: p, source }),
+        }
+    }
+    // Fails (and is left) when not empty: another file there is not ours to delete.
+    let _ = fs::remove_dir(&dir);
+    Ok(())
+}
+
+/// The images the disks on this node are built on.
+pub fn images_in_use(state_dir: &Path) -> HashSet<Sha256> {
+    let Ok(rd) = fs::read_dir(state_dir.join("qemu")) else {
+        return HashSet::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let dir = e.path();
+            // A record without a disk is a disk being made (or whose making failed):
+            // counted, so the image is not evicted under it.
+            let spec: DiskSpec = read_json(&dir.join(DISK_SPEC_FILE)).ok().flatten()?;
+            Some(spec.image.sha256)
+        })
+        .collect()
+}
