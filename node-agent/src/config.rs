@@ -14,6 +14,8 @@
 //! nvidia_smi = "/usr/bin/nvidia-smi"
 //! gpu_zero_helper = "/usr/lib/passage/passage-gpu-zero"
 //! dev_dir = "/dev"
+//! # Bytes of image files the node keeps (GiB, default 50); see `FileConfig`.
+//! image_cache_gib = 50
 //! ```
 
 use crate::hypervisor::HypervisorKind;
@@ -25,6 +27,8 @@ use std::path::{Path, PathBuf};
 
 /// A config file bigger than this is not a config file.
 const MAX_CONFIG_LEN: u64 = 64 * 1024;
+/// 1 PiB of images: anything larger is a typo.
+pub const MAX_IMAGE_CACHE_GIB: u64 = 1024 * 1024;
 /// A join token is 64 hex digits; anything much longer is the wrong file.
 const MAX_TOKEN_LEN: u64 = 1024;
 
@@ -56,6 +60,10 @@ pub struct FileConfig {
     /// A PEM file of CA certificates to trust for an `https://` server, besides the
     /// public roots.
     pub ca_cert: Option<PathBuf>,
+    /// The image cache's budget in GiB (`STATE/images`), default 50: beyond it, the
+    /// least recently used images no VM on this node is built on are deleted before a new
+    /// one is downloaded. Images VMs use are never deleted, even over budget.
+    pub image_cache_gib: Option<u64>,
 }
 
 fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(
@@ -87,6 +95,8 @@ pub enum ConfigError {
         key: &'static str,
         value: PathBuf,
     },
+    #[error("config file {path}: image_cache_gib must be between 1 and 1048576, not {value}")]
+    ImageCache { path: PathBuf, value: u64 },
     #[error("join token file {path}: {reason}")]
     Token { path: PathBuf, reason: String },
 }
@@ -119,6 +129,14 @@ impl FileConfig {
             && !(1..=3600).contains(&v)
         {
             return Err(ConfigError::Heartbeat {
+                path: path.to_path_buf(),
+                value: v,
+            });
+        }
+        if let Some(v) = cfg.image_cache_gib
+            && !(1..=MAX_IMAGE_CACHE_GIB).contains(&v)
+        {
+            return Err(ConfigError::ImageCache {
                 path: path.to_path_buf(),
                 value: v,
             });
@@ -224,11 +242,13 @@ mod tests {
             nvidia_smi = "/usr/bin/nvidia-smi"
             gpu_zero_helper = "/opt/passage/passage-gpu-zero"
             dev_dir = "/dev"
+            image_cache_gib = 20
         "#;
         let c = FileConfig::parse(Path::new("a.toml"), text).unwrap();
         assert_eq!(c.server.as_deref(), Some("http://127.0.0.1:8080"));
         assert_eq!(c.hypervisor, Some(HypervisorKind::CloudHypervisor));
         assert_eq!(c.heartbeat_secs, Some(5));
+        assert_eq!(c.image_cache_gib, Some(20));
         let o = c.scrub_overrides();
         assert_eq!(o.nvidia_smi, Some(PathBuf::from("/usr/bin/nvidia-smi")));
         assert_eq!(
@@ -256,6 +276,8 @@ mod tests {
             "nvidia_smi = \"bin/nvidia-smi\"",
             "dev_dir = \"dev\"",
             "gpu_zero_helper = 3",
+            "image_cache_gib = 0",
+            "image_cache_gib = -5",
         ] {
             let e = FileConfig::parse(Path::new("x.toml"), bad);
             assert!(e.is_err(), "{bad:?} accepted");

@@ -94,6 +94,9 @@ enum Command {
         /// public roots (a datacenter's own CA, or the server's self-signed certificate).
         #[arg(long, env = "PASSAGE_CA_CERT")]
         ca_cert: Option<PathBuf>,
+        /// The image cache's budget in GiB. Default 50.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=config::MAX_IMAGE_CACHE_GIB))]
+        image_cache_gib: Option<u64>,
     },
 }
 
@@ -165,6 +168,7 @@ fn main() -> ExitCode {
             heartbeat_secs,
             hostname,
             ca_cert,
+            image_cache_gib,
         } => {
             let file = match config.as_deref().map(FileConfig::load).transpose() {
                 Ok(f) => f.unwrap_or_default(),
@@ -225,7 +229,13 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
             };
-            match rt.block_on(agent::run_with(cfg, scrub)) {
+            let opts = agent::RunOptions {
+                scrub,
+                image_cache_gib: image_cache_gib
+                    .or(file.image_cache_gib)
+                    .unwrap_or(node_agent::images::DEFAULT_CACHE_GIB),
+            };
+            match rt.block_on(agent::run_with(cfg, opts)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

@@ -13,20 +13,24 @@ pub use tasks::Executor;
 use crate::host::{Binder, Discoverer, open_sysfs};
 use crate::hypervisor::{self, HypervisorKind};
 use crate::scrub::{ScrubEnv, ScrubOverrides};
+use passage_model::TaskId;
 use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
+    TaskEnvelope, TaskProgress,
 };
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, watch};
 use tracing::{debug, error, info, warn};
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/passage-agent";
 const LONG_POLL: Duration = Duration::from_secs(30);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Progress posts of a long task: a few a second at most.
+const PROGRESS_EVERY: Duration = Duration::from_millis(300);
 
 #[derive(Clone)]
 pub struct AgentConfig {
@@ -303,36 +307,63 @@ impl Agent {
                 }
             };
             for env in envelopes {
-                let name = env.task.name();
-                info!(task = %env.id, kind = name, "running task");
-                let exec = self.executor.clone();
-                let task = env.task.clone();
-                let result = tokio::task::spawn_blocking(move || exec.execute(&task))
-                    .await
-                    .unwrap_or_else(|e| {
-                        passage_model::protocol::TaskResult::failure(format!("task crashed: {e}"))
+                // A download can take minutes: it runs beside the other tasks, so one
+                // VM's image does not hold up another VM's stop or scrub. The rest run in
+                // turn, as the server sends them.
+                if matches!(env.task, Task::FetchImage { .. }) {
+                    let agent = self.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = agent.handle(env).await {
+                            error!(error = %e, "task result could not be reported");
+                        }
                     });
-                if result.ok {
-                    info!(task = %env.id, kind = name, "task succeeded");
                 } else {
-                    warn!(task = %env.id, kind = name, error = ?result.error, "task failed");
-                }
-                if matches!(
-                    env.task,
-                    Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. }
-                ) {
-                    self.report_inventory().await?;
-                }
-                if let Err(e) =
-                    with_retry("task result", || self.client.post_result(env.id, &result)).await
-                {
-                    if let Some(f) = self.fatal(&e) {
-                        return Err(f);
-                    }
-                    warn!(task = %env.id, error = %e, "task result refused");
+                    self.clone().handle(env).await?;
                 }
             }
         }
+    }
+
+    /// Runs one task, posting its progress while it runs and then its result.
+    async fn handle(self: Arc<Self>, env: TaskEnvelope) -> Result<(), AgentError> {
+        let name = env.task.name();
+        info!(task = %env.id, kind = name, "running task");
+        let (tx, rx) = watch::channel(TaskProgress { done: 0, total: 0 });
+        let poster = tokio::spawn(post_progress(self.client.clone(), env.id, rx));
+        let result = self.executor.clone().run(env.task.clone(), tx).await;
+        // The sender is gone: the poster sends what it has left and ends.
+        let _ = poster.await;
+        if result.ok {
+            info!(task = %env.id, kind = name, "task succeeded");
+        } else {
+            warn!(task = %env.id, kind = name, error = ?result.error, "task failed");
+        }
+        if matches!(
+            env.task,
+            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. }
+        ) {
+            self.report_inventory().await?;
+        }
+        if let Err(e) = with_retry("task result", || self.client.post_result(env.id, &result)).await
+        {
+            if let Some(f) = self.fatal(&e) {
+                return Err(f);
+            }
+            warn!(task = %env.id, error = %e, "task result refused");
+        }
+        Ok(())
+    }
+}
+
+/// Posts each new progress value, at most one every [`PROGRESS_EVERY`]; ends when the
+/// task drops its sender. A failed post is only logged: progress is a courtesy.
+async fn post_progress(client: AgentClient, id: TaskId, mut rx: watch::Receiver<TaskProgress>) {
+    while rx.changed().await.is_ok() {
+        let p = *rx.borrow_and_update();
+        if let Err(e) = client.post_progress(id, &p).await {
+            debug!(task = %id, error = %e, "progress not reported");
+        }
+        tokio::time::sleep(PROGRESS_EVERY).await;
     }
 }
 
@@ -348,14 +379,32 @@ fn prepare_state_dir(dir: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Runs the agent until a fatal error or Ctrl-C, with the default scrub tools.
-pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
-    run_with(cfg, ScrubOverrides::default()).await
+/// The operator's settings beyond [`AgentConfig`] (kept apart because callers build
+/// that one field by field).
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub scrub: ScrubOverrides,
+    /// The image cache's budget (`image_cache_gib`).
+    pub image_cache_gib: u64,
 }
 
-/// [`run`] with the operator's scrub settings (kept out of [`AgentConfig`], which callers
-/// build field by field).
-pub async fn run_with(cfg: AgentConfig, scrub: ScrubOverrides) -> Result<(), AgentError> {
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            scrub: ScrubOverrides::default(),
+            image_cache_gib: crate::images::DEFAULT_CACHE_GIB,
+        }
+    }
+}
+
+/// Runs the agent until a fatal error or Ctrl-C, with the default settings.
+pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
+    run_with(cfg, RunOptions::default()).await
+}
+
+/// [`run`] with the operator's scrub and image cache settings.
+pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentError> {
+    let scrub = opts.scrub.clone();
     let setup = {
         let cfg = cfg.clone();
         tokio::task::spawn_blocking(move || -> Result<tasks::Executor, AgentError> {
@@ -378,11 +427,22 @@ pub async fn run_with(cfg: AgentConfig, scrub: ScrubOverrides) -> Result<(), Age
             Ok(tasks::Executor::new(binder, hv).with_scrub_env(scrub_env))
         })
     };
-    let executor = setup.await.map_err(blocking_err)??;
+    let mut executor = setup.await.map_err(blocking_err)??;
     let cred = ensure_credential(&cfg).await?;
     let client = AgentClient::with_ca(&cfg.server_url, cfg.ca_cert.as_deref())
         .map_err(|e| AgentError::Setup(e.to_string()))?
         .with_credential(cred.credential.clone());
+    // Simulated nodes have no disks: FetchImage succeeds at once without a download
+    // (a fleet of thousands must not each fetch the file). Every other hypervisor gets
+    // the cache and real overlays.
+    if cfg.hypervisor != HypervisorKind::Sim {
+        let source = Arc::new(crate::images::HttpSource::new(client.clone()));
+        executor = executor.with_images(Arc::new(crate::images::ImageService::new(
+            &cfg.state_dir,
+            opts.image_cache_gib,
+            source,
+        )));
+    }
     let agent = Arc::new(Agent {
         client,
         executor: Arc::new(executor),

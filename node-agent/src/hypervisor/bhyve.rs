@@ -36,10 +36,18 @@ impl PassthruRef {
 #[error("{0} passthrough devices do not fit in bhyve's guest PCI slots 6 to 30")]
 pub struct TooManyDevices(pub usize);
 
+/// Guest slot of the boot disk (virtio-blk), as on a Triton bhyve VM.
+const DISK_SLOT: u32 = 4;
+
 /// `bhyve` arguments for `spec` with the given passthrough devices (in the order of
-/// `spec.devices`), named after the VM's uuid. `-S` wires guest memory, which
-/// passthrough requires; `-H` yields the CPU on HLT.
-pub fn bhyve_argv(spec: &VmSpec, devices: &[PassthruRef]) -> Result<Vec<String>, TooManyDevices> {
+/// `spec.devices`) and boot disk (the disk file or zvol device, when the VM has one),
+/// named after the VM's uuid. `-S` wires guest memory, which passthrough requires; `-H`
+/// yields the CPU on HLT.
+pub fn bhyve_argv(
+    spec: &VmSpec,
+    devices: &[PassthruRef],
+    disk: Option<&str>,
+) -> Result<Vec<String>, TooManyDevices> {
     if devices.len() > (LPC_SLOT - FIRST_PASSTHRU_SLOT) as usize {
         return Err(TooManyDevices(devices.len()));
     }
@@ -54,6 +62,10 @@ pub fn bhyve_argv(spec: &VmSpec, devices: &[PassthruRef]) -> Result<Vec<String>,
         "-s".into(),
         "0:0,hostbridge".into(),
     ];
+    if let (Some(path), Some(_)) = (disk, &spec.disk) {
+        argv.push("-s".into());
+        argv.push(format!("{DISK_SLOT}:0,virtio-blk,{path}"));
+    }
     for (slot, d) in (FIRST_PASSTHRU_SLOT..).zip(devices) {
         argv.push("-s".into());
         argv.push(format!("{slot}:0,passthru,{}", d.arg()));
@@ -83,7 +95,7 @@ mod tests {
     #[test]
     fn freebsd_and_illumos_lines() {
         let a: PciAddress = "0000:3b:00.0".parse().unwrap();
-        let argv = bhyve_argv(&spec(), &[PassthruRef::Bsf(a)]).unwrap();
+        let argv = bhyve_argv(&spec(), &[PassthruRef::Bsf(a)], None).unwrap();
         assert_eq!(
             argv.join(" "),
             "bhyve -c 2 -m 2048M -H -S -s 0:0,hostbridge -s 6:0,passthru,59/0/0 \
@@ -95,6 +107,7 @@ mod tests {
                 PassthruRef::Ppt("/dev/ppt0".into()),
                 PassthruRef::Ppt("/dev/ppt1".into()),
             ],
+            None,
         )
         .unwrap();
         assert!(
@@ -102,7 +115,22 @@ mod tests {
                 .contains("-s 6:0,passthru,/dev/ppt0 -s 7:0,passthru,/dev/ppt1")
         );
         let many = vec![PassthruRef::Bsf(a); 26];
-        assert_eq!(bhyve_argv(&spec(), &many), Err(TooManyDevices(26)));
-        assert!(bhyve_argv(&spec(), &many[..25]).is_ok());
+        assert_eq!(bhyve_argv(&spec(), &many, None), Err(TooManyDevices(26)));
+        assert!(bhyve_argv(&spec(), &many[..25], None).is_ok());
+
+        let mut with_disk = spec();
+        with_disk.disk = Some(passage_model::protocol::DiskSpec {
+            image: passage_model::protocol::ImageRef {
+                sha256: "ab".repeat(32).parse().unwrap(),
+                size: 1,
+                image_type: passage_model::images::ImageType::Raw,
+            },
+            size_gib: 10,
+        });
+        let argv = bhyve_argv(&with_disk, &[PassthruRef::Bsf(a)], Some("/vms/x/disk0")).unwrap();
+        assert!(
+            argv.join(" ")
+                .contains("-s 0:0,hostbridge -s 4:0,virtio-blk,/vms/x/disk0 -s 6:0,passthru")
+        );
     }
 }

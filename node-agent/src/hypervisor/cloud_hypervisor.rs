@@ -7,15 +7,17 @@ use std::path::Path;
 pub const CLOUD_HYPERVISOR_BINARY: &str = "cloud-hypervisor";
 
 /// `cloud-hypervisor` arguments for `spec`: the API socket, CPUs, memory, the firmware
-/// (e.g. `hypervisor-fw` or `CLOUDHV.fd`) and one `--device path=` per function, named by
-/// its directory under `sysfs_root/bus/pci/devices/`, as cloud-hypervisor's VFIO support
-/// expects.
+/// (e.g. `hypervisor-fw` or `CLOUDHV.fd`), the boot disk (`--disk path=`, virtio-blk, when
+/// the VM has one: the qcow2 overlay the `FetchImage` task made) and one `--device path=`
+/// per function, named by its directory under `sysfs_root/bus/pci/devices/`, as
+/// cloud-hypervisor's VFIO support expects.
 pub fn cloud_hypervisor_argv(
     binary: &Path,
     spec: &VmSpec,
     api_socket: &Path,
     firmware: &Path,
     sysfs_root: &Path,
+    disk: Option<&Path>,
 ) -> Vec<String> {
     let mut argv = vec![
         binary.display().to_string(),
@@ -28,6 +30,10 @@ pub fn cloud_hypervisor_argv(
         "--firmware".into(),
         firmware.display().to_string(),
     ];
+    if let (Some(path), Some(_)) = (disk, &spec.disk) {
+        argv.push("--disk".into());
+        argv.push(format!("path={}", path.display()));
+    }
     for d in &spec.devices {
         argv.push("--device".into());
         argv.push(format!(
@@ -64,12 +70,36 @@ mod tests {
             Path::new("/run/ch.sock"),
             Path::new("/usr/share/cloud-hypervisor/CLOUDHV.fd"),
             Path::new("/sys"),
+            None,
         );
         assert_eq!(
             argv.join(" "),
             "cloud-hypervisor --api-socket path=/run/ch.sock --cpus boot=4 --memory size=8192M \
              --firmware /usr/share/cloud-hypervisor/CLOUDHV.fd \
              --device path=/sys/bus/pci/devices/0000:3b:00.0/"
+        );
+        let mut spec = spec;
+        spec.disk = Some(passage_model::protocol::DiskSpec {
+            image: passage_model::protocol::ImageRef {
+                sha256: "ab".repeat(32).parse().unwrap(),
+                size: 1,
+                image_type: passage_model::images::ImageType::Qcow2,
+            },
+            size_gib: 10,
+        });
+        let argv = cloud_hypervisor_argv(
+            Path::new("cloud-hypervisor"),
+            &spec,
+            Path::new("/run/ch.sock"),
+            Path::new("/fw"),
+            Path::new("/sys"),
+            Some(Path::new("/var/lib/passage-agent/qemu/x/disk.qcow2")),
+        );
+        assert!(
+            argv.join(" ").contains(
+                "--firmware /fw --disk path=/var/lib/passage-agent/qemu/x/disk.qcow2 --device"
+            ),
+            "{argv:?}"
         );
     }
 }

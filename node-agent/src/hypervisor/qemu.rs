@@ -1,7 +1,8 @@
 //! QEMU/KVM: builds the command line, starts `qemu-system-x86_64` as a child, talks to
 //! it over QMP and keeps what a restarted agent needs in `STATE/qemu/<vm>/`:
-//! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`, and
-//! `qemu.log` (QEMU's stdout and stderr).
+//! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`,
+//! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console) and
+//! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]).
 
 use super::qmp::Qmp;
 use super::{Hypervisor, HypervisorError, check_devices_ready, find_on_path};
@@ -32,6 +33,10 @@ pub struct QemuConfig {
     pub accel: String,
     /// The sysfs root the devices are under, for the vfio-pci check before launch.
     pub sysfs_root: Option<PathBuf>,
+    /// Give the guest one emulated QEMU `edu` device (1234:11e8) per assigned function
+    /// instead of passing the function through: a generated sysfs tree has no real
+    /// device behind it, and this lets a guest still see how many it got.
+    pub stand_in_devices: bool,
 }
 
 impl QemuConfig {
@@ -44,6 +49,8 @@ impl QemuConfig {
             binary,
             accel: "kvm:tcg".to_string(),
             sysfs_root: sysfs_root.map(Path::to_path_buf),
+            // The fake-sysfs generator's marker: the tree is generated, not a kernel's.
+            stand_in_devices: sysfs_root.is_some_and(|r| r.join(crate::host::FAKE_MARKER).exists()),
         })
     }
 }
@@ -56,6 +63,8 @@ pub struct VmFiles {
     pub pid: PathBuf,
     pub spec: PathBuf,
     pub log: PathBuf,
+    pub console: PathBuf,
+    pub disk: PathBuf,
 }
 
 impl VmFiles {
@@ -66,13 +75,17 @@ impl VmFiles {
             pid: dir.join("qemu.pid"),
             spec: dir.join("spec.json"),
             log: dir.join("qemu.log"),
+            console: dir.join("console.log"),
+            disk: dir.join(crate::images::disk::DISK_FILE),
             dir,
         }
     }
 }
 
-/// The QEMU command line for `spec`: q35, no default devices, no display, one
-/// `vfio-pci` device per passed-through function, QMP on a unix socket.
+/// The QEMU command line for `spec`: q35, no default devices, no display, the boot disk
+/// (virtio-blk: Debian's cloud kernel has no AHCI), the serial console to `console.log`,
+/// one `vfio-pci` device per passed-through function (or an `edu` stand-in for each, see
+/// [`QemuConfig::stand_in_devices`]), QMP on a unix socket.
 pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String> {
     let mut argv = vec![
         cfg.binary.display().to_string(),
@@ -89,9 +102,32 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
         "-nographic".into(),
         "-nodefaults".into(),
     ];
+    if spec.disk.is_some() {
+        argv.extend([
+            "-drive".into(),
+            // writeback: the guest's flushes still reach the disk; cache=none needs
+            // O_DIRECT, which tmpfs and some overlay file systems refuse.
+            format!(
+                "file={},if=none,id=disk0,format=qcow2,cache=writeback",
+                files.disk.display()
+            ),
+            "-device".into(),
+            "virtio-blk-pci,drive=disk0,bootindex=0".into(),
+        ]);
+    }
+    argv.extend([
+        "-chardev".into(),
+        format!("file,id=console0,path={}", files.console.display()),
+        "-serial".into(),
+        "chardev:console0".into(),
+    ]);
     for d in &spec.devices {
         argv.push("-device".into());
-        argv.push(format!("vfio-pci,host={}", d.address()));
+        if cfg.stand_in_devices {
+            argv.push("edu".into());
+        } else {
+            argv.push(format!("vfio-pci,host={}", d.address()));
+        }
     }
     argv.extend([
         "-qmp".into(),
@@ -339,6 +375,16 @@ impl Hypervisor for QemuHypervisor {
         if let Some(root) = &self.cfg.sysfs_root {
             check_devices_ready(root, spec)?;
         }
+        let disk = VmFiles::new(&self.state_dir, spec.uuid).disk;
+        if spec.disk.is_some() && !disk.exists() {
+            return Err(HypervisorError::Launch {
+                vm: spec.uuid,
+                reason: format!(
+                    "its boot disk {} does not exist (the image was not fetched to this node)",
+                    disk.display()
+                ),
+            });
+        }
         let r = self.launch(spec)?;
         vms.insert(spec.uuid, r);
         Ok(())
@@ -369,8 +415,9 @@ mod tests {
             binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
             accel: "kvm:tcg".into(),
             sysfs_root: None,
+            stand_in_devices: false,
         };
-        let spec = VmSpec {
+        let mut spec = VmSpec {
             uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
             vcpus: 8,
             memory_mib: 65536,
@@ -394,9 +441,34 @@ mod tests {
                  -name guest=6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10,debug-threads=on \
                  -uuid 6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10 -machine q35,accel=kvm:tcg \
                  -m 65536M -smp 8 -nographic -nodefaults \
+                 -chardev file,id=console0,path={dir}/console.log -serial chardev:console0 \
                  -device vfio-pci,host=0000:3b:00.0 -device vfio-pci,host=0000:3b:00.1 \
                  -qmp unix:{dir}/qmp.sock,server,nowait -pidfile {dir}/qemu.pid"
             )
         );
+
+        // With a boot disk, over a generated tree: virtio-blk and one edu per function.
+        spec.disk = Some(passage_model::protocol::DiskSpec {
+            image: passage_model::protocol::ImageRef {
+                sha256: "ab".repeat(32).parse().unwrap(),
+                size: 1,
+                image_type: passage_model::images::ImageType::Raw,
+            },
+            size_gib: 10,
+        });
+        let cfg = QemuConfig {
+            stand_in_devices: true,
+            ..cfg
+        };
+        let line = qemu_argv(&cfg, &spec, &files).join(" ");
+        assert!(
+            line.contains(&format!(
+                "-drive file={dir}/disk.qcow2,if=none,id=disk0,format=qcow2,cache=writeback \
+                 -device virtio-blk-pci,drive=disk0,bootindex=0"
+            )),
+            "{line}"
+        );
+        assert_eq!(line.matches("-device edu").count(), 2, "{line}");
+        assert!(!line.contains("vfio-pci"), "{line}");
     }
 }

@@ -313,8 +313,10 @@ impl ImageCache {
         if digest != image.sha256 {
             drop(file);
             let _ = tokio::fs::remove_file(&part).await;
-            // Worth one more try from scratch: the bytes may have been damaged on the way.
-            return Err(Failure::Fetch(FetchError::transient(format!(
+            // Not retried: TCP (and TLS) make damage on the way unlikely, so the source
+            // itself holds other bytes, and fetching them again would not help. The next
+            // FetchImage starts from scratch.
+            return Err(Failure::Fetch(FetchError::permanent(format!(
                 "the downloaded file's SHA-256 is {digest}, not the image's"
             ))));
         }

@@ -2,6 +2,7 @@
 //! backend, robustness of the parsers.
 
 mod binding;
+mod images;
 mod pciutils;
 mod qemu;
 mod robustness;

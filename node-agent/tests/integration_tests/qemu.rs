@@ -16,6 +16,7 @@ fn qemu() -> Option<QemuConfig> {
             binary,
             accel: "tcg".into(),
             sysfs_root: None,
+            stand_in_devices: false,
         }),
         None if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
             eprintln!("note: SKIPPED: {QEMU_BINARY} is not installed and PASSAGE_ALLOW_NO_QEMU=1");
