@@ -20,6 +20,7 @@ mod fuzz_parsers;
 mod http;
 mod site;
 mod test;
+mod test_image;
 mod util;
 
 use anyhow::Result;
@@ -68,6 +69,11 @@ enum Command {
     ///
     /// wasm32 + wasm-bindgen and the stylesheet, where `server` serves them from.
     Site,
+    /// Build (or find cached) the Debian guest image the agent's boot tests run
+    ///
+    /// From Debian packages with mmdebstrap, cached in ~/.cache/passage-images/ by a hash
+    /// of its recipe; `cargo xtask test` does this itself. Prints the image's path.
+    TestImage,
 }
 
 fn main() -> ExitCode {
@@ -89,6 +95,7 @@ fn run(command: Command) -> Result<()> {
         Command::FuzzApi(args) => fuzz::run(&args),
         Command::FuzzParsers(args) => fuzz_parsers::run(&args),
         Command::Site => site::build().map(|dir| println!("portal bundle in {}", dir.display())),
+        Command::TestImage => test_image::ensure().map(|p| println!("{}", p.display())),
     }
 }
 

@@ -38,8 +38,20 @@ pub fn run(args: &Args) -> Result<()> {
         .ok()
         .filter(|u| !u.is_empty())
         .unwrap_or_else(|| DEFAULT_PG_URL.to_string());
+    let mut stages = Stages::default();
+    stages.run("lspci", ensure_lspci)?;
+    stages.run("qemu", ensure_qemu)?;
+    // The guest the node agent's boot tests run, found by them in PASSAGE_TEST_IMAGE.
+    let mut test_image = None;
+    stages.run("test-image", || {
+        test_image = ensure_test_image()?;
+        Ok(())
+    })?;
     let with_env = |mut cmd: Command| {
         cmd.env("PASSAGE_TEST_PG_URL", &pg_url);
+        if let Some(p) = &test_image {
+            cmd.env("PASSAGE_TEST_IMAGE", p);
+        }
         cmd
     };
 
@@ -51,9 +63,6 @@ pub fn run(args: &Args) -> Result<()> {
         .map(|s| s.success())
         .unwrap_or(false);
 
-    let mut stages = Stages::default();
-    stages.run("lspci", ensure_lspci)?;
-    stages.run("qemu", ensure_qemu)?;
     stages.run("postgres", || ensure_postgres(&pg_url))?;
     drop_test_databases(&pg_url);
     stages.run("fmt", || {
@@ -204,8 +213,21 @@ fn ensure_qemu() -> Result<()> {
     }
 }
 
+/// Builds or finds the guest test image. Where it cannot be built the stage fails, unless
+/// `PASSAGE_ALLOW_NO_QEMU=1`, in which case the boot tests skip with a note.
+fn ensure_test_image() -> Result<Option<std::path::PathBuf>> {
+    match crate::test_image::ensure() {
+        Ok(p) => Ok(Some(p)),
+        Err(e) if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
+            println!("warning: {e:#}; PASSAGE_ALLOW_NO_QEMU=1, so the guest boot tests will skip");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Installs the Debian `package` with apt-get unless `tool` is already on PATH.
-fn ensure_tool(tool: &str, package: &str) -> Result<()> {
+pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
     if on_path(tool) {
         println!("{tool} present");
         return Ok(());

@@ -2,6 +2,7 @@
 //! backend, robustness of the parsers.
 
 mod binding;
+mod guest_boot;
 mod images;
 mod pciutils;
 mod qemu;

@@ -1,0 +1,97 @@
+#!/bin/sh
+# Builds the guest image the node agent's boot tests run: Debian 12 from Debian's
+# packages only (mmdebstrap with the host's apt sources), the cloud kernel, extlinux on
+# an MBR disk, and a boot script that reports on the serial console what the tests check:
+#   PASSAGE-EDU-COUNT=N   the stand-in devices (QEMU edu, 1234:11e8) the guest sees
+#   PASSAGE-BOOT-COUNT=N  a counter kept on the disk, one more on each boot
+# Usage: test_image.sh OUT.qcow2 WORKDIR   (as root: it mounts a loop device)
+# xtask keys its cache on a hash of this file: change it and the image is rebuilt.
+set -eu
+out=$1
+work=$2
+rm -rf "$work"
+mkdir -p "$work"
+root=$work/root
+mnt=$work/mnt
+
+# The host's own sources (deb822 or one-line) on stdin: only Debian's registries.
+# A blank line after each file keeps deb822 stanzas of two files apart.
+for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
+  [ -f "$f" ] && { grep -v '^#' "$f" || true; echo; }
+done >"$work/sources"
+mmdebstrap --variant=minbase --mode=root \
+  --include=systemd-sysv,udev,linux-image-cloud-amd64,kmod \
+  --dpkgopt='path-exclude=/usr/share/doc/*' \
+  --dpkgopt='path-exclude=/usr/share/man/*' \
+  --dpkgopt='path-exclude=/usr/share/locale/*' \
+  --aptopt='Acquire::Retries "3"' \
+  bookworm "$root" - <"$work/sources"
+
+cat >"$root/usr/local/sbin/passage-report" <<'EOF'
+#!/bin/sh
+n=0
+for d in /sys/bus/pci/devices/*; do
+  if [ "$(cat "$d/vendor")" = 0x1234 ] && [ "$(cat "$d/device")" = 0x11e8 ]; then
+    n=$((n + 1))
+  fi
+done
+c=$(cat /var/lib/passage-boot-count 2>/dev/null || echo 0)
+c=$((c + 1))
+echo "$c" >/var/lib/passage-boot-count
+sync
+echo "PASSAGE-EDU-COUNT=$n" >/dev/ttyS0
+echo "PASSAGE-BOOT-COUNT=$c" >/dev/ttyS0
+EOF
+chmod 755 "$root/usr/local/sbin/passage-report"
+cat >"$root/etc/systemd/system/passage-report.service" <<'EOF'
+[Unit]
+Description=Report stand-in devices and the boot counter on the serial console
+After=local-fs.target
+[Service]
+Type=oneshot
+ExecStart=/usr/local/sbin/passage-report
+[Install]
+WantedBy=multi-user.target
+EOF
+ln -sf /etc/systemd/system/passage-report.service \
+  "$root/etc/systemd/system/multi-user.target.wants/passage-report.service"
+echo passage-test >"$root/etc/hostname"
+echo 'LABEL=root / ext4 defaults 0 1' >"$root/etc/fstab"
+# An empty root password on the console only: a test image, never a product image.
+chroot "$root" passwd -d root >/dev/null
+# What a test boot does not need, and slows a boot under emulation.
+for u in systemd-timesyncd.service apt-daily.timer apt-daily-upgrade.timer \
+  e2scrub_all.timer fstrim.timer; do
+  ln -sf /dev/null "$root/etc/systemd/system/$u"
+done
+kernel=$(cd "$root/boot" && ls vmlinuz-* | head -n1)
+initrd=$(cd "$root/boot" && ls initrd.img-* | head -n1)
+mkdir -p "$root/boot/extlinux"
+cat >"$root/boot/extlinux/extlinux.conf" <<EOF
+DEFAULT debian
+TIMEOUT 1
+PROMPT 0
+LABEL debian
+  LINUX /boot/$kernel
+  INITRD /boot/$initrd
+  APPEND root=LABEL=root rw console=ttyS0,115200 net.ifnames=0
+EOF
+rm -rf "$root/var/cache/apt/"* "$root/var/lib/apt/lists/"*
+
+# The disk: an MBR with one bootable ext4 partition from 1 MiB. The file system is made
+# from the directory (mkfs -d) and written at its offset; only extlinux needs it mounted.
+part_mib=1536
+raw=$work/disk.raw
+truncate -s $((part_mib + 1))M "$raw"
+echo 'start=2048, type=83, bootable' | sfdisk -q "$raw"
+mkfs.ext4 -q -F -L root -d "$root" "$work/part.raw" ${part_mib}M
+dd if="$work/part.raw" of="$raw" bs=1M seek=1 conv=notrunc status=none
+rm -f "$work/part.raw"
+mkdir -p "$mnt"
+mount -o loop,offset=1048576 "$raw" "$mnt"
+extlinux --install "$mnt/boot/extlinux" >/dev/null 2>&1 || { umount "$mnt"; exit 1; }
+umount "$mnt"
+dd if=/usr/lib/EXTLINUX/mbr.bin of="$raw" bs=440 count=1 conv=notrunc status=none
+qemu-img convert -c -f raw -O qcow2 "$raw" "$out.tmp"
+mv "$out.tmp" "$out"
+rm -rf "$work"
