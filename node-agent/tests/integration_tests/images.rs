@@ -489,3 +489,41 @@ async fn resumes_over_http_with_range() {
     let e = cache.ensure(&missing, &source, &tx).await.unwrap_err();
     assert!(e.to_string().contains("no such image"), "{e}");
 }
+
+/// Simulated nodes (`--sim-servers`) download nothing and make no disk, yet both tasks
+/// succeed, so a provision workflow runs the same on them.
+#[tokio::test]
+async fn on_the_sim_hypervisor_fetch_image_and_delete_disk_succeed_at_once() {
+    use node_agent::agent::Executor;
+    use node_agent::fake::{FakeSpec, generate};
+    use node_agent::host::{Binder, open_sysfs};
+    use node_agent::hypervisor::SimHypervisor;
+    use passage_model::protocol::Task;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("sys");
+    let state = dir.path().join("state");
+    generate(&root, &FakeSpec::default()).unwrap();
+    let hv = Arc::new(SimHypervisor::open(&state, Some(&root)).unwrap());
+    let exec = Arc::new(Executor::new(
+        Binder::new(open_sysfs(&root).unwrap(), &state),
+        hv,
+    ));
+    let vm = VmId::new_random();
+    let disk = DiskSpec {
+        image: ImageRef {
+            sha256: "ab".repeat(32).parse().unwrap(),
+            size: 1 << 30,
+            image_type: ImageType::Qcow2,
+        },
+        size_gib: 10,
+    };
+    for task in [
+        Task::FetchImage { vm_uuid: vm, disk },
+        Task::DeleteDisk { vm_uuid: vm },
+    ] {
+        let (tx, _rx) = progress();
+        let r = exec.clone().run(task, tx).await;
+        assert!(r.ok, "{r:?}");
+    }
+    assert!(!state.join("images").exists() && !disk_path(&state, vm).exists());
+}
