@@ -56,7 +56,40 @@ pub fn create_overlay(
     if path.exists() {
         return Ok(path);
     }
+    let made = make_overlay(qemu_img, &dir, disk, image_path);
+    if made.is_err() && !path.exists() {
+        // No disk, so no longer a user of the image.
+        let _ = fs::remove_file(&spec_path);
+    }
+    made?;
+    tracing::info!(vm = %vm, disk = %path.display(), image = %disk.image.sha256, size_gib = disk.size_gib, "boot disk created");
+    Ok(path)
+}
+
+/// `qemu-img create` under a temporary name, renamed to `DIR/disk.qcow2`.
+fn make_overlay(
+    qemu_img: &Path,
+    dir: &Path,
+    disk: &DiskSpec,
+    image_path: &Path,
+) -> Result<(), ImageError> {
+    let path = dir.join(DISK_FILE);
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |source| ImageError::Io { path: p, source }
+    };
     let backing = fs::canonicalize(image_path).map_err(io(image_path))?;
+    let virtual_size = image_virtual_size(qemu_img, &backing, disk)?;
+    let disk_bytes = disk.size_gib.saturating_mul(super::GIB);
+    if disk_bytes < virtual_size {
+        // qemu-img would make the smaller disk without a word, cutting the guest's file
+        // systems short.
+        return Err(ImageError::Disk(format!(
+            "a {} GiB disk cannot hold the image, whose disk is {virtual_size} bytes ({:.1} GiB)",
+            disk.size_gib,
+            virtual_size as f64 / super::GIB as f64
+        )));
+    }
     let tmp = dir.join(DISK_TMP_FILE);
     let _ = fs::remove_file(&tmp);
     let out = Command::new(qemu_img)
@@ -74,8 +107,6 @@ pub fn create_overlay(
         })?;
     if !out.status.success() {
         let _ = fs::remove_file(&tmp);
-        // No disk, so no longer a user of the image.
-        let _ = fs::remove_file(&spec_path);
         return Err(ImageError::Disk(format!(
             "qemu-img create failed ({}): {}",
             out.status,
@@ -86,9 +117,46 @@ pub fn create_overlay(
         let _ = f.sync_all();
     }
     fs::rename(&tmp, &path).map_err(io(&path))?;
-    super::cache::sync_dir(&dir);
-    tracing::info!(vm = %vm, disk = %path.display(), image = %disk.image.sha256, size_gib = disk.size_gib, "boot disk created");
-    Ok(path)
+    super::cache::sync_dir(dir);
+    Ok(())
+}
+
+/// The size of the disk an image holds (`qemu-img info`), read as the declared type
+/// only. A qcow2 image that names a backing file of its own is refused: QEMU would open
+/// that path on this node for the guest.
+fn image_virtual_size(qemu_img: &Path, image: &Path, disk: &DiskSpec) -> Result<u64, ImageError> {
+    let out = Command::new(qemu_img)
+        .args([
+            "info",
+            "--output=json",
+            "-f",
+            disk.image.image_type.as_str(),
+        ])
+        .arg(image)
+        .output()
+        .map_err(|e| {
+            ImageError::Disk(format!(
+                "running {}: {e} (is qemu-utils installed?)",
+                qemu_img.display()
+            ))
+        })?;
+    if !out.status.success() {
+        return Err(ImageError::Disk(format!(
+            "the image is not a readable {} file: {}",
+            disk.image.image_type.as_str(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| ImageError::Disk(format!("qemu-img info answered unreadable JSON: {e}")))?;
+    if info.get("backing-filename").is_some() {
+        return Err(ImageError::Disk(
+            "the image names a backing file of its own; images must be self-contained".into(),
+        ));
+    }
+    info.get("virtual-size")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| ImageError::Disk("qemu-img info gave no virtual size".into()))
 }
 
 /// Deletes the VM's disk, its record and console, then its directory if nothing else is

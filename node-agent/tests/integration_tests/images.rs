@@ -527,3 +527,53 @@ async fn on_the_sim_hypervisor_fetch_image_and_delete_disk_succeed_at_once() {
     }
     assert!(!state.join("images").exists() && !disk_path(&state, vm).exists());
 }
+
+/// A disk smaller than the image's own is refused (qemu-img would cut it short), as is
+/// a qcow2 image naming a backing file (QEMU would open that path on the node).
+#[tokio::test]
+async fn a_disk_smaller_than_its_image_or_a_chained_image_is_refused() {
+    let Some(qemu_img) = qemu_img() else { return };
+    let src = tempfile::tempdir().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let make = |args: &[&str]| {
+        let ok = std::process::Command::new(&qemu_img)
+            .args(args)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "{args:?}");
+    };
+    let big = src.path().join("big.qcow2");
+    make(&["create", "-q", "-f", "qcow2", big.to_str().unwrap(), "3G"]);
+    let chained = src.path().join("chained.qcow2");
+    make(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "/etc/hostname",
+        "-F",
+        "raw",
+        chained.to_str().unwrap(),
+        "1G",
+    ]);
+    let svc = ImageService::new(state.path(), 1, Arc::new(DirSource::new(src.path())))
+        .with_qemu_img(qemu_img.clone());
+    for (file, size_gib, want) in [
+        (&big, 2, "cannot hold the image"),
+        (&chained, 2, "backing file"),
+    ] {
+        let image = put_image(src.path(), &std::fs::read(file).unwrap(), ImageType::Qcow2);
+        let vm = VmId::new_random();
+        let (tx, _rx) = progress();
+        let e = svc
+            .fetch(vm, &DiskSpec { image, size_gib }, &tx)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+        assert!(!disk_path(state.path(), vm).exists());
+        assert!(node_agent::images::images_in_use(state.path()).is_empty());
+    }
+}
