@@ -510,14 +510,33 @@ fn list(dir: &Path) -> Vec<Entry> {
         .collect()
 }
 
-/// Bytes of partial downloads in `dir` (they take room too).
-fn partial_bytes(dir: &Path) -> u64 {
+/// A partial download nobody has resumed for this long is given up.
+const STALE_PART: Duration = Duration::from_secs(24 * 3600);
+
+/// Bytes of partial downloads in `dir` (they take room too), after deleting those of
+/// images nobody is fetching that have not grown for [`STALE_PART`].
+fn partial_bytes(dir: &Path, keep: &HashSet<Sha256>) -> u64 {
     let Ok(rd) = fs::read_dir(dir) else { return 0 };
-    rd.flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
+    let mut total = 0;
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(sha) = name.strip_suffix(".part") else {
+            continue;
+        };
+        let Ok(meta) = e.metadata() else { continue };
+        let stale = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_PART);
+        let wanted = sha.parse::<Sha256>().is_ok_and(|s| keep.contains(&s));
+        if stale && !wanted && fs::remove_file(e.path()).is_ok() {
+            tracing::info!(file = %e.path().display(), "deleted an abandoned partial download");
+            continue;
+        }
+        total += meta.len();
+    }
+    total
 }
 
 fn evict(
@@ -528,7 +547,7 @@ fn evict(
     keep: &HashSet<Sha256>,
 ) -> std::io::Result<()> {
     let mut entries = list(dir);
-    let mut total: u64 = entries.iter().map(|e| e.size).sum::<u64>() + partial_bytes(dir);
+    let mut total: u64 = entries.iter().map(|e| e.size).sum::<u64>() + partial_bytes(dir, keep);
     entries.sort_by_key(|e| e.last_used_ms);
     for e in entries {
         if total.saturating_add(needed) <= budget {

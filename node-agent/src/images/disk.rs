@@ -48,13 +48,19 @@ pub fn create_overlay(
         move |source| ImageError::Io { path: p, source }
     };
     fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let recorded: Option<DiskSpec> = read_json(&spec_path).ok().flatten();
+    if path.exists() {
+        // The record names what the existing disk is built on: kept as it is (written
+        // only where missing, as by hand-made disks).
+        if recorded.is_none() {
+            write_json(&spec_path, disk, 0o600).map_err(io(&spec_path))?;
+        }
+        return Ok(path);
+    }
     // Written first: from here on the image counts as in use, so no eviction races the
     // disk being made on it.
-    if read_json::<DiskSpec>(&spec_path).ok().flatten().as_ref() != Some(disk) {
+    if recorded.as_ref() != Some(disk) {
         write_json(&spec_path, disk, 0o600).map_err(io(&spec_path))?;
-    }
-    if path.exists() {
-        return Ok(path);
     }
     let made = make_overlay(qemu_img, &dir, disk, image_path);
     if made.is_err() && !path.exists() {
