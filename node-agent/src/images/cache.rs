@@ -236,21 +236,29 @@ impl ImageCache {
             .await
             .map_err(|e| Failure::Io(ImageError::Join(e.to_string())))?
             .map_err(|e| Failure::Io(io_err(&part)(e)))?;
-        let mut body = source
-            .open(&image.sha256, have)
-            .await
-            .map_err(Failure::Fetch)?;
-        if body.start() != have {
-            if body.start() != 0 {
-                return Err(Failure::Fetch(FetchError::transient(format!(
-                    "asked for bytes from {have}, got bytes from {}",
-                    body.start()
-                ))));
+        let resumed_from = have;
+        // A whole `.part` (an agent stopped between the last byte and the rename) needs
+        // no request: a server would answer `bytes=SIZE-` with 416.
+        let mut body = if have < image.size {
+            let b = source
+                .open(&image.sha256, have)
+                .await
+                .map_err(Failure::Fetch)?;
+            if b.start() != have {
+                if b.start() != 0 {
+                    return Err(Failure::Fetch(FetchError::transient(format!(
+                        "asked for bytes from {have}, got bytes from {}",
+                        b.start()
+                    ))));
+                }
+                // The source ignored the range: start over.
+                have = 0;
+                hasher = sha2::Sha256::new();
             }
-            // The source ignored the range: start over.
-            have = 0;
-            hasher = sha2::Sha256::new();
-        }
+            Some(b)
+        } else {
+            None
+        };
         let mut file = tokio::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -271,8 +279,8 @@ impl ImageCache {
         let mut last_progress = Instant::now();
         progress.send_replace(TaskProgress { done: have, total });
         let mut received = Ok(());
-        loop {
-            let chunk = match body.chunk().await {
+        while let Some(b) = body.as_mut() {
+            let chunk = match b.chunk().await {
                 Ok(Some(c)) => c,
                 Ok(None) => break,
                 Err(e) => {
@@ -313,12 +321,15 @@ impl ImageCache {
         if digest != image.sha256 {
             drop(file);
             let _ = tokio::fs::remove_file(&part).await;
-            // Not retried: TCP (and TLS) make damage on the way unlikely, so the source
-            // itself holds other bytes, and fetching them again would not help. The next
-            // FetchImage starts from scratch.
-            return Err(Failure::Fetch(FetchError::permanent(format!(
-                "the downloaded file's SHA-256 is {digest}, not the image's"
-            ))));
+            let message = format!("the downloaded file's SHA-256 is {digest}, not the image's");
+            // After a resume the bytes kept from before may be what is wrong: one more
+            // try, from scratch. A download in one go is not retried: TCP (and TLS) make
+            // damage on the way unlikely, so the source itself holds other bytes.
+            return Err(Failure::Fetch(if resumed_from > 0 {
+                FetchError::transient(message)
+            } else {
+                FetchError::permanent(message)
+            }));
         }
         file.sync_all()
             .await

@@ -577,3 +577,30 @@ async fn a_disk_smaller_than_its_image_or_a_chained_image_is_refused() {
         assert!(node_agent::images::images_in_use(state.path()).is_empty());
     }
 }
+
+/// A whole `.part` (stopped between the last byte and the rename) is finished without a
+/// request; a `.part` whose bytes are wrong is thrown away and downloaded from scratch.
+#[tokio::test]
+async fn whole_and_damaged_partial_files() {
+    let src = tempfile::tempdir().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let bytes = pattern(2 * 1024 * 1024, 6);
+    let image = put_image(src.path(), &bytes, ImageType::Raw);
+    let dir = state.path().join("images");
+    std::fs::create_dir_all(&dir).unwrap();
+    let part = dir.join(format!("{}.part", image.sha256));
+    std::fs::write(&part, &bytes).unwrap();
+    let source = Counting::new(src.path());
+    let cache = ImageCache::new(&dir, GIB, no_users());
+    let (tx, _rx) = progress();
+    cache.ensure(&image, &source, &tx).await.unwrap();
+    assert_eq!(source.opens.load(Ordering::SeqCst), 0);
+    assert!(!part.exists());
+
+    let image2 = put_image(src.path(), &pattern(2 * 1024 * 1024, 8), ImageType::Raw);
+    let part2 = dir.join(format!("{}.part", image2.sha256));
+    std::fs::write(&part2, vec![0u8; 1_000_000]).unwrap();
+    let path = cache.ensure(&image2, &source, &tx).await.unwrap();
+    assert_eq!(hash_file(&path).unwrap(), image2.sha256);
+    assert_eq!(*source.offsets.lock().unwrap(), vec![1_000_000, 0]);
+}
