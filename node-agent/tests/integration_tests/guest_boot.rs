@@ -150,6 +150,27 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
     )
     .await;
     assert!(disk_path(&state, vm).is_file());
+
+    // A second VM from the same image transfers nothing: with the source gone, its disk
+    // is still made, from the cache.
+    std::fs::remove_file(src.join(disk.image.sha256.as_str())).unwrap();
+    let vm2 = VmId::new_random();
+    let t = Instant::now();
+    ok(
+        &exec,
+        Task::FetchImage {
+            vm_uuid: vm2,
+            disk: disk.clone(),
+        },
+    )
+    .await;
+    eprintln!(
+        "a second VM's disk from the cached image was ready in {} ms",
+        t.elapsed().as_millis()
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    ok(&exec, Task::DeleteDisk { vm_uuid: vm2 }).await;
+
     ok(
         &exec,
         Task::BindPassthrough {
