@@ -64,5 +64,14 @@ pub fn ensure() -> Result<PathBuf> {
         util::secs(started.elapsed()),
         out.display()
     );
+    // Images of earlier recipes are no longer used by anything: ~100 MB each.
+    if let Ok(rd) = std::fs::read_dir(&dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("debian-test-") && name.ends_with(".qcow2") && e.path() != out {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
     Ok(out)
 }

@@ -436,6 +436,11 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
     // (a fleet of thousands must not each fetch the file). Every other hypervisor gets
     // the cache and real overlays.
     if cfg.hypervisor != HypervisorKind::Sim {
+        if crate::hypervisor::find_on_path(crate::images::QEMU_IMG_BINARY).is_none() {
+            // Not fatal: the node still runs VMs without disks; each fetch_image task
+            // fails with this same advice until it is installed.
+            warn!("qemu-img is not on PATH (Debian: qemu-utils); VMs' boot disks cannot be made");
+        }
         let source = Arc::new(crate::images::HttpSource::new(client.clone()));
         executor = executor.with_images(Arc::new(crate::images::ImageService::new(
             &cfg.state_dir,
