@@ -18,6 +18,7 @@ use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
     TaskEnvelope, TaskProgress,
 };
+use std::collections::HashSet;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -183,6 +184,9 @@ struct Agent {
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
     last_inventory: Mutex<Option<InventoryReport>>,
+    /// Tasks running in the background (downloads): a task the server sends again while
+    /// it runs (a poll before its result is in) is not started twice.
+    in_flight: std::sync::Mutex<HashSet<TaskId>>,
 }
 
 impl Agent {
@@ -311,17 +315,27 @@ impl Agent {
                 // VM's image does not hold up another VM's stop or scrub. The rest run in
                 // turn, as the server sends them.
                 if matches!(env.task, Task::FetchImage { .. }) {
+                    let id = env.id;
+                    if !self.in_flight().insert(id) {
+                        debug!(task = %id, "task already running");
+                        continue;
+                    }
                     let agent = self.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = agent.handle(env).await {
+                        if let Err(e) = agent.clone().handle(env).await {
                             error!(error = %e, "task result could not be reported");
                         }
+                        agent.in_flight().remove(&id);
                     });
                 } else {
                     self.clone().handle(env).await?;
                 }
             }
         }
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashSet<TaskId>> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs one task, posting its progress while it runs and then its result.
@@ -455,6 +469,7 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         discoverer: Arc::new(Discoverer::new()),
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
+        in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;
     tokio::select! {
