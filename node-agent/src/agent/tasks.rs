@@ -65,11 +65,10 @@ impl Executor {
                 Ok(()) => TaskResult::success(),
                 Err(e) => TaskResult::failure(e.to_string()),
             },
-            // Images and disks are the agent's next work (issue 17); until then a node
-            // says plainly that it cannot do them.
-            Task::FetchImage { .. } | Task::DeleteDisk { .. } => {
-                TaskResult::failure(format!("this agent cannot run {} tasks yet", task.name()))
-            }
+            // Placeholder until the node side of issue 17 (image cache, disk overlays)
+            // lands: nothing to fetch or delete yet, so both succeed, which lets the
+            // control plane's new workflow steps run against sim nodes meanwhile.
+            Task::FetchImage { .. } | Task::DeleteDisk { .. } => TaskResult::success(),
             Task::Scrub { devices, pipelines } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());

@@ -204,7 +204,7 @@ async fn killed_at_every_boundary(b: Backend) {
             .client(Some(&op))
             .post(
                 "/v1/vms",
-                &json!({"alias": format!("k-{step}"), "package":"gpu-1x"}),
+                &json!({"image": "test-image", "alias": format!("k-{step}"), "package":"gpu-1x"}),
             )
             .await
             .ok(202);
@@ -267,7 +267,10 @@ async fn silent_agent_times_out(b: Backend) {
     let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let vm: Vm = s
-        .post("/v1/vms", &json!({"alias":"lonely","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"lonely","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let job = s.wait_job(vm.job_uuid.unwrap()).await;
@@ -306,7 +309,8 @@ async fn two_replicas_on_postgres() {
             } else {
                 Client::at(&b_base, Some(&a.admin))
             };
-            let body = json!({"alias": format!("r{i}"), "package": "gpu-1x"});
+            let body =
+                json!({"image": "test-image", "alias": format!("r{i}"), "package": "gpu-1x"});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
         .collect();

@@ -146,7 +146,10 @@ async fn walk(b: Backend) {
 
     // Tenant: create, watch it run with one device.
     let vm: Vm = tenant
-        .post("/v1/vms", &json!({"alias":"train-1","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"train-1","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let vm_path = format!("/v1/vms/{}", vm.uuid);

@@ -154,7 +154,10 @@ fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
 async fn create_running(s: &TestServer, token: &str, package: &str) -> Vm {
     let v: Vm = s
         .with(token)
-        .post("/v1/vms", &json!({"alias": "saga", "package": package}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "saga", "package": package}),
+        )
         .await
         .ok(202);
     let j = s.wait_job(v.job_uuid.unwrap()).await;
@@ -206,7 +209,10 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
     let as_tenant = s.with(&token);
     let asked: Vm = match kind {
         JobKind::Provision => as_tenant
-            .post("/v1/vms", &json!({"alias": "saga", "package": "gpu-1x"}))
+            .post(
+                "/v1/vms",
+                &json!({"image": "test-image", "alias": "saga", "package": "gpu-1x"}),
+            )
             .await
             .ok(202),
         JobKind::Destroy => as_tenant.delete(&on_vm("")).await.ok(202),

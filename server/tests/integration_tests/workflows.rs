@@ -12,7 +12,10 @@ use std::time::Duration;
 
 async fn create_vm(s: &TestServer, token: &str, alias: &str) -> Vm {
     s.with(token)
-        .post("/v1/vms", &json!({"alias": alias, "package": "gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": alias, "package": "gpu-1x"}),
+        )
         .await
         .ok(202)
 }
@@ -124,7 +127,10 @@ async fn quota_is_enforced(b: Backend) {
     .ok(200);
     create_vm(&s, &tenant, "first").await;
     s.with(&tenant)
-        .post::<Vm>("/v1/vms", &json!({"alias":"second","package":"gpu-1x"}))
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"second","package":"gpu-1x"}),
+        )
         .await
         .fails(409, ErrorCode::QuotaExceeded);
 }
