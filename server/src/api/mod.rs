@@ -131,6 +131,10 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
+        // `image` is an Option only so that its absence is answered naming it.
+        if let Some(req) = vm.get_mut("required").and_then(Value::as_array_mut) {
+            req.push(json!("image"));
+        }
         // Devices named outright come with their server, and without a package; otherwise a
         // package is required, and a server, vcpus and memory are not named (the package
         // sets the last two).

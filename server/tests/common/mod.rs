@@ -355,33 +355,29 @@ impl TestServer {
     /// An active public raw image `test-image` (version 1, 1 MiB of a pattern), created
     /// and uploaded on first use; its name is what VM creations send.
     pub async fn image(&self) -> String {
-        let name = "test-image";
-        let have: Vec<passage_model::images::Image> =
-            self.get(&format!("/v1/images?name={name}")).await.ok(200);
-        if have
-            .iter()
-            .any(|i| i.state == passage_model::images::ImageState::Active)
-        {
-            return name.into();
+        create_test_image(&self.as_admin()).await
+    }
+
+    /// Makes `vm` one created before images existed (no image, so no boot disk): for
+    /// tests of what only such VMs may still do (move to another node).
+    pub async fn forget_image(&self, vm: VmId) {
+        let sql = "UPDATE vms SET image_uuid = NULL WHERE uuid = $1";
+        match &self.ctx.db {
+            passage_server::store::Db::Sqlite { write, .. } => {
+                sqlx::query(sql)
+                    .bind(vm.to_string())
+                    .execute(write)
+                    .await
+                    .unwrap();
+            }
+            passage_server::store::Db::Postgres(p) => {
+                sqlx::query(sql)
+                    .bind(vm.to_string())
+                    .execute(p)
+                    .await
+                    .unwrap();
+            }
         }
-        let img: passage_model::images::Image = self
-            .post(
-                "/v1/images",
-                &json!({"name": name, "version": "1", "os": "linux", "type": "raw",
-                        "public": true}),
-            )
-            .await
-            .ok(201);
-        let _: passage_model::images::Image = self
-            .as_admin()
-            .put_bytes(
-                &format!("/v1/images/{}/file", img.uuid),
-                test_image_bytes(),
-                None,
-            )
-            .await
-            .ok(200);
-        name.into()
     }
 
     /// A tenant account `login` (password `tenant-password`) and a session of it.
@@ -543,6 +539,37 @@ impl Client {
     pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
         self.send("DELETE", path, None).await
     }
+}
+
+/// The harness's image `test-image` through `op` (an operator's client), unless it is
+/// there already; its name.
+pub async fn create_test_image(op: &Client) -> String {
+    let name = "test-image";
+    let have: Vec<passage_model::images::Image> =
+        op.get(&format!("/v1/images?name={name}")).await.ok(200);
+    if have
+        .iter()
+        .any(|i| i.state == passage_model::images::ImageState::Active)
+    {
+        return name.into();
+    }
+    let img: passage_model::images::Image = op
+        .post(
+            "/v1/images",
+            &json!({"name": name, "version": "1", "os": "linux", "type": "raw",
+                    "public": true}),
+        )
+        .await
+        .ok(201);
+    let _: passage_model::images::Image = op
+        .put_bytes(
+            &format!("/v1/images/{}/file", img.uuid),
+            test_image_bytes(),
+            None,
+        )
+        .await
+        .ok(200);
+    name.into()
 }
 
 /// The bytes of the harness's test image: 1 MiB, not all zero, not qcow2.

@@ -47,6 +47,7 @@ fn start(db: &TestDb, port: u16, pause: Option<&str>) -> Server {
         &db.url,
     ])
     .args(["--job-lease-secs", "1", "--task-timeout-secs", "20"])
+    .env("PASSAGE_IMAGE_DIR", db.dir.path().join("images"))
     .env("PASSAGE_ADMIN_PASSWORD", "durable-admin-pw")
     .env("RUST_LOG", "warn")
     .stdout(Stdio::piped());
@@ -166,6 +167,7 @@ async fn killed_at_every_boundary(b: Backend) {
         )
         .await
         .ok(201);
+    crate::common::create_test_image(&api.client(Some(&op))).await;
     let jt: JoinToken = api
         .client(Some(&op))
         .post_empty("/v1/servers/join-tokens")

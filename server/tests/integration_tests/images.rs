@@ -431,3 +431,221 @@ async fn agent_download_with_ranges(b: Backend) {
     );
 }
 crate::both!(agent_download_with_ranges, agent_download_with_ranges);
+
+async fn upload(s: &TestServer, img: &Image, bytes: Vec<u8>) -> Image {
+    s.as_admin()
+        .put_bytes(&format!("/v1/images/{}/file", img.uuid), bytes, None)
+        .await
+        .ok(200)
+}
+
+async fn vms_from_images(b: Backend) {
+    use passage_model::api::{JobState, Vm, VmState};
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(2).await;
+    let other_node = s.add_node(2).await;
+    s.h100_catalog(1).await; // disk_gib 10
+    let (_, t) = s.tenant("alice").await;
+    let tc = s.with(&t);
+    // No image: 400 naming it.
+    tc.post::<Vm>("/v1/vms", &json!({"alias": "a", "package": "gpu-1x"}))
+        .await
+        .invalid("image");
+    // Too small a disk for the image: 409.
+    let big = new_image(&s, "big", "1", "raw").await;
+    s.patch::<Image>(
+        &format!("/v1/images/{}", big.uuid),
+        &json!({"requirements": {"min_disk_gib": 20}}),
+    )
+    .await
+    .ok(200);
+    upload(&s, &big, test_image_bytes()).await;
+    tc.post::<Vm>(
+        "/v1/vms",
+        &json!({"alias": "a", "package": "gpu-1x", "image": "big"}),
+    )
+    .await
+    .fails(409, ErrorCode::Conflict);
+    // By name (newest published version), name@version, uuid.
+    let v1 = new_image(&s, "debian", "1", "raw").await;
+    let v2 = new_image(&s, "debian", "2", "raw").await;
+    // Bytes of their own: the harness's image (still active) shares no file with them.
+    let deb = vec![0x5au8; 64 * 1024];
+    upload(&s, &v1, deb.clone()).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let v2 = upload(&s, &v2, deb).await;
+    let unready = new_image(&s, "debian", "3", "raw").await;
+    let mut made = Vec::new();
+    for (key, want) in [
+        ("debian".to_string(), v2.uuid),
+        ("debian@1".to_string(), v1.uuid),
+        (v1.uuid.to_string(), v1.uuid),
+    ] {
+        let vm: Vm = tc
+            .post(
+                "/v1/vms",
+                &json!({"alias": format!("vm{}", made.len()), "package": "gpu-1x", "image": key}),
+            )
+            .await
+            .ok(202);
+        assert_eq!(vm.image_uuid, Some(want), "{key}");
+        made.push(vm);
+    }
+    // Not active, not there, not the tenant's: 404 naming the field.
+    for key in [
+        format!("debian@{}", unready.version),
+        "nothing".into(),
+        unready.uuid.to_string(),
+    ] {
+        tc.post::<Vm>(
+            "/v1/vms",
+            &json!({"alias": "x", "package": "gpu-1x", "image": key}),
+        )
+        .await
+        .missing("image");
+    }
+    // The provision ran fetch_image before launch.
+    let vm = made.remove(0);
+    let job = s.wait_job(vm.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let names: Vec<&str> = job.steps.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["reserve", "bind", "fetch_image", "launch", "mark_used"]
+    );
+    for v in &made {
+        s.wait_job(v.job_uuid.unwrap()).await;
+    }
+    let got: Vm = tc.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+    assert_eq!(got.image_uuid, Some(v2.uuid));
+    // Stop, then: no migration (the disk lives on its node); start fetches again.
+    let stopped: Vm = tc
+        .post_empty(&format!("/v1/vms/{}/stop", vm.uuid))
+        .await
+        .ok(202);
+    s.wait_job(stopped.job_uuid.unwrap()).await;
+    let target = if got.server_uuid == Some(node.uuid) {
+        other_node.uuid
+    } else {
+        node.uuid
+    };
+    let e = s
+        .post::<Vm>(
+            &format!("/v1/vms/{}/migrate", vm.uuid),
+            &json!({"server_uuid": target}),
+        )
+        .await
+        .fails(409, ErrorCode::InvalidState);
+    assert!(e.message.contains("disk"), "{e:?}");
+    let started: Vm = tc
+        .post_empty(&format!("/v1/vms/{}/start", vm.uuid))
+        .await
+        .ok(202);
+    let job = s.wait_job(started.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let names: Vec<&str> = job.steps.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["bind", "fetch_image", "launch"]);
+    // Deleting an image VMs were built from disables it; its file stays while they live.
+    let sha = v2.sha256.clone().unwrap();
+    s.delete::<()>(&format!("/v1/images/{}", v2.uuid))
+        .await
+        .ok(204);
+    let d: Image = s.get(&format!("/v1/images/{}", v2.uuid)).await.ok(200);
+    assert_eq!(d.state, ImageState::Disabled);
+    // v1 shares the bytes; delete it too (also used: disabled).
+    s.delete::<()>(&format!("/v1/images/{}", v1.uuid))
+        .await
+        .ok(204);
+    s.delete::<()>(&format!("/v1/images/{}", big.uuid))
+        .await
+        .ok(204);
+    let file = image_dir(&s).join(sha.as_str());
+    assert!(file.exists(), "VMs still use it");
+    // A disabled image is no choice for new VMs.
+    tc.post::<Vm>(
+        "/v1/vms",
+        &json!({"alias": "late", "package": "gpu-1x", "image": "debian@2"}),
+    )
+    .await
+    .missing("image");
+    // The destroy deletes the disk; once the last VM is gone, the file goes.
+    let all = [vec![vm], made].concat();
+    for (i, v) in all.iter().enumerate() {
+        let gone: Vm = tc.delete(&format!("/v1/vms/{}", v.uuid)).await.ok(202);
+        let job = s.wait_job(gone.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+        let names: Vec<&str> = job.steps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["stop", "unbind", "delete_disk", "release", "scrub"]);
+        let after: Vm = tc.get(&format!("/v1/vms/{}", v.uuid)).await.ok(200);
+        assert_eq!(after.state, VmState::Destroyed);
+        assert_eq!(file.exists(), i + 1 < all.len(), "after destroy {i}");
+    }
+}
+crate::both!(vms_from_images, vms_from_images);
+
+/// A node's progress on its image download shows on the job step waiting for it; no
+/// node reports on another's task.
+async fn fetch_progress_on_the_job(b: Backend) {
+    use passage_model::api::{Job, JobState, Progress, StepState, Vm};
+    use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+    let s = TestServer::start(b, fast_config()).await;
+    let (_, cred, _) = s.manual_node(1).await;
+    let (_, other_cred, _) = s.manual_node(0).await;
+    s.h100_catalog(1).await;
+    let vm: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"alias": "p", "package": "gpu-1x", "image": "test-image"}),
+        )
+        .await
+        .ok(202);
+    let job = vm.job_uuid.unwrap();
+    let node = s.client(Some(&cred));
+    let mut fetched = false;
+    let mut done = false;
+    for _ in 0..20 {
+        let tasks: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=5").await.ok(200);
+        for t in tasks {
+            let path = format!("/agent/v1/tasks/{}", t.id);
+            if let Task::FetchImage { disk, .. } = &t.task {
+                assert_eq!(disk.size_gib, 10, "the package's disk");
+                assert_eq!(disk.image.size, test_image_bytes().len() as u64);
+                s.client(Some(&other_cred))
+                    .post::<()>(&format!("{path}/progress"), &json!({"done": 1, "total": 2}))
+                    .await
+                    .fails(404, ErrorCode::ResourceNotFound);
+                node.post::<()>(&format!("{path}/progress"), &json!({"done": 3, "total": 2}))
+                    .await
+                    .err(400);
+                node.post::<()>(
+                    &format!("{path}/progress"),
+                    &json!({"done": 100, "total": 1000}),
+                )
+                .await
+                .ok(204);
+                let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+                let step = j.steps.iter().find(|st| st.name == "fetch_image").unwrap();
+                assert_eq!(step.state, StepState::Running);
+                assert_eq!(
+                    step.progress,
+                    Some(Progress {
+                        done: 100,
+                        total: 1000
+                    })
+                );
+                fetched = true;
+            }
+            let _: () = node
+                .post(&format!("{path}/result"), &TaskResult::success())
+                .await
+                .ok(204);
+        }
+        let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+        if j.state == JobState::Succeeded {
+            done = true;
+            break;
+        }
+    }
+    assert!(fetched && done);
+}
+crate::both!(fetch_progress_on_the_job, fetch_progress_on_the_job);

@@ -341,7 +341,11 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
                 assert_eq!(&stored, view);
                 assert_eq!(stored.state, VmState::Provisioning);
                 let job = jobs::get(&db, vm.job).await.unwrap();
-                assert_eq!(job.steps.len(), 4, "a provision's steps");
+                assert_eq!(
+                    job.steps.len(),
+                    passage_model::jobs::JobKind::Provision.step_names().len(),
+                    "a provision's steps"
+                );
                 let held = devices::held_by(&db, vm.uuid).await.unwrap();
                 assert_eq!(held.len(), 1);
                 assert_eq!(held[0].state, DeviceState::Provisioning);

@@ -159,6 +159,7 @@ async fn variant_scrub_pipeline(b: Backend) {
     )
     .await
     .ok(201);
+    s.image().await;
     let vm = create_vm(&s, &s.admin.clone(), "p").await;
     s.wait_job(vm.job_uuid.unwrap()).await;
     let d: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);
