@@ -227,6 +227,7 @@ pub fn run(opts: &Args) -> Result<()> {
         })),
     )?;
     created_or_exists(&r, "package gpu-1x")?;
+    demo_image(&api)?;
 
     for k in 1..=opts.servers {
         let node = dir.join(format!("node-{k}"));
@@ -300,7 +301,7 @@ pub fn run(opts: &Args) -> Result<()> {
     println!("  curl -s {url}/v1/packages -H \"Authorization: Bearer $TOKEN\"");
     println!(
         "  curl -s {url}/v1/vms -H \"Authorization: Bearer $TOKEN\" -H 'content-type: application/json' \\\n    \
-         -d '{{\"alias\":\"my-vm\",\"package\":\"gpu-1x\"}}'"
+         -d '{{\"alias\":\"my-vm\",\"package\":\"gpu-1x\",\"image\":\"demo\"}}'"
     );
     println!("  curl -s {url}/v1/vms -H \"Authorization: Bearer $TOKEN\"");
     println!();
@@ -503,4 +504,31 @@ fn display_rel(p: &Path) -> String {
         .unwrap_or(p)
         .display()
         .to_string()
+}
+
+/// The image demo VMs boot: `demo` version 1, a small raw disk (simulated nodes boot
+/// anything). Made once; a later run finds it active.
+fn demo_image(api: &Client) -> Result<()> {
+    let have = expect(
+        &api.get("/v1/images?name=demo&state=active")?,
+        200,
+        "list images",
+    )?;
+    if have.as_array().is_some_and(|a| !a.is_empty()) {
+        return Ok(());
+    }
+    let r = api.post(
+        "/v1/images",
+        Some(
+            &json!({"name": "demo", "version": "1", "os": "linux", "type": "raw",
+                     "public": true, "description": "A blank raw disk for the demo"}),
+        ),
+    )?;
+    let uuid = expect(&r, 201, "create the image demo")?["uuid"]
+        .as_str()
+        .ok_or_else(|| anyhow!("the image has no uuid"))?
+        .to_string();
+    let r = api.put_bytes(&format!("/v1/images/{uuid}/file"), &vec![0u8; 1 << 20])?;
+    expect(&r, 200, "upload the image demo")?;
+    Ok(())
 }
