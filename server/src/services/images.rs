@@ -238,7 +238,37 @@ pub async fn upload(
         fallback: ImageState::Unactivated,
         finished: false,
     };
-    let mut file = tokio::fs::File::create(&tmp)
+    match receive(ctx, &img, &mut up, &dir, &tmp, expected, body).await {
+        Ok(img) => Ok(img),
+        Err(e) => {
+            // Answered only once the file is gone and the claim given back, so that the
+            // client's next call sees both (`Drop` covers a cancelled handler).
+            if let Some(tmp) = up.tmp.take()
+                && let Err(io) = tokio::fs::remove_file(&tmp).await
+                && io.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(error = %io, path = %tmp.display(), "could not remove an upload's file");
+            }
+            store::release_upload(&ctx.db, uuid, up.fallback).await?;
+            up.finished = true;
+            Err(e)
+        }
+    }
+}
+
+/// The body into `tmp`, checked, then renamed into place and the image activated.
+async fn receive(
+    ctx: &Ctx,
+    img: &Image,
+    up: &mut Upload,
+    dir: &Path,
+    tmp: &Path,
+    expected: Option<Sha256>,
+    body: Body,
+) -> ApiResult<Image> {
+    let uuid = img.uuid;
+    let max = ctx.cfg.image_max_bytes;
+    let mut file = tokio::fs::File::create(tmp)
         .await
         .map_err(|e| io_error("creating an upload file", e))?;
     let mut hasher = sha2::Sha256::new();
@@ -285,11 +315,11 @@ pub async fn upload(
     let dest = file_path(ctx, &sha);
     // Same name, same bytes: a file already there (another image's) is replaced by an
     // equal one, atomically.
-    tokio::fs::rename(&tmp, &dest)
+    tokio::fs::rename(tmp, &dest)
         .await
         .map_err(|e| io_error("moving an upload into place", e))?;
     up.tmp = None;
-    sync_dir(&dir).await;
+    sync_dir(dir).await;
     match store::activate(&ctx.db, uuid, &sha, size).await {
         Ok(img) => {
             up.finished = true;
