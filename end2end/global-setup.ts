@@ -8,6 +8,9 @@ import * as os from 'os';
 import * as path from 'path';
 import * as net from 'net';
 
+/** The image every instance of the tests boots (tests/helpers.ts names it too). */
+const IMAGE = 'e2e';
+
 const NODES = 2;
 const GPUS = 4;
 
@@ -75,6 +78,21 @@ export default async function globalSetup() {
   });
   const token = (await login.json()).token as string;
   const auth = { authorization: `Bearer ${token}`, 'content-type': 'application/json' };
+
+  // Instances boot an image: one small raw image, the only one, so the create page
+  // chooses it already.
+  const img = await fetch(`${url}/v1/images`, {
+    method: 'POST',
+    headers: auth,
+    body: JSON.stringify({ name: IMAGE, version: '1', os: 'linux', type: 'raw', public: true }),
+  });
+  const imageUuid = (await img.json()).uuid as string;
+  const up = await fetch(`${url}/v1/images/${imageUuid}/file`, {
+    method: 'PUT',
+    headers: { authorization: `Bearer ${token}`, 'content-type': 'application/octet-stream' },
+    body: new Uint8Array(1 << 20).fill(0x5a),
+  });
+  if (!up.ok) throw new Error(`uploading the e2e image: ${up.status} ${await up.text()}`);
 
   for (let k = 1; k <= NODES; k++) {
     const node = path.join(dir, `node-${k}`);

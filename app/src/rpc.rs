@@ -549,20 +549,31 @@ pub async fn offers() -> Result<Vec<Offer>, PortalError> {
     Ok(out)
 }
 
+/// The images an instance may boot: active ones the caller sees, newest first.
+#[server(prefix = "/portal/fn")]
+pub async fn usable_images() -> Result<Vec<passage_model::images::Image>, PortalError> {
+    Ok(be::list("/images?state=active&limit=1000").await?.items)
+}
+
 #[server(prefix = "/portal/fn")]
 pub async fn create_instance(
     csrf: String,
     alias: String,
     // A form without a chosen package has no `package` field at all.
     package: Option<String>,
+    image: Option<String>,
 ) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let Some(package) = package.as_deref().and_then(optional) else {
         return Err(invalid("package", "Choose a package."));
     };
+    let Some(image) = image.as_deref().and_then(optional) else {
+        return Err(invalid("image", "Choose an image."));
+    };
     let vm = api::CreateVm {
         alias: alias.trim().to_string(),
         package: Some(package.to_string()),
+        image: Some(image.to_string()),
         owner_uuid: None,
         assigned_devices: None,
         server_uuid: None,

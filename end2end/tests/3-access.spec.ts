@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, newTenant, signIn } from './helpers';
+import { ADMIN_PASSWORD, IMAGE, PACKAGE, api, apiToken, ensureCatalog, newTenant, signIn } from './helpers';
 
 test.beforeAll(async () => {
   await ensureCatalog();
@@ -9,7 +9,7 @@ test("a tenant cannot open another tenant's instance or an operator page", async
   const owner = await newTenant('owner');
   const other = await newTenant('other');
   const token = await apiToken(owner.login, owner.password);
-  const vm = await api(token, 'POST', '/vms', { alias: 'private-1', package: PACKAGE });
+  const vm = await api(token, 'POST', '/vms', { alias: 'private-1', package: PACKAGE, image: IMAGE });
   expect(vm.status).toBe(202);
 
   await signIn(page, other.login, other.password);

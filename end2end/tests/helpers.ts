@@ -6,6 +6,8 @@ export const NODES = () => Number(process.env.PASSAGE_E2E_NODES);
 export const GPUS = () => Number(process.env.PASSAGE_E2E_GPUS);
 export const VARIANT = 'NVIDIA_H100';
 export const PACKAGE = 'gpu-1x';
+/** Made by global-setup.ts: the only image, so the create page chooses it already. */
+export const IMAGE = 'e2e';
 
 /** An API token for set-up done outside the browser. */
 export async function apiToken(login: string, password: string): Promise<string> {

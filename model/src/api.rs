@@ -31,6 +31,8 @@ pub const MAX_PACKAGE_DEVICE_KINDS: usize = 16;
 pub const MAX_DEVICES_PER_VM: u32 = 16;
 pub const MAX_ALIAS_LEN: usize = 64;
 pub const MAX_LIST_LIMIT: u32 = 1000;
+/// An image as `POST /v1/vms` names it (`name@version` at most).
+pub const MAX_IMAGE_KEY_LEN: usize = 256;
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> BodyError {
     BodyError {
@@ -523,6 +525,9 @@ pub struct Vm {
     pub memory_mib: u64,
     pub assigned_devices: Vec<DevicePath>,
     pub job_uuid: Option<JobId>,
+    /// The image its boot disk was made from (`null` for VMs made before images).
+    #[serde(default)]
+    pub image_uuid: Option<crate::ids::ImageId>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -534,6 +539,11 @@ pub struct CreateVm {
     /// A package uuid or name.
     #[serde(default)]
     pub package: Option<String>,
+    /// The image to boot: a uuid, `name@version`, or `name` (its newest active version).
+    /// Required.
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 256)]
+    pub image: Option<String>,
     /// Operators only: create on behalf of this account (default: the caller).
     #[serde(default)]
     pub owner_uuid: Option<AccountId>,
@@ -569,6 +579,21 @@ impl CreateVm {
                 "alias",
                 format!("must be 1 to {MAX_ALIAS_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
             ));
+        }
+        match self.image.as_deref() {
+            None => {
+                return Err(invalid(
+                    "image",
+                    "an image (uuid, name or name@version) is required",
+                ));
+            }
+            Some(i) if i.is_empty() || i.len() > MAX_IMAGE_KEY_LEN => {
+                return Err(invalid(
+                    "image",
+                    format!("must be 1 to {MAX_IMAGE_KEY_LEN} characters"),
+                ));
+            }
+            Some(_) => {}
         }
         if self.package.is_some() && self.assigned_devices.is_some() {
             return Err(invalid(
@@ -687,6 +712,17 @@ pub struct JobStep {
     /// control plane's own fault).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_kind: Option<crate::jobs::StepErrorKind>,
+    /// How far the step's node task has come (an image download: bytes of total), as
+    /// its agent last reported; kept after the step ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+}
+
+/// Work done of a total (bytes, for an image download).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -909,6 +945,7 @@ mod tests {
         CreateVm {
             alias: "vm".into(),
             package: None,
+            image: Some("debian".into()),
             owner_uuid: None,
             assigned_devices: Some(vec![device; n]),
             server_uuid: Some(ServerId::new_random()),

@@ -163,6 +163,9 @@ steps! {
         Reserve = "reserve",
         /// The node binds the devices for passthrough.
         Bind = "bind",
+        /// The node fetches the VM's image into its cache and makes the VM's boot disk
+        /// (a no-op for a VM without an image); undone by deleting the disk.
+        FetchImage = "fetch_image",
         /// The node starts the VM.
         Launch = "launch",
         /// Devices `used`, VM `running`.
@@ -176,6 +179,10 @@ steps! {
     DestroyStep {
         Stop = "stop",
         Unbind = "unbind",
+        /// The node deletes the VM's boot disk (a no-op without an image). Before the
+        /// point of no return, so a node that cannot delete it fails the destroy visibly
+        /// instead of leaving a tenant's disk behind a `destroyed` VM.
+        DeleteDisk = "delete_disk",
         /// The point of no return: devices `dirty`, VM `destroyed`.
         Release = "release",
         Scrub = "scrub",
@@ -198,6 +205,8 @@ steps! {
 steps! {
     StartStep {
         Bind = "bind",
+        /// The image and disk are there (fetched again if the node lost them).
+        FetchImage = "fetch_image",
         Launch = "launch",
     }
 }
@@ -232,7 +241,7 @@ mod tests {
         }
         assert_eq!(
             JobKind::Provision.step_names(),
-            ["reserve", "bind", "launch", "mark_used"]
+            ["reserve", "bind", "fetch_image", "launch", "mark_used"]
         );
         assert_eq!(ReplaceStep::parse("launch"), None);
     }

@@ -108,7 +108,7 @@ async fn main() {
                     &http,
                     &format!("{base}/v1/vms"),
                     Some(&op),
-                    json!({"alias": format!("b{i}"), "package": "gpu-1x"}),
+                    json!({"alias": format!("b{i}"), "package": "gpu-1x", "image": "bench"}),
                 )
                 .await;
                 lat.push((started, t.elapsed(), st));

@@ -86,7 +86,7 @@ async fn main() {
                     &http,
                     &format!("{base}/v1/vms"),
                     Some(&op),
-                    json!({"alias": format!("vm-{i}"), "package": "gpu-1x"}),
+                    json!({"alias": format!("vm-{i}"), "package": "gpu-1x", "image": "bench"}),
                 )
                 .await;
                 ok += usize::from(st == 202);

@@ -35,6 +35,11 @@ pub struct Config {
     pub placement: crate::placement::Policy,
     /// How nodes' reported CPUs and memory become room for VMs.
     pub alloc: crate::store::room::Allocation,
+    /// Where image files are kept, by SHA-256. `None`: beside the SQLite file
+    /// (`<db dir>/images`), or `./images` on Postgres (see [`Config::resolve_image_dir`]).
+    pub image_dir: Option<std::path::PathBuf>,
+    /// The largest image file an upload may bring.
+    pub image_max_bytes: u64,
     /// Test only: stop every job just before this step (`provision.launch`, …), to prove
     /// that a server killed there resumes or unwinds the job.
     pub pause_before: Option<String>,
@@ -66,6 +71,37 @@ impl Default for Config {
             vm_exit_grace: Duration::from_secs(10),
             faults: Vec::new(),
             repeat_steps: false,
+            image_dir: None,
+            image_max_bytes: 64 * 1024 * 1024 * 1024,
         }
+    }
+}
+
+impl Config {
+    /// The image directory: as configured, else beside the SQLite database file, else
+    /// (Postgres) `./images`. Replicas on one Postgres database must share it.
+    pub fn resolve_image_dir(&mut self, database_url: &str) -> std::path::PathBuf {
+        if let Some(d) = &self.image_dir {
+            return d.clone();
+        }
+        let dir = database_url
+            .strip_prefix("sqlite://")
+            .or_else(|| database_url.strip_prefix("sqlite:"))
+            .map(|p| p.split('?').next().unwrap_or(p))
+            .map(|p| {
+                std::path::Path::new(p)
+                    .parent()
+                    .map(|d| d.join("images"))
+                    .unwrap_or_else(|| "images".into())
+            })
+            .unwrap_or_else(|| "images".into());
+        // `passage.db` has an empty parent: the current directory.
+        let dir = if dir.as_os_str().is_empty() {
+            "images".into()
+        } else {
+            dir
+        };
+        self.image_dir = Some(dir.clone());
+        dir
     }
 }

@@ -48,6 +48,11 @@ pub async fn start(
     let db = Db::connect(database_url)
         .await
         .map_err(|e| anyhow::anyhow!("opening the database: {e}"))?;
+    let mut cfg = cfg;
+    let image_dir = cfg.resolve_image_dir(database_url);
+    tokio::fs::create_dir_all(&image_dir).await.map_err(|e| {
+        anyhow::anyhow!("creating the image directory {}: {e}", image_dir.display())
+    })?;
     let ctx = Services::new(db, cfg);
     let admin_password = services::auth::bootstrap_admin(&ctx, admin_password)
         .await

@@ -27,6 +27,14 @@ struct Args {
     /// A node not heard from for this long is offline and gets no placements.
     #[arg(long, default_value_t = 30)]
     heartbeat_timeout_secs: u64,
+    /// Where image files are kept (content-addressed by SHA-256). Default: `images/`
+    /// beside the SQLite file, or `./images` on Postgres; replicas sharing a Postgres
+    /// database must share this directory too.
+    #[arg(long, env = "PASSAGE_IMAGE_DIR")]
+    image_dir: Option<std::path::PathBuf>,
+    /// The largest image file an upload may bring, in GiB.
+    #[arg(long, env = "PASSAGE_IMAGE_MAX_GIB", default_value_t = 64)]
+    image_max_gib: u64,
     /// How long a job step waits for a node's answer.
     #[arg(long, default_value_t = 120)]
     task_timeout_secs: u64,
@@ -117,6 +125,8 @@ async fn serve() -> std::process::ExitCode {
     let mut cfg = Config {
         heartbeat_timeout: Duration::from_secs(args.heartbeat_timeout_secs.max(1)),
         task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),
+        image_dir: args.image_dir.clone(),
+        image_max_bytes: args.image_max_gib.saturating_mul(1024 * 1024 * 1024),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
         session_idle: Duration::from_secs(args.session_idle_secs.max(1)),

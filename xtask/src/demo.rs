@@ -227,6 +227,7 @@ pub fn run(opts: &Args) -> Result<()> {
         })),
     )?;
     created_or_exists(&r, "package gpu-1x")?;
+    seed_image(&api, "demo")?;
 
     for k in 1..=opts.servers {
         let node = dir.join(format!("node-{k}"));
@@ -300,7 +301,7 @@ pub fn run(opts: &Args) -> Result<()> {
     println!("  curl -s {url}/v1/packages -H \"Authorization: Bearer $TOKEN\"");
     println!(
         "  curl -s {url}/v1/vms -H \"Authorization: Bearer $TOKEN\" -H 'content-type: application/json' \\\n    \
-         -d '{{\"alias\":\"my-vm\",\"package\":\"gpu-1x\"}}'"
+         -d '{{\"alias\":\"my-vm\",\"package\":\"gpu-1x\",\"image\":\"demo\"}}'"
     );
     println!("  curl -s {url}/v1/vms -H \"Authorization: Bearer $TOKEN\"");
     println!();
@@ -503,4 +504,43 @@ fn display_rel(p: &Path) -> String {
         .unwrap_or(p)
         .display()
         .to_string()
+}
+
+/// An image VMs may boot: `name` version 1, a small raw disk (simulated nodes boot
+/// anything). Made once; a later run finds it active.
+pub(crate) fn seed_image(api: &Client, name: &str) -> Result<()> {
+    let have = expect(
+        &api.get(&format!("/v1/images?name={name}&state=active"))?,
+        200,
+        "list images",
+    )?;
+    if have.as_array().is_some_and(|a| !a.is_empty()) {
+        return Ok(());
+    }
+    let create = |version: &str| {
+        api.post(
+            "/v1/images",
+            Some(
+                &json!({"name": name, "version": version, "os": "linux", "type": "raw",
+                         "public": true, "description": "A blank raw disk"}),
+            ),
+        )
+    };
+    let mut r = create("1")?;
+    if r.status == 409 {
+        // Version 1 exists but is not active (deleted while VMs use it, or never
+        // uploaded): a newer version, which `name` alone then names.
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(2);
+        r = create(&secs.to_string())?;
+    }
+    let uuid = expect(&r, 201, "create the image")?["uuid"]
+        .as_str()
+        .ok_or_else(|| anyhow!("the image has no uuid"))?
+        .to_string();
+    let r = api.put_bytes(&format!("/v1/images/{uuid}/file"), &vec![0u8; 1 << 20])?;
+    expect(&r, 200, "upload the image")?;
+    Ok(())
 }

@@ -775,6 +775,8 @@ fn seed(api: &Client) -> Result<()> {
     if r.status != 409 {
         expect(&r, 201, "create the package gpu-1x")?;
     }
+    // VMs boot an image: `fuzz` (made again if the fuzzer deleted it).
+    crate::demo::seed_image(api, "fuzz")?;
     let servers = expect(
         &api.get("/v1/servers?brief=true&limit=1000")?,
         200,

@@ -63,6 +63,15 @@ impl Client {
             Some(v) => serde_json::to_vec(v)?,
             None => Vec::new(),
         };
+        self.send(method, path, &body, "application/json")
+    }
+
+    /// `PUT` of raw bytes (an image file).
+    pub fn put_bytes(&self, path: &str, body: &[u8]) -> Result<Response> {
+        self.send("PUT", path, body, "application/octet-stream")
+    }
+
+    fn send(&self, method: &str, path: &str, body: &[u8], content_type: &str) -> Result<Response> {
         let mut head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\
              Accept: application/json\r\nUser-Agent: passage-xtask\r\n\
@@ -71,7 +80,7 @@ impl Client {
             body.len()
         );
         if !body.is_empty() {
-            head.push_str("Content-Type: application/json\r\n");
+            head.push_str(&format!("Content-Type: {content_type}\r\n"));
         }
         if let Some(t) = &self.token {
             head.push_str(&format!("Authorization: Bearer {t}\r\n"));
@@ -83,7 +92,7 @@ impl Client {
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
         stream.write_all(head.as_bytes()).with_context(what)?;
-        stream.write_all(&body).with_context(what)?;
+        stream.write_all(body).with_context(what)?;
         stream.flush().with_context(what)?;
         let mut raw = Vec::new();
         stream

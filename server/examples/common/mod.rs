@@ -109,6 +109,11 @@ pub fn start_server(server_bin: &str, db: &str) -> (Child, String) {
             "64",
         ])
         .args(["--task-timeout-secs", "3600"])
+        // Not ./images on Postgres: the bench's files stay out of the clone.
+        .env(
+            "PASSAGE_IMAGE_DIR",
+            std::env::temp_dir().join(format!("passage-bench-images-{}", std::process::id())),
+        )
         .env("PASSAGE_ADMIN_PASSWORD", ADMIN_PASSWORD)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
@@ -151,6 +156,23 @@ pub async fn catalog(http: &reqwest::Client, base: &str) -> String {
         json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"devices":{"H100":1}}),
     )
     .await;
+    // VMs boot an image: a small raw one, `bench`.
+    let (_, img) = post(
+        http,
+        &format!("{base}/v1/images"),
+        Some(&op),
+        json!({"name":"bench","version":"1","os":"linux","type":"raw","public":true}),
+    )
+    .await;
+    let uuid = img["uuid"].as_str().unwrap_or_default().to_string();
+    let r = http
+        .put(format!("{base}/v1/images/{uuid}/file"))
+        .bearer_auth(&op)
+        .body(vec![0x5au8; 1 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "uploading the bench image");
     op
 }
 

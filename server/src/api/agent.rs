@@ -63,6 +63,87 @@ pub async fn task_result(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `POST /agent/v1/tasks/{id}/progress`: how far a long task has come.
+pub async fn task_progress(
+    State(ctx): State<Ctx>,
+    AgentServer(server): AgentServer,
+    Path(raw): Path<String>,
+    ApiJson(p): ApiJson<passage_model::protocol::TaskProgress>,
+) -> ApiResult<StatusCode> {
+    let task: TaskId = raw.parse().map_err(|_| ApiError::not_found("task"))?;
+    agents::task_progress(&ctx, server, task, p).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /agent/v1/images/{sha256}`: an image file for a node's cache, whole (200) or from
+/// an offset (`Range: bytes=N-` or `bytes=N-M`: 206 with `Content-Range`), so a broken
+/// download resumes. Only files of images a VM may use (active, or disabled with VMs).
+pub async fn image_file(
+    State(ctx): State<Ctx>,
+    AgentServer(_server): AgentServer,
+    Path(raw): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult<Response> {
+    use axum::http::{HeaderValue, header};
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let sha: passage_model::images::Sha256 =
+        raw.parse().map_err(|_| ApiError::not_found("image"))?;
+    let f = crate::services::images::open_for_agent(&ctx, &sha).await?;
+    let len = f.len;
+    let Some(range) = headers.get(header::RANGE) else {
+        return Ok(super::v1::file_response(f.file, len));
+    };
+    let unsatisfiable = || {
+        let mut r = ApiError::new(
+            passage_model::ErrorCode::InvalidArgument,
+            "range: not satisfiable",
+        )
+        .into_response();
+        *r.status_mut() = StatusCode::RANGE_NOT_SATISFIABLE;
+        if let Ok(v) = HeaderValue::from_str(&format!("bytes */{len}")) {
+            r.headers_mut().insert(header::CONTENT_RANGE, v);
+        }
+        r
+    };
+    let Some((start, end)) = range.to_str().ok().and_then(|r| parse_range(r, len)) else {
+        return Ok(unsatisfiable());
+    };
+    let mut file = f.file;
+    file.seek(std::io::SeekFrom::Start(start))
+        .await
+        .map_err(|e| ApiError::internal(format!("seeking an image file: {e}")))?;
+    let count = end - start + 1;
+    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+        file.take(count),
+        256 * 1024,
+    ));
+    let mut r = body.into_response();
+    *r.status_mut() = StatusCode::PARTIAL_CONTENT;
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(count));
+    if let Ok(v) = HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")) {
+        h.insert(header::CONTENT_RANGE, v);
+    }
+    Ok(r)
+}
+
+/// `bytes=N-` or `bytes=N-M` within a file of `len` bytes: the first and last byte.
+/// One range only; anything else (suffix ranges, lists, past the end) is refused.
+fn parse_range(h: &str, len: u64) -> Option<(u64, u64)> {
+    let spec = h.trim().strip_prefix("bytes=")?;
+    let (a, b) = spec.split_once('-')?;
+    let start: u64 = a.trim().parse().ok()?;
+    let end: u64 = match b.trim() {
+        "" => len.checked_sub(1)?,
+        m => m.parse::<u64>().ok()?.min(len.checked_sub(1)?),
+    };
+    (start < len && start <= end).then_some((start, end))
+}
+
 pub async fn rotate_credential(
     State(ctx): State<Ctx>,
     AgentServer(server): AgentServer,

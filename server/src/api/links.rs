@@ -100,6 +100,14 @@ pub const LINKS: &[Link] = &[
         parameters: &[],
         body: PACKAGE_UUID,
     },
+    // Images.
+    link("create_image", "201", "get_image", UUID),
+    link("create_image", "201", "update_image", UUID),
+    link("create_image", "201", "upload_image_file", UUID),
+    link("create_image", "201", "download_image_file", UUID),
+    link("create_image", "201", "delete_image", UUID),
+    link("list_images", "200", "get_image", FIRST_UUID),
+    link("list_images", "200", "download_image_file", FIRST_UUID),
     link("list_packages", "200", "get_package", FIRST_UUID),
     link("list_packages", "200", "package_availability", FIRST_UUID),
     Link {

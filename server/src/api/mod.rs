@@ -50,6 +50,9 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::list_packages, v1::create_package))
         .routes(routes!(v1::get_package, v1::delete_package))
         .routes(routes!(v1::package_availability))
+        .routes(routes!(v1::list_images, v1::create_image))
+        .routes(routes!(v1::get_image, v1::update_image, v1::delete_image))
+        .routes(routes!(v1::upload_image_file, v1::download_image_file))
         .routes(routes!(v1::list_servers))
         .routes(routes!(v1::list_devices))
         .routes(routes!(v1::create_join_token))
@@ -128,6 +131,10 @@ fn document(doc: &utoipa::openapi::OpenApi) -> serde_json::Value {
         );
     }
     if let Some(vm) = schemas.get_mut("CreateVm").and_then(Value::as_object_mut) {
+        // `image` is an Option only so that its absence is answered naming it.
+        if let Some(req) = vm.get_mut("required").and_then(Value::as_array_mut) {
+            req.push(json!("image"));
+        }
         // Devices named outright come with their server, and without a package; otherwise a
         // package is required, and a server, vcpus and memory are not named (the package
         // sets the last two).
@@ -222,6 +229,8 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/inventory", put(agent::inventory))
         .route("/tasks", get(agent::poll_tasks))
         .route("/tasks/{uuid}/result", post(agent::task_result))
+        .route("/tasks/{uuid}/progress", post(agent::task_progress))
+        .route("/images/{sha256}", get(agent::image_file))
         .route("/credential", post(agent::rotate_credential))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));

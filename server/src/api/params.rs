@@ -381,3 +381,29 @@ mod tests {
         }
     }
 }
+
+/// `GET /v1/images`.
+#[derive(Clone, Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ImagesQuery {
+    /// Only images of this name
+    pub name: Option<String>,
+    /// Only this version
+    pub version: Option<String>,
+    /// Only images in this state
+    pub state: Option<passage_model::images::ImageState>,
+    /// Only images of this operating system
+    pub os: Option<String>,
+}
+
+impl From<ImagesQuery> for crate::store::images::ImageFilter {
+    fn from(q: ImagesQuery) -> Self {
+        crate::store::images::ImageFilter {
+            name: q.name,
+            version: q.version,
+            state: q.state,
+            os: q.os,
+            visible_to: None,
+        }
+    }
+}

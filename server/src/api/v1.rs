@@ -5,13 +5,13 @@
 
 use super::extract::{ApiJson, ApiQuery};
 use super::params::{
-    DeviceEventsQuery, DevicesQuery, JobsQuery, Keyset, Paging, ScrubReportsQuery, ServersQuery,
-    UsageQuery, VmsQuery,
+    DeviceEventsQuery, DevicesQuery, ImagesQuery, JobsQuery, Keyset, Paging, ScrubReportsQuery,
+    ServersQuery, UsageQuery, VmsQuery,
 };
 use crate::error::{ApiError, ApiResult, ErrorResponses};
 use crate::listing::{Cursor, DeviceKey, Page, TimeKey};
 use crate::services::auth::{self, Caller};
-use crate::services::{Ctx, accounts, catalog, ops, servers, vms};
+use crate::services::{Ctx, accounts, catalog, images, ops, servers, vms};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -27,7 +27,10 @@ use passage_model::api::{
     CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
     UpdateServer,
 };
-use passage_model::{AccountId, ApiErrorBody, JobId, PackageId, ServerId, Variant, VmId};
+#[allow(unused_imports)]
+use passage_model::images::Image;
+use passage_model::images::{CreateImage, Sha256, UpdateImage};
+use passage_model::{AccountId, ApiErrorBody, ImageId, JobId, PackageId, ServerId, Variant, VmId};
 use serde::Serialize;
 
 /// A list answer: the items, with the total in `x-resource-count`.
@@ -569,4 +572,118 @@ pub async fn migrate_vm(
     let uuid: VmId = id(&raw, "vm")?;
     let vm = crate::services::vm_ops::migrate(&ctx, &caller, uuid, req.server_uuid).await?;
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+// ---- images ----
+
+#[utoipa::path(get, path = "/images", tag = "images", params(Paging, ImagesQuery), responses((status = 200, description = "Images, newest first: for tenants, active public images and their own", body = [Image], headers(("x-resource-count" = i64, description = "How many images match the filters"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_images(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Paging>,
+    ApiQuery(q): ApiQuery<ImagesQuery>,
+) -> ApiResult<Response> {
+    let (limit, offset) = page.bounds()?;
+    let (items, total) = images::list(&ctx, &caller, q.into(), limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+#[utoipa::path(post, path = "/images", tag = "images", request_body = CreateImage, responses((status = 201, description = "Created, unactivated until its file is uploaded", body = Image), ErrorResponses), security(("bearer" = [])))]
+pub async fn create_image(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateImage>,
+) -> ApiResult<Response> {
+    let img = images::create(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(img)).into_response())
+}
+
+#[utoipa::path(get, path = "/images/{uuid}", tag = "images", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The image", body = Image), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_image(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: ImageId = id(&raw, "image")?;
+    Ok(Json(images::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+#[utoipa::path(patch, path = "/images/{uuid}", tag = "images", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateImage, responses((status = 200, description = "Updated", body = Image), ErrorResponses), security(("bearer" = [])))]
+pub async fn update_image(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<UpdateImage>,
+) -> ApiResult<Response> {
+    let uuid: ImageId = id(&raw, "image")?;
+    Ok(Json(images::update(&ctx, &caller, uuid, req).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/images/{uuid}", tag = "images", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted, or disabled when VMs were built from it"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_image(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    let uuid: ImageId = id(&raw, "image")?;
+    images::delete(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The `x-content-sha256` header, when given.
+fn content_sha256(headers: &HeaderMap) -> ApiResult<Option<Sha256>> {
+    headers
+        .get("x-content-sha256")
+        .map(|v| {
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<Sha256>().ok())
+                .ok_or_else(|| ApiError::invalid("x-content-sha256", "must be 64 hex digits"))
+        })
+        .transpose()
+}
+
+#[utoipa::path(put, path = "/images/{uuid}/file", tag = "images", params(("uuid" = String, Path, format = Uuid, description = "The image's uuid"), ("x-content-sha256" = Option<String>, Header, description = "The file's SHA-256 (64 hex digits); the upload is refused unless it matches")), request_body(content = Vec<u8>, description = "The image file's raw bytes", content_type = "application/octet-stream"), responses((status = 200, description = "The file is in and checked: the image is active", body = Image), (status = 409, description = "Another upload of this image is under way, or it already has its file", body = ApiErrorBody), (status = 413, description = "Larger than the server takes", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+pub async fn upload_image_file(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> ApiResult<Response> {
+    let uuid: ImageId = id(&raw, "image")?;
+    let expected = content_sha256(&headers)?;
+    let length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let img = images::upload(&ctx, &caller, uuid, expected, length, body).await?;
+    Ok(Json(img).into_response())
+}
+
+#[utoipa::path(get, path = "/images/{uuid}/file", tag = "images", params(("uuid" = String, Path, format = Uuid, description = "The image's uuid")), responses((status = 200, description = "The image file", content_type = "application/octet-stream", body = Vec<u8>), ErrorResponses), security(("bearer" = [])))]
+pub async fn download_image_file(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: ImageId = id(&raw, "image")?;
+    let f = images::open_file(&ctx, &caller, uuid).await?;
+    Ok(file_response(f.file, f.len))
+}
+
+/// A file streamed out from disk in constant memory.
+pub fn file_response(file: tokio::fs::File, len: u64) -> Response {
+    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+        file,
+        256 * 1024,
+    ));
+    let mut r = body.into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    r
 }

@@ -154,6 +154,24 @@ pub async fn task_result(
     Ok(())
 }
 
+/// A node's progress on one of its own tasks, shown on the job step waiting for it.
+pub async fn task_progress(
+    ctx: &Ctx,
+    server: ServerId,
+    task: TaskId,
+    p: passage_model::protocol::TaskProgress,
+) -> ApiResult<()> {
+    if p.done > p.total {
+        return Err(ApiError::invalid("done", "must not exceed total"));
+    }
+    let job = tasks::open_task_job(&ctx.db, server, task).await?;
+    tasks::touch(&ctx.db, task).await?;
+    if let Some(job) = job {
+        crate::store::jobs::set_progress(&ctx.db, job, p.done, p.total).await?;
+    }
+    Ok(())
+}
+
 /// A node replaces its own credential; the old one stops working at once.
 pub async fn rotate_credential(ctx: &Ctx, server: ServerId) -> ApiResult<RegisterResponse> {
     let credential = new_secret(NODE_CREDENTIAL_PREFIX);

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod batcher;
 pub mod cache;
 pub mod catalog;
+pub mod images;
 pub mod login_guard;
 pub mod metrics;
 pub mod ops;

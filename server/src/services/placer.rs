@@ -18,6 +18,7 @@ use crate::store::create::{self, NewVm};
 use crate::store::devices::Candidate;
 use crate::store::room::{self, Room};
 use crate::store::{StoreError, devices};
+use passage_model::ImageId;
 use passage_model::api::{Package, Vm};
 use passage_model::{AccountId, DevicePath, JobId, PackageId, ServerId, VmId};
 use std::collections::{BTreeMap, HashMap};
@@ -41,11 +42,13 @@ pub struct Request {
     uuid: VmId,
     job: JobId,
     package: Package,
+    image: Option<ImageId>,
     answer: oneshot::Sender<ApiResult<Vm>>,
 }
 
 /// Places `package` for a new VM and reserves its devices: the VM as written, in
 /// `provisioning`, with its provision job queued (not yet started).
+#[allow(clippy::too_many_arguments)]
 pub async fn place(
     ctx: &Ctx,
     alias: &str,
@@ -53,12 +56,22 @@ pub async fn place(
     uuid: VmId,
     job: JobId,
     package: &Package,
+    image: Option<ImageId>,
     on_the_way: OnTheWay,
 ) -> ApiResult<Vm> {
     if package.devices.is_empty() {
         // A VM without devices needs no device index: one server with room will do.
-        return super::vms::place_and_reserve(ctx, alias, owner, uuid, job, package, Vec::new())
-            .await;
+        return super::vms::place_and_reserve(
+            ctx,
+            alias,
+            owner,
+            uuid,
+            job,
+            package,
+            image,
+            Vec::new(),
+        )
+        .await;
     }
     let (answer, answered) = oneshot::channel();
     let req = Request {
@@ -67,6 +80,7 @@ pub async fn place(
         uuid,
         job,
         package: package.clone(),
+        image,
         answer,
     };
     drop(on_the_way);
@@ -126,6 +140,7 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
             server: Some(p.server),
             devices: &p.devices,
             job: p.req.job,
+            image: p.req.image,
         })
         .collect();
     let t0 = std::time::Instant::now();
@@ -175,6 +190,7 @@ fn place_alone(ctx: &Ctx, alone: Vec<(Request, Vec<ServerId>)>) {
                 req.uuid,
                 req.job,
                 &req.package,
+                req.image,
                 avoid,
             )
             .await;

@@ -101,6 +101,14 @@ async fn replace(
     if vm.state != VmState::Stopped {
         return Err(ApiError::invalid_state("stop the VM first"));
     }
+    // A boot disk lives on its node (an overlay on that node's cached image): until disks
+    // can be copied, a VM with one stays where it is.
+    let pinned = vm.image_uuid.is_some();
+    if pinned && migrate_to.is_some() {
+        return Err(ApiError::invalid_state(
+            "the VM's boot disk lives on its node: it cannot migrate",
+        ));
+    }
     let (from, have) = current(ctx, &vm).await?;
     let want: BTreeMap<String, u32> = match &package {
         Some(p) => p.devices.clone(),
@@ -126,6 +134,18 @@ async fn replace(
         };
         cands.retain(|c| fits(c.server_uuid) && !avoid.contains(&c.server_uuid));
         let plan = match migrate_to {
+            None if pinned => {
+                let here = fits(from)
+                    .then(|| plan_in_place(from, &have, &want, &cands))
+                    .flatten();
+                if here.is_none() {
+                    return Err(ApiError::invalid_state(
+                        "the VM's boot disk lives on its node, and that node lacks what the \
+                         new package needs",
+                    ));
+                }
+                here
+            }
             None => fits(from)
                 .then(|| plan_in_place(from, &have, &want, &cands))
                 .flatten()

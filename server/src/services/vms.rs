@@ -51,6 +51,13 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         },
         _ => caller.account.uuid,
     };
+    // The image is the owner's to use: an operator creating for a tenant names one the
+    // tenant may use (or an operator's own, which every operator sees).
+    let image_key = req
+        .image
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid("image", "an image is required"))?;
+    let image = super::images::resolve(ctx, caller, image_key).await?;
     let job = JobId::new_ordered();
     let uuid = VmId::new_ordered();
     let vm = if let Some(devs) = req.assigned_devices.clone() {
@@ -63,6 +70,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             devs,
             req.server_uuid,
             &req,
+            &image,
         )
         .await?
     } else {
@@ -78,8 +86,26 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             }
             Err(e) => return Err(e),
         };
+        if let Some(min) = image.requirements.min_disk_gib
+            && package.disk_gib < min
+        {
+            return Err(ApiError::conflict(format!(
+                "image {}@{} needs a disk of at least {min} GiB; package {} has {} GiB",
+                image.name, image.version, package.name, package.disk_gib
+            )));
+        }
         let started = std::time::Instant::now();
-        let r = super::placer::place(ctx, &req.alias, owner, uuid, job, &package, on_the_way).await;
+        let r = super::placer::place(
+            ctx,
+            &req.alias,
+            owner,
+            uuid,
+            job,
+            &package,
+            Some(image.uuid),
+            on_the_way,
+        )
+        .await;
         let outcome = match &r {
             Ok(_) => "placed",
             Err(e) if e.code == ErrorCode::InsufficientCapacity => "insufficient_capacity",
@@ -96,6 +122,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
 /// Places one VM alone, looking at the whole fleet when the free-device index finds
 /// nothing, and raises a capacity alert when nothing fits. Servers in `avoid` (where the
 /// caller just lost a race) come last.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn place_and_reserve(
     ctx: &Ctx,
     alias: &str,
@@ -103,6 +130,7 @@ pub(super) async fn place_and_reserve(
     uuid: VmId,
     job: JobId,
     package: &passage_model::api::Package,
+    image: Option<passage_model::ImageId>,
     mut avoid: Vec<passage_model::ServerId>,
 ) -> ApiResult<Vm> {
     let variants: Vec<String> = package.devices.keys().cloned().collect();
@@ -154,6 +182,7 @@ pub(super) async fn place_and_reserve(
                 server: Some(choice.server),
                 devices: &choice.devices,
                 job,
+                image,
             },
             ctx.cfg.alloc,
         )
@@ -297,6 +326,7 @@ async fn create_with_devices(
     devs: Vec<DevicePath>,
     server: Option<passage_model::ServerId>,
     req: &CreateVm,
+    image: &passage_model::images::Image,
 ) -> ApiResult<Vm> {
     let server =
         server.ok_or_else(|| ApiError::invalid("server_uuid", "required with assigned_devices"))?;
@@ -346,6 +376,7 @@ async fn create_with_devices(
             server: Some(server),
             devices: &devs,
             job,
+            image: Some(image.uuid),
         },
         ctx.cfg.alloc,
     )

@@ -27,6 +27,8 @@ pub struct NewVm<'a> {
     pub devices: &'a [DevicePath],
     /// Its provision job.
     pub job: JobId,
+    /// The image its boot disk is made from.
+    pub image: Option<passage_model::ImageId>,
 }
 
 impl NewVm<'_> {
@@ -64,6 +66,7 @@ impl NewVm<'_> {
             memory_mib: self.memory_mib,
             assigned_devices: self.devices.to_vec(),
             job_uuid: Some(self.job),
+            image_uuid: self.image,
             created_at: to_time(now),
         }
     }
@@ -91,11 +94,12 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
             let devices = vm.devices_json()?;
             let server = vm.server.map(|s| s.to_string());
             let package = vm.package.map(|p| p.to_string());
+            let image = vm.image.map(|i| i.to_string());
             let null_or = |q: &mut Sql, v: Option<String>| {
                 q.arg(v.map_or(super::page::Arg::Null, super::page::Arg::Text))
             };
             rows.push(format!(
-                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {})",
+                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {})",
                 q.text(vm.uuid),
                 q.text(vm.alias),
                 q.text(vm.owner),
@@ -108,11 +112,13 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.text(vm.job),
                 q.int(now),
                 q.int(now),
+                null_or(&mut q, image),
             ));
         }
         let sql = format!(
             "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
-             memory_mib, assigned_devices, job_uuid, created_at, updated_at) VALUES {}",
+             memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid) \
+             VALUES {}",
             rows.join(", ")
         );
         bind_args!(sqlx::query(&sql), &q.args)
@@ -124,10 +130,10 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
 
 /// The VM rows on Postgres, one statement over arrays whatever their count.
 const PG_INSERT: &str = "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, \
-     state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at) \
-     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1 \
+     state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid) \
+     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i \
      FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[], \
-     $9::int8[], $10::text[], $11::text[]) AS x(u, a, o, s, p, c, m, d, j)";
+     $9::int8[], $10::text[], $11::text[], $12::text[]) AS x(u, a, o, s, p, c, m, d, j, i)";
 
 impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
     async fn insert_vms(&mut self, vms: &[&NewVm<'_>], now: i64) -> StoreResult<()> {
@@ -162,6 +168,11 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
             )
             .bind(devices)
             .bind(texts(&|v| v.job.to_string()))
+            .bind(
+                vms.iter()
+                    .map(|v| v.image.map(|i| i.to_string()))
+                    .collect::<Vec<_>>(),
+            )
             .execute(&mut **self)
             .await?;
         Ok(())

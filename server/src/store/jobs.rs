@@ -158,6 +158,8 @@ struct StepRow {
     ended_at: Option<i64>,
     error: Option<String>,
     error_kind: Option<String>,
+    progress_done: Option<i64>,
+    progress_total: Option<i64>,
 }
 
 /// Why a step failed.
@@ -175,6 +177,7 @@ pub struct StepRecord {
     pub started_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
     pub failure: Option<StepFailure>,
+    pub progress: Option<passage_model::api::Progress>,
 }
 
 /// A job as its runner keeps it; the API sees [`JobRecord::view`].
@@ -214,6 +217,7 @@ impl JobRecord {
                     ended_at: s.ended_at,
                     error: s.failure.as_ref().map(|f| f.message.clone()),
                     error_kind: s.failure.as_ref().map(|f| f.kind),
+                    progress: s.progress,
                 })
                 .collect(),
             created_at: self.created_at,
@@ -226,7 +230,8 @@ impl JobRecord {
 const JOB_COLS: &str =
     "uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at";
 
-const STEP_COLS: &str = "name, state, started_at, ended_at, error, error_kind";
+const STEP_COLS: &str =
+    "name, state, started_at, ended_at, error, error_kind, progress_done, progress_total";
 
 fn step_record(s: StepRow) -> StoreResult<StepRecord> {
     let failure = match s.error {
@@ -240,7 +245,15 @@ fn step_record(s: StepRow) -> StoreResult<StepRecord> {
             message,
         }),
     };
+    let progress = match (s.progress_done, s.progress_total) {
+        (Some(d), Some(t)) => Some(passage_model::api::Progress {
+            done: u64::try_from(d).unwrap_or(0),
+            total: u64::try_from(t).unwrap_or(0),
+        }),
+        _ => None,
+    };
     Ok(StepRecord {
+        progress,
         state: StepState::parse(&s.state).ok_or_else(|| corrupt(&s.state))?,
         name: s.name,
         started_at: s.started_at.map(to_time),
@@ -444,4 +457,20 @@ pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {
     .fetch_all(p)
     .await)?;
     rows.iter().map(|u| parse_uuid(u, "job")).collect()
+}
+
+/// Records an agent's progress on the running step of `job` (the one waiting for its
+/// task). `false` when no step of the job is running.
+pub async fn set_progress(db: &Db, job: JobId, done: u64, total: u64) -> StoreResult<bool> {
+    let n = on_write!(db, |p| sqlx::query(
+        "UPDATE job_steps SET progress_done = $2, progress_total = $3 \
+         WHERE job_uuid = $1 AND state = 'running'"
+    )
+    .bind(job.to_string())
+    .bind(i64::try_from(done).unwrap_or(i64::MAX))
+    .bind(i64::try_from(total).unwrap_or(i64::MAX))
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n > 0)
 }

@@ -15,6 +15,7 @@ pub mod accounts;
 pub mod create;
 pub mod devices;
 pub mod events;
+pub mod images;
 pub mod jobs;
 pub mod ops;
 pub mod packages;

@@ -125,3 +125,29 @@ pub async fn result(db: &Db, task: TaskId) -> StoreResult<Option<TaskResult>> {
         None => Err(StoreError::NotFound("task")),
     }
 }
+
+/// A task its node reports progress on is alive: it is not handed out again meanwhile.
+pub async fn touch(db: &Db, task: TaskId) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE tasks SET taken_at = $2 WHERE uuid = $1 AND state = 'taken'"
+    )
+    .bind(task.to_string())
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+/// The job a task of `server`'s works for, if the task is `server`'s and not yet done.
+pub async fn open_task_job(db: &Db, server: ServerId, task: TaskId) -> StoreResult<Option<JobId>> {
+    let row: Option<(Option<String>,)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT job_uuid FROM tasks WHERE uuid = $1 AND server_uuid = $2 AND state <> 'done'"
+    )
+    .bind(task.to_string())
+    .bind(server.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let (job,) = row.ok_or(StoreError::NotFound("task"))?;
+    job.as_deref().map(|j| parse_uuid(j, "job")).transpose()
+}

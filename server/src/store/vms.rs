@@ -24,10 +24,11 @@ struct VmRow {
     assigned_devices: String,
     job_uuid: Option<String>,
     created_at: i64,
+    image_uuid: Option<String>,
 }
 
 const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
-    memory_mib, assigned_devices, job_uuid, created_at";
+    memory_mib, assigned_devices, job_uuid, created_at, image_uuid";
 
 impl VmRow {
     fn into_view(self) -> StoreResult<Vm> {
@@ -53,6 +54,11 @@ impl VmRow {
                 .job_uuid
                 .as_deref()
                 .map(|s| parse_uuid(s, "job"))
+                .transpose()?,
+            image_uuid: self
+                .image_uuid
+                .as_deref()
+                .map(|s| parse_uuid(s, "image"))
                 .transpose()?,
             created_at: to_time(self.created_at),
         })

@@ -67,6 +67,10 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
         Task::Scrub { devices, .. } => {
             ctx.cfg.task_timeout + Duration::from_secs(900) * devices.len().max(1) as u32
         }
+        // An image download: the usual limit plus its size at 10 MB/s.
+        Task::FetchImage { disk, .. } => {
+            ctx.cfg.task_timeout + Duration::from_secs(disk.image.size / 10_000_000)
+        }
         _ => ctx.cfg.task_timeout,
     }
 }

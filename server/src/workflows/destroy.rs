@@ -24,6 +24,7 @@ impl Workflow for Destroy {
             // Never placed: nothing on any node to stop or clean.
             if step == DestroyStep::Release {
                 vms::release_destroyed(&ctx.jobs_db, vm.uuid, None, &[]).await?;
+                crate::services::images::vm_destroyed(ctx, vm.image_uuid).await;
             }
             return Ok(());
         };
@@ -41,8 +42,12 @@ impl Workflow for Destroy {
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
+            DestroyStep::DeleteDisk => super::disk::delete(ctx, server, job, &vm).await,
             DestroyStep::Release => {
-                Ok(vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held).await?)
+                vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held).await?;
+                // The last VM built from a deleted image: its file may go now.
+                crate::services::images::vm_destroyed(ctx, vm.image_uuid).await;
+                Ok(())
             }
             DestroyStep::Scrub => scrub::scrub_devices(ctx, server, job, &ids(&vm)).await,
         }

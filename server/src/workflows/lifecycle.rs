@@ -61,8 +61,13 @@ impl Workflow for Start {
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
+            // After a node lost its cache (or the disk), it is made again.
+            StartStep::FetchImage => super::disk::fetch(ctx, server, job, &vm).await,
             StartStep::Launch => {
-                let task = Task::StartVm { vm: spec(&vm) };
+                let disk = super::disk::spec(ctx, &vm).await?;
+                let task = Task::StartVm {
+                    vm: spec(&vm, disk),
+                };
                 agent_task::run(ctx, server, job, task).await?;
                 vms::set_state(
                     &ctx.jobs_db,
@@ -80,6 +85,8 @@ impl Workflow for Start {
         match step {
             // The devices stay bound for the stopped VM, as a stop leaves them.
             StartStep::Bind => Ok(()),
+            // Never deletes the disk: it holds the VM's data.
+            StartStep::FetchImage => Ok(()),
             StartStep::Launch => {
                 let vm = run.vm(ctx).await?;
                 let server = server_of(&vm)?;

@@ -19,6 +19,7 @@
 
 pub mod agent_task;
 pub mod destroy;
+pub mod disk;
 mod error;
 pub mod lifecycle;
 pub mod provision;

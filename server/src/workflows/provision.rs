@@ -29,13 +29,13 @@ pub(super) async fn held(ctx: &Ctx, vm: &Vm) -> Result<Vec<String>, StepError> {
 }
 
 /// The spec a node starts the VM from.
-pub(super) fn spec(vm: &Vm) -> VmSpec {
+pub(super) fn spec(vm: &Vm, disk: Option<passage_model::protocol::DiskSpec>) -> VmSpec {
     VmSpec {
         uuid: vm.uuid,
         vcpus: vm.vcpus,
         memory_mib: vm.memory_mib,
         devices: vm.assigned_devices.clone(),
-        disk: None,
+        disk,
     }
 }
 
@@ -73,8 +73,12 @@ impl Workflow for Provision {
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
+            ProvisionStep::FetchImage => super::disk::fetch(ctx, server, job, &vm).await,
             ProvisionStep::Launch => {
-                let task = Task::StartVm { vm: spec(&vm) };
+                let disk = super::disk::spec(ctx, &vm).await?;
+                let task = Task::StartVm {
+                    vm: spec(&vm, disk),
+                };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
             ProvisionStep::MarkUsed => {
@@ -121,6 +125,8 @@ impl Workflow for Provision {
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
+            // The new VM's disk holds nothing yet: it goes (the cached image stays).
+            ProvisionStep::FetchImage => super::disk::delete(ctx, server, job, &vm).await,
             ProvisionStep::Launch => {
                 let task = Task::StopVm { vm_uuid: vm.uuid };
                 agent_task::run(ctx, server, job, task).await.map(drop)

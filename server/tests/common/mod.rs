@@ -106,8 +106,12 @@ pub fn fast_config() -> Config {
 }
 
 impl TestServer {
-    pub async fn start(backend: Backend, cfg: Config) -> TestServer {
+    pub async fn start(backend: Backend, mut cfg: Config) -> TestServer {
         let db = TestDb::new(backend).await;
+        // Each test its own image directory, on Postgres too (its default is ./images).
+        if cfg.image_dir.is_none() {
+            cfg.image_dir = Some(db.dir.path().join("images"));
+        }
         let running =
             passage_server::start(&db.url, "127.0.0.1:0", cfg, Some(ADMIN_PASSWORD.into()))
                 .await
@@ -327,6 +331,8 @@ impl TestServer {
 
     /// Variant `NVIDIA_H100` and package `gpu-<n>x` asking for `n` of it.
     pub async fn h100_catalog(&self, n: u32) -> String {
+        // VMs boot an image: the harness's is there for the VMs of this package.
+        self.image().await;
         let r: Reply<Variant> = self
             .post(
                 "/v1/variants",
@@ -344,6 +350,34 @@ impl TestServer {
             .await
             .ok(201);
         name
+    }
+
+    /// An active public raw image `test-image` (version 1, 1 MiB of a pattern), created
+    /// and uploaded on first use; its name is what VM creations send.
+    pub async fn image(&self) -> String {
+        create_test_image(&self.as_admin()).await
+    }
+
+    /// Makes `vm` one created before images existed (no image, so no boot disk): for
+    /// tests of what only such VMs may still do (move to another node).
+    pub async fn forget_image(&self, vm: VmId) {
+        let sql = "UPDATE vms SET image_uuid = NULL WHERE uuid = $1";
+        match &self.ctx.db {
+            passage_server::store::Db::Sqlite { write, .. } => {
+                sqlx::query(sql)
+                    .bind(vm.to_string())
+                    .execute(write)
+                    .await
+                    .unwrap();
+            }
+            passage_server::store::Db::Postgres(p) => {
+                sqlx::query(sql)
+                    .bind(vm.to_string())
+                    .execute(p)
+                    .await
+                    .unwrap();
+            }
+        }
     }
 
     /// A tenant account `login` (password `tenant-password`) and a session of it.
@@ -439,6 +473,39 @@ impl Client {
         self.send("GET", path, None).await
     }
 
+    /// `PUT` of raw bytes (an image file), with an optional `x-content-sha256`.
+    pub async fn put_bytes<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        bytes: Vec<u8>,
+        sha256: Option<&str>,
+    ) -> Reply<T> {
+        let mut rb = self
+            .http
+            .put(format!("{}{path}", self.base))
+            .header("content-type", "application/octet-stream")
+            .body(bytes);
+        if let Some(h) = sha256 {
+            rb = rb.header("x-content-sha256", h);
+        }
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        Reply::from(rb.send().await.unwrap()).await
+    }
+
+    /// The raw answer to a `GET` (a file), with its status and headers.
+    pub async fn get_raw(&self, path: &str, range: Option<&str>) -> reqwest::Response {
+        let mut rb = self.http.get(format!("{}{path}", self.base));
+        if let Some(r) = range {
+            rb = rb.header("range", r);
+        }
+        if let Some(t) = &self.token {
+            rb = rb.bearer_auth(t);
+        }
+        rb.send().await.unwrap()
+    }
+
     /// `GET` with query parameters, encoded as a form (a NUL becomes `%00`).
     pub async fn get_query<T: DeserializeOwned>(
         &self,
@@ -472,6 +539,42 @@ impl Client {
     pub async fn delete<T: DeserializeOwned>(&self, path: &str) -> Reply<T> {
         self.send("DELETE", path, None).await
     }
+}
+
+/// The harness's image `test-image` through `op` (an operator's client), unless it is
+/// there already; its name.
+pub async fn create_test_image(op: &Client) -> String {
+    let name = "test-image";
+    let have: Vec<passage_model::images::Image> =
+        op.get(&format!("/v1/images?name={name}")).await.ok(200);
+    if have
+        .iter()
+        .any(|i| i.state == passage_model::images::ImageState::Active)
+    {
+        return name.into();
+    }
+    let img: passage_model::images::Image = op
+        .post(
+            "/v1/images",
+            &json!({"name": name, "version": "1", "os": "linux", "type": "raw",
+                    "public": true}),
+        )
+        .await
+        .ok(201);
+    let _: passage_model::images::Image = op
+        .put_bytes(
+            &format!("/v1/images/{}/file", img.uuid),
+            test_image_bytes(),
+            None,
+        )
+        .await
+        .ok(200);
+    name.into()
+}
+
+/// The bytes of the harness's test image: 1 MiB, not all zero, not qcow2.
+pub fn test_image_bytes() -> Vec<u8> {
+    (0..1024 * 1024u32).map(|i| (i % 251) as u8).collect()
 }
 
 fn json_text(body: &impl Serialize) -> String {

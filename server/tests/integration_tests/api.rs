@@ -95,7 +95,10 @@ async fn auth_and_roles(b: Backend) {
         .await
         .err(403);
     s.with(&reader)
-        .post::<Vm>("/v1/vms", &json!({"alias":"a","package":"p"}))
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"a","package":"p"}),
+        )
         .await
         .err(403);
 
@@ -131,7 +134,10 @@ async fn auth_and_roles(b: Backend) {
     s.h100_catalog(1).await;
     let vm: Vm = s
         .with(&tenant)
-        .post("/v1/vms", &json!({"alias":"mine","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"mine","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let vm_path = format!("/v1/vms/{}", vm.uuid);
@@ -265,7 +271,7 @@ async fn bad_input(b: Backend) {
         .raw::<Vm>(
             "POST",
             "/v1/vms",
-            r#"{"alias":"v","package":"gpu-1x","assigned_devices":["/devices/pci0000:00/0000:00:01.0"]}"#,
+            r#"{"image":"test-image","alias":"v","package":"gpu-1x","assigned_devices":["/devices/pci0000:00/0000:00:01.0"]}"#,
         )
         .await
         .invalid("assigned_devices");
@@ -273,7 +279,7 @@ async fn bad_input(b: Backend) {
         .raw::<Vm>(
             "POST",
             "/v1/vms",
-            r#"{"alias":"v","assigned_devices":["/devices/pci0000:00/0000:00:01.99"],"server_uuid":"00000000-0000-0000-0000-000000000000"}"#,
+            r#"{"image":"test-image","alias":"v","assigned_devices":["/devices/pci0000:00/0000:00:01.99"],"server_uuid":"00000000-0000-0000-0000-000000000000"}"#,
         )
         .await
         .invalid("assigned_devices[0]");
@@ -281,7 +287,7 @@ async fn bad_input(b: Backend) {
         .raw::<Vm>(
             "POST",
             "/v1/vms",
-            r#"{"alias":"v","package":"no-such-package"}"#,
+            r#"{"image":"test-image","alias":"v","package":"no-such-package"}"#,
         )
         .await
         .missing("package");
@@ -289,7 +295,7 @@ async fn bad_input(b: Backend) {
         .raw::<Vm>(
             "POST",
             "/v1/vms",
-            r#"{"alias":"bad alias!","package":"gpu-1x"}"#,
+            r#"{"image":"test-image","alias":"bad alias!","package":"gpu-1x"}"#,
         )
         .await
         .invalid("alias");
@@ -427,7 +433,10 @@ async fn inventory_and_variants(b: Backend) {
 
     // Reserve one device (no agent answers, so the job waits; the reservation stands).
     let vm: Vm = s
-        .post("/v1/vms", &json!({"alias":"held","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"held","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let held_id = vm.assigned_devices[0].clone();
@@ -468,7 +477,7 @@ async fn inventory_and_variants(b: Backend) {
         let r = s
             .post::<Vm>(
                 "/v1/vms",
-                &json!({"alias": format!("v{i}"), "package":"gpu-1x"}),
+                &json!({"image": "test-image", "alias": format!("v{i}"), "package":"gpu-1x"}),
             )
             .await;
         if r.status == 202 {
@@ -505,7 +514,8 @@ async fn race_for_the_last_devices(b: Backend) {
     let calls: Vec<_> = (0..64)
         .map(|i| {
             let c = s.with(&tenant);
-            let body = json!({"alias": format!("race-{i}"), "package": "gpu-1x"});
+            let body =
+                json!({"image": "test-image", "alias": format!("race-{i}"), "package": "gpu-1x"});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
         .collect();

@@ -47,6 +47,7 @@ fn start(db: &TestDb, port: u16, pause: Option<&str>) -> Server {
         &db.url,
     ])
     .args(["--job-lease-secs", "1", "--task-timeout-secs", "20"])
+    .env("PASSAGE_IMAGE_DIR", db.dir.path().join("images"))
     .env("PASSAGE_ADMIN_PASSWORD", "durable-admin-pw")
     .env("RUST_LOG", "warn")
     .stdout(Stdio::piped());
@@ -166,6 +167,7 @@ async fn killed_at_every_boundary(b: Backend) {
         )
         .await
         .ok(201);
+    crate::common::create_test_image(&api.client(Some(&op))).await;
     let jt: JoinToken = api
         .client(Some(&op))
         .post_empty("/v1/servers/join-tokens")
@@ -204,7 +206,7 @@ async fn killed_at_every_boundary(b: Backend) {
             .client(Some(&op))
             .post(
                 "/v1/vms",
-                &json!({"alias": format!("k-{step}"), "package":"gpu-1x"}),
+                &json!({"image": "test-image", "alias": format!("k-{step}"), "package":"gpu-1x"}),
             )
             .await
             .ok(202);
@@ -267,7 +269,10 @@ async fn silent_agent_times_out(b: Backend) {
     let (server, _, _) = s.manual_node(8).await;
     s.h100_catalog(1).await;
     let vm: Vm = s
-        .post("/v1/vms", &json!({"alias":"lonely","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"lonely","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let job = s.wait_job(vm.job_uuid.unwrap()).await;
@@ -306,7 +311,8 @@ async fn two_replicas_on_postgres() {
             } else {
                 Client::at(&b_base, Some(&a.admin))
             };
-            let body = json!({"alias": format!("r{i}"), "package": "gpu-1x"});
+            let body =
+                json!({"image": "test-image", "alias": format!("r{i}"), "package": "gpu-1x"});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
         .collect();

@@ -38,6 +38,7 @@ fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_server"))
         .args(["--listen", "127.0.0.1:0", "--database", &db.url])
         .args(extra)
+        .env("PASSAGE_IMAGE_DIR", db.dir.path().join("images"))
         .env("PASSAGE_ADMIN_PASSWORD", "e2e-admin-password")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
@@ -133,6 +134,7 @@ async fn walk(b: Backend) {
     op.post::<Package>("/v1/packages", &json!({"name":"gpu-1x","vcpus":8,"memory_mib":65536,"disk_gib":100,"devices":{"NVIDIA_H100":1}}))
         .await
         .ok(201);
+    crate::common::create_test_image(&op).await;
     op.post::<Account>(
         "/v1/accounts",
         &json!({"login":"tenant1","password":"tenant-password","role":"tenant"}),
@@ -146,7 +148,10 @@ async fn walk(b: Backend) {
 
     // Tenant: create, watch it run with one device.
     let vm: Vm = tenant
-        .post("/v1/vms", &json!({"alias":"train-1","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"train-1","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let vm_path = format!("/v1/vms/{}", vm.uuid);

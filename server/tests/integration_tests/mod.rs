@@ -4,6 +4,7 @@
 mod api;
 mod durable;
 mod e2e;
+mod images;
 mod lifecycle;
 mod openapi;
 mod ops;

@@ -47,9 +47,12 @@ async fn operator_actions(b: Backend) {
         .await
         .ok(200);
     assert!(srv.disabled);
-    s.post::<Vm>("/v1/vms", &json!({"alias":"a","package":"gpu-1x"}))
-        .await
-        .fails(409, ErrorCode::InsufficientCapacity);
+    s.post::<Vm>(
+        "/v1/vms",
+        &json!({"image": "test-image", "alias":"a","package":"gpu-1x"}),
+    )
+    .await
+    .fails(409, ErrorCode::InsufficientCapacity);
     assert_eq!(capacity_of(&s).await.free, 0);
     let alerts: Vec<Alert> = s.get("/v1/alerts").await.ok(200);
     let a = &alerts[0];
@@ -84,7 +87,10 @@ async fn operator_actions(b: Backend) {
         .await
         .fails(409, ErrorCode::InvalidState);
     let vm: Vm = s
-        .post("/v1/vms", &json!({"alias":"b","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"b","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     assert_eq!(vm.assigned_devices[0], d1);
@@ -152,7 +158,10 @@ async fn usage_audit_metrics(b: Backend) {
     let (_, bob) = s.tenant("bob").await;
     let vm: Vm = s
         .with(&alice)
-        .post("/v1/vms", &json!({"alias":"u","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"u","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     s.wait_job(vm.job_uuid.unwrap()).await;
@@ -303,7 +312,10 @@ async fn placement_policies(b: Backend) {
         let c = s.as_admin();
         async move {
             let vm: Vm = c
-                .post("/v1/vms", &json!({"alias": alias, "package": pkg}))
+                .post(
+                    "/v1/vms",
+                    &json!({"image": "test-image", "alias": alias, "package": pkg}),
+                )
                 .await
                 .ok(202);
             vm.server_uuid.unwrap()
@@ -365,9 +377,12 @@ async fn health_taints(b: Backend) {
         "details reach the server object"
     );
     assert_eq!(capacity_of(&s).await.tainted, 1);
-    s.post::<Vm>("/v1/vms", &json!({"alias":"x","package":"gpu-1x"}))
-        .await
-        .fails(409, ErrorCode::InsufficientCapacity);
+    s.post::<Vm>(
+        "/v1/vms",
+        &json!({"image": "test-image", "alias":"x","package":"gpu-1x"}),
+    )
+    .await
+    .fails(409, ErrorCode::InsufficientCapacity);
     // Cleared after a check: placeable again; the counter no longer rises, so it stays clear.
     act(&s, node.uuid, &gpu, "clear_taint").await.ok(200);
     assert_eq!(
@@ -378,7 +393,10 @@ async fn health_taints(b: Backend) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(first_device_taint(&s, node.uuid).await.is_none());
     let vm: Vm = s
-        .post("/v1/vms", &json!({"alias":"y","package":"gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"y","package":"gpu-1x"}),
+        )
         .await
         .ok(202);
     let job = s.wait_job(vm.job_uuid.unwrap()).await;

@@ -270,7 +270,7 @@ async fn fleet(b: Backend) -> Fleet {
             .with(&who.1)
             .post(
                 "/v1/vms",
-                &json!({"alias": format!("vm-{i}"), "package": "gpu-1x"}),
+                &json!({"image": "test-image", "alias": format!("vm-{i}"), "package": "gpu-1x"}),
             )
             .await
             .ok(202);
@@ -409,7 +409,10 @@ async fn servers_vms_and_jobs_page_by_cursor(b: Backend) {
     let cursor = next(&first).unwrap();
     let first = first.ok(200);
     s.with(&f.bob.1)
-        .post::<Vm>("/v1/vms", &json!({"alias": "late", "package": "gpu-1x"}))
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "late", "package": "gpu-1x"}),
+        )
         .await
         .ok(202);
     let rest = list::<Vm>(

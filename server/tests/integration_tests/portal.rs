@@ -271,7 +271,7 @@ async fn package_availability_follows_capacity_and_quota() {
     // Nothing was reserved by asking: the tenant with room can still take both devices.
     s.post::<Vm>(
         "/v1/vms",
-        &serde_json::json!({"alias": "probe", "package": name}),
+        &serde_json::json!({"image": "test-image", "alias": "probe", "package": name}),
     )
     .await
     .ok(202);

@@ -41,7 +41,8 @@ async fn cpus_and_memory_bound_placement(b: Backend) {
     let calls: Vec<_> = (0..64)
         .map(|i| {
             let c = s.with(&tenant);
-            let body = json!({"alias": format!("r{i}"), "package": "gpu-1x"});
+            let body =
+                json!({"image": "test-image", "alias": format!("r{i}"), "package": "gpu-1x"});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
         .collect();
@@ -86,7 +87,7 @@ async fn cpus_and_memory_bound_placement(b: Backend) {
     let e = s
         .post::<Vm>(
             "/v1/vms",
-            &json!({"alias": "pinned", "server_uuid": small,
+            &json!({"image": "test-image", "alias": "pinned", "server_uuid": small,
                     "assigned_devices": [free_dev], "vcpus": 1, "memory_mib": 128}),
         )
         .await
@@ -111,7 +112,7 @@ async fn cpus_and_memory_bound_placement(b: Backend) {
         .enumerate()
         .map(|(i, id)| {
             let c = s.as_admin();
-            let body = json!({"alias": format!("p{i}"), "server_uuid": pinned,
+            let body = json!({"image": "test-image", "alias": format!("p{i}"), "server_uuid": pinned,
                               "assigned_devices": [id], "vcpus": 2, "memory_mib": 1024});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
@@ -135,7 +136,7 @@ async fn cpus_and_memory_bound_placement(b: Backend) {
     let vm: Vm = s
         .post(
             "/v1/vms",
-            &json!({"alias": "elsewhere", "package": "gpu-1x"}),
+            &json!({"image": "test-image", "alias": "elsewhere", "package": "gpu-1x"}),
         )
         .await
         .ok(202);

@@ -154,7 +154,10 @@ fn invariants(snap: &Snapshot, nodes: &[Node], what: &str) {
 async fn create_running(s: &TestServer, token: &str, package: &str) -> Vm {
     let v: Vm = s
         .with(token)
-        .post("/v1/vms", &json!({"alias": "saga", "package": package}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "saga", "package": package}),
+        )
         .await
         .ok(202);
     let j = s.wait_job(v.job_uuid.unwrap()).await;
@@ -185,6 +188,10 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
         JobKind::Start | JobKind::Resize | JobKind::Migrate => {
             let v = create_running(&s, &token, "gpu-1x").await;
             stop(&s, &token, v.uuid).await;
+            if kind == JobKind::Migrate {
+                // Only a VM without a boot disk (made before images) may move.
+                s.forget_image(v.uuid).await;
+            }
             Some(v)
         }
     };
@@ -206,7 +213,10 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
     let as_tenant = s.with(&token);
     let asked: Vm = match kind {
         JobKind::Provision => as_tenant
-            .post("/v1/vms", &json!({"alias": "saga", "package": "gpu-1x"}))
+            .post(
+                "/v1/vms",
+                &json!({"image": "test-image", "alias": "saga", "package": "gpu-1x"}),
+            )
             .await
             .ok(202),
         JobKind::Destroy => as_tenant.delete(&on_vm("")).await.ok(202),
@@ -330,7 +340,7 @@ async fn check_failed(sc: &Scenario, kind: JobKind, step: &str, after: &Snapshot
         }
         // Before the release the VM's fate on the node is unknown: it is failed and its
         // device quarantined; after, it is gone and its device scrubbed.
-        (JobKind::Destroy, "stop" | "unbind") => {
+        (JobKind::Destroy, "stop" | "unbind" | "delete_disk") => {
             let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Failed, "{what}");
             assert_eq!(

@@ -61,7 +61,10 @@ async fn bola_matrix(b: Backend) {
     let reader = s.login("ro", "reader-password").await;
     let vm: Vm = s
         .with(&owner)
-        .post("/v1/vms", &json!({"alias":"mine","package": pkg}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"mine","package": pkg}),
+        )
         .await
         .ok(202);
     let vm_uuid = vm.uuid;
@@ -464,7 +467,8 @@ async fn quota_under_a_race(b: Backend) {
     let calls: Vec<_> = (0..64)
         .map(|i| {
             let c = s.with(&tenant);
-            let body = json!({"alias": format!("q{i}"), "package": "gpu-1x"});
+            let body =
+                json!({"image": "test-image", "alias": format!("q{i}"), "package": "gpu-1x"});
             tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
         })
         .collect();

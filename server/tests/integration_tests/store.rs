@@ -81,6 +81,7 @@ fn new_vm<'a>(
         server: Some(server),
         devices,
         job: JobId::new_ordered(),
+        image: None,
     }
 }
 
@@ -305,6 +306,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         server: Some(server),
         devices,
         job: JobId::new_ordered(),
+        image: None,
     };
     let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
         Box::leak(v.into_boxed_slice())
@@ -339,7 +341,11 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
                 assert_eq!(&stored, view);
                 assert_eq!(stored.state, VmState::Provisioning);
                 let job = jobs::get(&db, vm.job).await.unwrap();
-                assert_eq!(job.steps.len(), 4, "a provision's steps");
+                assert_eq!(
+                    job.steps.len(),
+                    passage_model::jobs::JobKind::Provision.step_names().len(),
+                    "a provision's steps"
+                );
                 let held = devices::held_by(&db, vm.uuid).await.unwrap();
                 assert_eq!(held.len(), 1);
                 assert_eq!(held[0].state, DeviceState::Provisioning);
@@ -491,6 +497,7 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
                 server: Some(server),
                 devices,
                 job: JobId(uuid::Uuid::from_u128(2000 + i as u128)),
+                image: None,
             })
             .collect();
         let outcomes = if batch {

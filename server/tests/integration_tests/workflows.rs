@@ -12,7 +12,10 @@ use std::time::Duration;
 
 async fn create_vm(s: &TestServer, token: &str, alias: &str) -> Vm {
     s.with(token)
-        .post("/v1/vms", &json!({"alias": alias, "package": "gpu-1x"}))
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": alias, "package": "gpu-1x"}),
+        )
         .await
         .ok(202)
 }
@@ -124,7 +127,10 @@ async fn quota_is_enforced(b: Backend) {
     .ok(200);
     create_vm(&s, &tenant, "first").await;
     s.with(&tenant)
-        .post::<Vm>("/v1/vms", &json!({"alias":"second","package":"gpu-1x"}))
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"second","package":"gpu-1x"}),
+        )
         .await
         .fails(409, ErrorCode::QuotaExceeded);
 }
@@ -153,6 +159,7 @@ async fn variant_scrub_pipeline(b: Backend) {
     )
     .await
     .ok(201);
+    s.image().await;
     let vm = create_vm(&s, &s.admin.clone(), "p").await;
     s.wait_job(vm.job_uuid.unwrap()).await;
     let d: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);

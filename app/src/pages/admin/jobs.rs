@@ -61,6 +61,12 @@ pub fn JobSteps(job: Job) -> impl IntoView {
                     <span class="step-name">{s.name.clone()}</span>
                     " " <Badge state=s.state.as_str()/>
                     " " <span class="muted">{fmt::duration(&s.started_at, &s.ended_at)}</span>
+                    // An image download's bytes so far, as the node reports them.
+                    {s.progress.filter(|p| p.total > 0).map(|p| view! {
+                        " " <progress class="step-progress" max=p.total.to_string()
+                            value=p.done.to_string()>{format!("{} of {} MB", p.done / 1_000_000, p.total / 1_000_000)}</progress>
+                        " " <span class="muted">{format!("{}%", p.done.saturating_mul(100) / p.total)}</span>
+                    })}
                     {s.error.clone().map(|e| view! { " " <span class="error-text">{e}</span> })}
                 </li>
             }).collect_view()}

@@ -2,7 +2,7 @@ use crate::components::errors::{FieldError, FormStatus, Loaded};
 use crate::components::guard::{Audience, Guard};
 use crate::components::widgets::CsrfField;
 use crate::data::load;
-use crate::rpc::{CreateInstance, Offer, offers};
+use crate::rpc::{CreateInstance, Offer, offers, usable_images};
 use leptos::prelude::*;
 use leptos_meta::Title;
 
@@ -10,6 +10,7 @@ use leptos_meta::Title;
 pub fn CreatePage() -> impl IntoView {
     let create = ServerAction::<CreateInstance>::new();
     let data = load(move || create.version().get(), |_| offers());
+    let images = load(move || create.version().get(), |_| usable_images());
     let result = Signal::derive(move || create.value().get());
     view! {
         <Title text="Create instance · Passage"/>
@@ -23,6 +24,13 @@ pub fn CreatePage() -> impl IntoView {
                         placeholder="training-1" aria-describedby="alias-hint alias-error"/>
                     <span id="alias-hint" class="muted">"Letters, digits, '.', '_' and '-'."</span>
                     <FieldError result=result field="alias"/>
+                </div>
+                <div class="field">
+                    <label for="image">"Image"</label>
+                    <Loaded data=images let:list>
+                        <ImageSelect list=list/>
+                    </Loaded>
+                    <FieldError result=result field="image"/>
                 </div>
                 <fieldset aria-describedby="package-error">
                     <legend>"Package"</legend>
@@ -38,6 +46,30 @@ pub fn CreatePage() -> impl IntoView {
             </ActionForm>
         </Guard>
     }
+}
+
+/// The images to boot from; with exactly one, it is chosen already.
+#[component]
+fn ImageSelect(list: Vec<passage_model::images::Image>) -> impl IntoView {
+    if list.is_empty() {
+        return view! { <p>"No images are offered yet. Ask your operator."</p> }.into_any();
+    }
+    let only = list.len() == 1;
+    let options = list
+        .into_iter()
+        .map(|i| {
+            let key = format!("{}@{}", i.name, i.version);
+            let label = format!("{} {} ({})", i.name, i.version, i.os);
+            view! { <option value=key selected=only>{label}</option> }
+        })
+        .collect_view();
+    view! {
+        <select id="image" name="image" required aria-describedby="image-error">
+            {(!only).then(|| view! { <option value="" disabled selected>"Choose an image"</option> })}
+            {options}
+        </select>
+    }
+    .into_any()
 }
 
 /// The packages to choose from, each with whether it can be had now. When exactly one
