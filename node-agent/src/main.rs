@@ -170,6 +170,11 @@ fn main() -> ExitCode {
             ca_cert,
             image_cache_gib,
         } => {
+            // Discovery keeps sysfs attributes open between passes, within a share of
+            // this limit.
+            if let Err(e) = node_agent::host::raise_open_file_limit() {
+                tracing::warn!(error = %e, "cannot raise the open-file limit");
+            }
             let file = match config.as_deref().map(FileConfig::load).transpose() {
                 Ok(f) => f.unwrap_or_default(),
                 Err(e) => return fail(&e),

@@ -61,29 +61,43 @@ pub async fn start(
         .await
         .map_err(|e| anyhow::anyhow!("resuming jobs: {e}"))?;
     workflows::reconcile::spawn_loops(ctx.clone());
+    services::wake_on_notify(&ctx);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("listening on {listen}: {e}"))?;
     let addr = listener.local_addr()?;
     let app = api::router(ctx.clone());
     let tls = ctx.cfg.tls.clone();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(stop_on_signal(ctx.clone(), stop.clone()));
     let server = match &tls {
-        None => tokio::spawn(async move {
-            axum::serve(
+        None => {
+            let graceful = axum::serve(
                 listener,
                 app.into_make_service_with_connect_info::<SocketAddr>(),
             )
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-        }),
+            .with_graceful_shutdown(stop.clone().cancelled_owned());
+            tokio::spawn(async move {
+                tokio::select! {
+                    r = graceful => r,
+                    // Agents' long polls and idle keep-alive connections would hold a
+                    // graceful shutdown for a minute: in-flight requests get the grace,
+                    // then the rest are dropped.
+                    _ = async {
+                        stop.cancelled().await;
+                        tokio::time::sleep(SHUTDOWN_GRACE).await;
+                    } => Ok(()),
+                }
+            })
+        }
         Some(files) => {
             let config = tls::load(files).map_err(|e| anyhow::anyhow!("{e}"))?;
             tls::reload_on_hangup(files.clone(), config.clone());
             let handle = axum_server::Handle::new();
-            let stop = handle.clone();
+            let h = handle.clone();
             tokio::spawn(async move {
-                shutdown_signal().await;
-                stop.graceful_shutdown(Some(std::time::Duration::from_secs(30)));
+                stop.cancelled().await;
+                h.graceful_shutdown(Some(SHUTDOWN_GRACE));
             });
             let server = axum_server::from_tcp_rustls(listener.into_std()?, config)?;
             tokio::spawn(async move {
@@ -103,8 +117,24 @@ pub async fn start(
     })
 }
 
-/// Ctrl-C or SIGTERM (what systemd sends): stop taking requests, finish those in flight.
-/// Jobs interrupted here resume at the next start.
+/// How long requests in flight at a shutdown get to finish: systemd's stop timeout is
+/// 90 s, but an operator restarting a server expects it gone in seconds.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Ctrl-C or SIGTERM (what systemd sends): stop taking requests, give those in flight
+/// [`SHUTDOWN_GRACE`], and give back this process's job leases so the next start resumes
+/// its jobs at once. A step cut off mid-way is run again then: every step is idempotent.
+async fn stop_on_signal(ctx: services::Ctx, stop: tokio_util::sync::CancellationToken) {
+    shutdown_signal().await;
+    ctx.stopping
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    match store::jobs::release_leases(&ctx.db, &ctx.instance).await {
+        Ok(n) => tracing::info!(jobs = n, "gave back job leases"),
+        Err(e) => tracing::warn!(error = %e, "giving back job leases"),
+    }
+    stop.cancel();
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -105,7 +105,14 @@ fn main() -> std::process::ExitCode {
         .thread_stack_size(WORKER_STACK)
         .build()
     {
-        Ok(rt) => rt.block_on(serve()),
+        Ok(rt) => {
+            let code = rt.block_on(serve());
+            // Jobs' steps and simulated nodes may still be running: the process is
+            // going, they end with it (every step is idempotent and resumes at the
+            // next start), so the runtime does not wait on them.
+            rt.shutdown_timeout(Duration::from_millis(500));
+            code
+        }
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
             std::process::ExitCode::FAILURE
@@ -122,6 +129,10 @@ async fn serve() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    match node_agent::host::raise_open_file_limit() {
+        Ok(n) => tracing::debug!(limit = n, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
     let mut cfg = Config {
         heartbeat_timeout: Duration::from_secs(args.heartbeat_timeout_secs.max(1)),
         task_timeout: Duration::from_secs(args.task_timeout_secs.max(1)),

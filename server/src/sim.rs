@@ -38,7 +38,7 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             let out = sysfs.clone();
             tokio::task::spawn_blocking(move || node_agent::fake::generate(&out, &fake)).await??;
         }
-        follow_server(&state, base_url)?;
+        adopt(ctx, &state, base_url).await?;
         let token = new_secret(JOIN_TOKEN_PREFIX);
         let expires = crate::store::now_ms() + 3_600_000;
         servers::insert_join_token(&ctx.db, &sha256_hex(&token), "sim", expires).await?;
@@ -48,7 +48,8 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             sysfs_root: sysfs,
             state_dir: state.clone(),
             hypervisor: HypervisorKind::Sim,
-            heartbeat: Duration::from_secs(5),
+            // As a real agent does by default.
+            heartbeat: Duration::from_secs(10),
             hostname: format!("sim-{i}"),
             ca_cert: spec.ca_cert.clone(),
         };
@@ -61,12 +62,25 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
     Ok(())
 }
 
-/// A simulated node belongs to this server wherever it listens now: point its saved
-/// credential at the current address.
-fn follow_server(state: &Path, base_url: &str) -> anyhow::Result<()> {
-    if let Some(mut c) = credential::load(state)?
-        && c.server_url != base_url
-    {
+/// A simulated node belongs to this server wherever it listens now: its saved credential
+/// is pointed at the current address. The server minted that credential itself, so when
+/// its database does not know it (a fresh database beside an old `--sim-dir`), the node
+/// forgets it and joins again with the token it is given, instead of being refused.
+async fn adopt(ctx: &Ctx, state: &Path, base_url: &str) -> anyhow::Result<()> {
+    let Some(mut c) = credential::load(state)? else {
+        return Ok(());
+    };
+    let known = servers::by_credential(&ctx.db, &sha256_hex(&c.credential)).await?;
+    if known != Some(c.server_uuid) {
+        tracing::info!(
+            server = %c.server_uuid,
+            dir = %state.display(),
+            "a simulated node's credential is unknown to this database: it joins again"
+        );
+        credential::remove(state)?;
+        return Ok(());
+    }
+    if c.server_url != base_url {
         c.server_url = base_url.to_string();
         credential::save(state, &c)?;
     }

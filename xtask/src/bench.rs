@@ -21,7 +21,7 @@ const NUMA_NODES: &str = "8";
 const IN_PROCESS_RUNS: &str = "500";
 const PROCESS_RUNS: usize = 50;
 
-/// `cargo xtask bench discovery|placement|portal`.
+/// `cargo xtask bench discovery|placement|fleet|portal`.
 #[derive(clap::Subcommand)]
 pub enum Bench {
     /// PCI discovery on a ~300-function fake tree, next to `lspci`
@@ -35,6 +35,13 @@ pub enum Bench {
     /// VM creations through the HTTP API of a release `server` onto simulated nodes, then
     /// 4- and 8-GPU placement decisions in-process (server/examples/bench_placement.rs).
     Placement(Placement),
+    /// The whole pipeline on a simulated fleet: creations to running, deletions to clean
+    ///
+    /// A release `server --sim-servers N` (real agent loops over fake trees, `sim`
+    /// hypervisor, in the server's process); creations from concurrent clients until every
+    /// VM runs, then deletions until every device is scrubbed and free; the idle fleet's
+    /// CPU, memory and open files (server/examples/bench_fleet.rs).
+    Fleet(Fleet),
     /// The portal's servers, devices and VMs list pages over a seeded fleet
     ///
     /// Fetches the list pages of a release `server` as a signed-in operator from
@@ -61,6 +68,30 @@ pub struct Placement {
     /// Concurrent API clients [default: 64]
     #[arg(long, value_name = "C")]
     clients: Option<usize>,
+}
+
+/// `cargo xtask bench fleet`: flags given are passed on to the example, which holds the
+/// defaults.
+#[derive(clap::Args)]
+pub struct Fleet {
+    /// Database of the server [default: sqlite]
+    #[arg(long, value_name = "B", value_enum)]
+    backend: Option<Backend>,
+    /// Simulated compute nodes [default: 1250]
+    #[arg(long, value_name = "N")]
+    servers: Option<usize>,
+    /// GPUs per node [default: 8]
+    #[arg(long, value_name = "G")]
+    gpus: Option<usize>,
+    /// VMs to create and delete [default: 10000]
+    #[arg(long, value_name = "N")]
+    vms: Option<usize>,
+    /// Concurrent API clients [default: 64]
+    #[arg(long, value_name = "C")]
+    clients: Option<usize>,
+    /// Seconds the idle fleet is watched [default: 10]
+    #[arg(long, value_name = "S")]
+    idle_secs: Option<usize>,
 }
 
 /// `cargo xtask bench portal`: flags given are passed on to the example, which holds the
@@ -134,6 +165,16 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .number("--vms", p.vms)
                 .number("--clients", p.clients);
             example("bench_placement", &f.0)
+        }
+        Bench::Fleet(p) => {
+            let mut f = Flags::default();
+            f.add("--backend", p.backend.map(Backend::name))
+                .number("--servers", p.servers)
+                .number("--gpus", p.gpus)
+                .number("--vms", p.vms)
+                .number("--clients", p.clients)
+                .number("--idle-secs", p.idle_secs);
+            example("bench_fleet", &f.0)
         }
         Bench::Portal(p) => {
             let mut f = Flags::default();

@@ -40,6 +40,14 @@ pub fn save(state_dir: &Path, c: &Credential) -> io::Result<()> {
     write_json(&credential_path(state_dir), c, 0o600)
 }
 
+/// Forgets the node's credential (it will join again); a missing one is already gone.
+pub fn remove(state_dir: &Path) -> io::Result<()> {
+    match std::fs::remove_file(credential_path(state_dir)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,6 +63,10 @@ mod tests {
         };
         save(dir.path(), &c).unwrap();
         assert_eq!(load(dir.path()).unwrap(), Some(c.clone()));
+        remove(dir.path()).unwrap();
+        assert!(load(dir.path()).unwrap().is_none());
+        remove(dir.path()).unwrap();
+        save(dir.path(), &c).unwrap();
         assert!(!format!("{c:?}").contains("s3cret"));
         #[cfg(unix)]
         {

@@ -172,7 +172,7 @@ impl AttrDir {
     /// so the kernel formats the value afresh (checked on this kernel: a network
     /// counter read twice through one descriptor changes). A kept descriptor whose read
     /// fails (the attribute was removed: `ENODEV`) is dropped and the attribute opened
-    /// again. A newly opened attribute is kept while `budget` allows.
+    /// again. A newly opened attribute is kept while `budget` has room.
     ///
     /// On a regular file system (a generated tree) the value written in place is what
     /// is read; a file replaced by another would go on being read through the old one.
@@ -184,23 +184,18 @@ impl AttrDir {
         budget: &FdBudget,
     ) -> io::Result<String> {
         let mut buf = [0u8; MAX_ATTR_LEN];
+        // A pass that keeps nothing lets go of what earlier passes kept.
         if let Some(fd) = kept.take()
-            && budget.take()
+            && budget.keeps()
+            && let Ok(n) = rustix::io::pread(&fd.fd, &mut buf, 0)
         {
-            match rustix::io::pread(&*fd, &mut buf, 0) {
-                Ok(n) => {
-                    *kept = Some(fd);
-                    return attr_text(&buf[..n]);
-                }
-                Err(_) => budget.give_back(),
-            }
+            *kept = Some(fd);
+            return attr_text(&buf[..n]);
         }
         let fd = self.open_attr(name)?;
         let n = rustix::io::read(&fd, &mut buf)?;
         let text = attr_text(&buf[..n])?;
-        if budget.take() {
-            *kept = Some(Arc::new(fd));
-        }
+        *kept = budget.hold(fd);
         Ok(text)
     }
 
@@ -228,33 +223,54 @@ fn attr_text(bytes: &[u8]) -> io::Result<String> {
 }
 
 /// An attribute held open between discovery passes (see [`AttrDir::read_kept`]).
-pub(crate) type KeptFd = Option<Arc<OwnedFd>>;
+pub(crate) type KeptFd = Option<Arc<HeldFd>>;
 
-/// How many attributes one discovery pass may hold open for the next.
+/// A descriptor counted against its [`FdBudget`] for as long as it is open.
 #[derive(Debug)]
-pub(crate) struct FdBudget {
-    limit: usize,
-    used: AtomicUsize,
+pub(crate) struct HeldFd {
+    fd: OwnedFd,
+    count: Arc<AtomicUsize>,
 }
 
-/// The most attributes a discoverer holds open: four per function for about a
-/// thousand functions.
+impl Drop for HeldFd {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How many attributes may be held open between discovery passes. The count is the
+/// whole process's: a server running two thousand simulated nodes runs two thousand
+/// discoverers, and a budget per discoverer would let them hold twice the open-file
+/// limit between them.
+#[derive(Debug, Clone)]
+pub(crate) struct FdBudget {
+    limit: usize,
+    held: Arc<AtomicUsize>,
+}
+
+/// The most attributes a process holds open: four per function for about a thousand
+/// functions.
 const MAX_KEPT_FDS: u64 = 4096;
-/// Descriptors left to everything else the agent opens (sockets, state files, QMP
-/// connections, scrub programs' pipes).
+/// Descriptors left to everything else the process opens (sockets, state files, QMP
+/// connections, scrub programs' pipes, database files).
 const FD_RESERVE: u64 = 512;
+
+/// The descriptors this process holds between passes, all discoverers together.
+static PROCESS_HELD: std::sync::LazyLock<Arc<AtomicUsize>> =
+    std::sync::LazyLock::new(|| Arc::new(AtomicUsize::new(0)));
 
 impl FdBudget {
     pub(crate) fn none() -> Self {
         FdBudget {
             limit: 0,
-            used: AtomicUsize::new(0),
+            held: Arc::new(AtomicUsize::new(0)),
         }
     }
 
     /// Half of what the process's open-file limit leaves after [`FD_RESERVE`], at most
-    /// [`MAX_KEPT_FDS`]: 256 under systemd's default soft limit of 1024 (the agent's
-    /// unit raises it), 4096 under a limit of 8704 or more.
+    /// [`MAX_KEPT_FDS`], for the whole process: 256 under systemd's default soft limit
+    /// of 1024 (the agent raises it to the hard limit at start), 4096 under a limit of
+    /// 8704 or more.
     pub(crate) fn from_rlimit() -> Self {
         let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
             .current
@@ -262,23 +278,45 @@ impl FdBudget {
         let limit = (soft.saturating_sub(FD_RESERVE) / 2).min(MAX_KEPT_FDS);
         FdBudget {
             limit: usize::try_from(limit).unwrap_or(0),
-            used: AtomicUsize::new(0),
+            held: PROCESS_HELD.clone(),
         }
     }
 
-    fn take(&self) -> bool {
-        self.used
+    /// Whether this pass keeps descriptors at all.
+    fn keeps(&self) -> bool {
+        self.limit > 0
+    }
+
+    /// `fd`, counted, while the budget has room; otherwise it is closed.
+    fn hold(&self, fd: OwnedFd) -> KeptFd {
+        self.held
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
                 (u < self.limit).then_some(u + 1)
             })
-            .is_ok()
+            .ok()?;
+        Some(Arc::new(HeldFd {
+            fd,
+            count: self.held.clone(),
+        }))
     }
 
-    fn give_back(&self) {
-        let _ = self
-            .used
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| u.checked_sub(1));
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
     }
+}
+
+/// Raises this process's soft open-file limit to its hard limit, as servers do at start
+/// (systemd's default soft limit of 1024 is for old `select()` programs), and answers the
+/// soft limit now in force. The discoverers' shared budget follows it.
+pub fn raise_open_file_limit() -> io::Result<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current != lim.maximum {
+        lim.current = lim.maximum;
+        setrlimit(Resource::Nofile, lim)?;
+    }
+    Ok(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
 }
 
 /// The basename of a symlink (`driver`, `iommu_group`); `Ok(None)` when there is none.
@@ -308,7 +346,7 @@ mod tests {
     fn budget(limit: usize) -> FdBudget {
         FdBudget {
             limit,
-            used: AtomicUsize::new(0),
+            held: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -325,28 +363,38 @@ mod tests {
         assert_eq!(dir.read_kept("b", &mut b, &one).unwrap(), "x");
         assert!(b.is_none(), "the budget is spent");
 
-        // The next pass: a value written in place is read through the kept descriptor.
-        let next = budget(1);
+        // The next pass: a value written in place is read through the kept descriptor,
+        // which stays counted.
         let held = a.clone().unwrap();
         fs::write(tmp.path().join("a"), "22\n").unwrap();
-        assert_eq!(dir.read_kept("a", &mut a, &next).unwrap(), "22");
+        assert_eq!(dir.read_kept("a", &mut a, &one).unwrap(), "22");
         assert!(
             Arc::ptr_eq(a.as_ref().unwrap(), &held),
             "the same descriptor"
         );
+        drop(held);
+        assert_eq!(one.held(), 1);
 
         // A descriptor that cannot be read any more (here: a directory's, EISDIR; in
         // sysfs a removed attribute's, ENODEV) is replaced by a fresh open.
         let sub = tmp.path().join("sub");
         fs::create_dir(&sub).unwrap();
-        let mut broken = Some(Arc::new(
-            rustix::fs::open(&sub, rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap(),
-        ));
-        let third = budget(1);
-        assert_eq!(dir.read_kept("b", &mut broken, &third).unwrap(), "x");
+        let two = budget(2);
+        let dir_fd =
+            rustix::fs::open(&sub, rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
+        let mut broken = two.hold(dir_fd);
+        assert_eq!(two.held(), 1);
+        assert_eq!(dir.read_kept("b", &mut broken, &two).unwrap(), "x");
         let fresh = broken.unwrap();
+        assert_eq!(
+            two.held(),
+            1,
+            "the broken one was let go, the fresh one kept"
+        );
         let mut buf = [0u8; 8];
-        assert_eq!(rustix::io::pread(&*fresh, &mut buf, 0).unwrap(), 2);
+        assert_eq!(rustix::io::pread(&fresh.fd, &mut buf, 0).unwrap(), 2);
+        drop(fresh);
+        assert_eq!(two.held(), 0);
 
         // A missing attribute is NotFound and keeps nothing; no budget keeps nothing.
         let mut c = KeptFd::None;
@@ -355,22 +403,35 @@ mod tests {
         assert!(c.is_none());
         assert_eq!(dir.read_kept("a", &mut c, &FdBudget::none()).unwrap(), "22");
         assert!(c.is_none());
-        // A kept descriptor without budget on this pass is let go.
+        // A kept descriptor on a pass that keeps nothing is let go.
         assert_eq!(dir.read_kept("a", &mut a, &FdBudget::none()).unwrap(), "22");
         assert!(a.is_none());
+        assert_eq!(one.held(), 0);
     }
 
     #[test]
-    fn the_budget_follows_the_open_file_limit() {
+    fn the_budget_is_the_whole_process() {
+        let a = FdBudget::from_rlimit();
         let b = FdBudget::from_rlimit();
         let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
             .current
             .unwrap_or(u64::MAX);
-        assert!(b.limit as u64 <= MAX_KEPT_FDS);
-        assert!((b.limit as u64) * 2 + FD_RESERVE <= soft.max(FD_RESERVE));
+        assert!(a.limit as u64 <= MAX_KEPT_FDS);
+        assert!((a.limit as u64) * 2 + FD_RESERVE <= soft.max(FD_RESERVE));
+        assert!(
+            Arc::ptr_eq(&a.held, &b.held),
+            "one count for every discoverer"
+        );
+
         let two = budget(2);
-        assert!(two.take() && two.take() && !two.take());
-        two.give_back();
-        assert!(two.take());
+        let open = || {
+            rustix::fs::open("/", rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap()
+        };
+        let x = two.hold(open());
+        let y = two.clone().hold(open());
+        assert!(x.is_some() && y.is_some());
+        assert!(two.hold(open()).is_none(), "full for every holder");
+        drop(x);
+        assert!(two.hold(open()).is_some());
     }
 }

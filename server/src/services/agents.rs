@@ -118,18 +118,19 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
     let deadline = tokio::time::Instant::now() + wait;
     let redeliver = i64::try_from(ctx.cfg.task_redeliver_after.as_millis()).unwrap_or(i64::MAX);
     servers::heartbeat(&ctx.db, server).await?;
+    let waker = ctx.tasks_queued.handle(&server);
     loop {
-        let notified = ctx.tasks_queued.notified();
+        let notified = waker.notified();
         let got = tasks::take(&ctx.db, server, TASK_BATCH, redeliver).await?;
         if !got.is_empty() || tokio::time::Instant::now() >= deadline {
             return Ok(got);
         }
-        // The poll fallback covers a wake-up sent by another replica.
-        let _ = tokio::time::timeout_at(
-            deadline.min(tokio::time::Instant::now() + Duration::from_secs(1)),
-            notified,
-        )
-        .await;
+        let until = match ctx.replica_poll() {
+            // The poll covers a task whose announcement was lost.
+            Some(every) => deadline.min(tokio::time::Instant::now() + every),
+            None => deadline,
+        };
+        let _ = tokio::time::timeout_at(until, notified).await;
     }
 }
 
@@ -150,7 +151,11 @@ pub async fn task_result(
         return Err(ApiError::invalid("scrub_reports", "too many"));
     }
     tasks::complete(&ctx.db, server, task, &result).await?;
-    ctx.task_done.notify_waiters();
+    ctx.task_done.wake(&task);
+    if let Err(e) = tasks::announce(&ctx.db, tasks::DONE_CHANNEL, &task.to_string()).await {
+        // The waiting replica looks again within its poll interval.
+        tracing::warn!(%task, error = %e, "announcing a task result");
+    }
     Ok(())
 }
 

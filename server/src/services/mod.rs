@@ -16,11 +16,11 @@ pub mod placer;
 pub mod servers;
 pub mod vm_ops;
 pub mod vms;
+pub mod wakers;
 
 use crate::config::Config;
 use crate::store::Db;
 use std::sync::Arc;
-use tokio::sync::Notify;
 
 pub struct Services {
     pub db: Db,
@@ -35,13 +35,16 @@ pub struct Services {
     /// the requests being answered meanwhile keep their share of its CPUs.
     pub jobs_db: Db,
     pub cfg: Config,
-    /// Wakes agents' long-polls when a task is queued.
-    pub tasks_queued: Notify,
-    /// Wakes job steps waiting on an agent when a result arrives.
-    pub task_done: Notify,
+    /// Wakes a node's long poll when a task is queued for it.
+    pub tasks_queued: wakers::Wakers<passage_model::ServerId>,
+    /// Wakes the job step waiting on a task when its result arrives.
+    pub task_done: wakers::Wakers<passage_model::TaskId>,
     pub metrics: metrics::Metrics,
     /// This process among replicas: the owner named in job leases.
     pub instance: String,
+    /// Set when the process is shutting down: its job runners take and renew no more
+    /// leases, so the leases it gave back stay free for the next start.
+    pub stopping: std::sync::atomic::AtomicBool,
     /// Jobs this process is running now (never two runners for one job here).
     pub running_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
     pub login_guard: login_guard::LoginGuard,
@@ -59,6 +62,59 @@ pub struct Services {
 
 pub type Ctx = Arc<Services>;
 
+/// See [`Services::replica_poll`].
+const REPLICA_POLL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// On Postgres, listens for what the other replicas announce (a task queued for a node
+/// whose long poll may be here, a result for a step that may wait here) and wakes the
+/// waiter. `PgListener` reconnects by itself; what is sent meanwhile is lost and found
+/// by the waiters' [`Services::replica_poll`].
+pub fn wake_on_notify(ctx: &Ctx) {
+    let crate::store::Db::Postgres(pool) = &ctx.db else {
+        return;
+    };
+    let (pool, ctx) = (pool.clone(), Arc::downgrade(ctx));
+    tokio::spawn(async move {
+        use crate::store::tasks::{DONE_CHANNEL, QUEUED_CHANNEL};
+        let mut listener = loop {
+            match sqlx::postgres::PgListener::connect_with(&pool).await {
+                Ok(mut l) => match l.listen_all([QUEUED_CHANNEL, DONE_CHANNEL]).await {
+                    Ok(()) => break l,
+                    Err(e) => tracing::warn!(error = %e, "LISTEN for other replicas"),
+                },
+                Err(e) => tracing::warn!(error = %e, "connecting to LISTEN for other replicas"),
+            }
+            tokio::time::sleep(REPLICA_POLL).await;
+        };
+        loop {
+            let n = match listener.recv().await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "listening for other replicas");
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            let Some(ctx) = ctx.upgrade() else {
+                return;
+            };
+            match n.channel() {
+                QUEUED_CHANNEL => {
+                    if let Ok(s) = n.payload().parse() {
+                        ctx.tasks_queued.wake(&s);
+                    }
+                }
+                DONE_CHANNEL => {
+                    if let Ok(t) = n.payload().parse() {
+                        ctx.task_done.wake(&t);
+                    }
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
 /// Batches are placed one at a time (`batcher::drain`): one connection is all they use.
 const PLACER_CONNECTIONS: u32 = 1;
 /// Audit batches are written one at a time too.
@@ -75,10 +131,11 @@ impl Services {
             jobs_db: db.lane(JOB_CONNECTIONS),
             db,
             cfg,
-            tasks_queued: Notify::new(),
-            task_done: Notify::new(),
+            tasks_queued: wakers::Wakers::default(),
+            task_done: wakers::Wakers::default(),
             metrics: metrics::Metrics::default(),
             instance: uuid::Uuid::new_v4().to_string(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
             login_guard: login_guard::LoginGuard::new(cfg_limits),
             job_permits: Arc::new(tokio::sync::Semaphore::new(job_concurrency)),
@@ -87,6 +144,14 @@ impl Services {
             tokens: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
         })
+    }
+
+    /// How often a waiter looks at the database for what another replica did (a task it
+    /// queued, a result given to it) in case the announcement ([`wake_on_notify`]) was
+    /// lost while the listener reconnected. Only Postgres is shared by replicas: on
+    /// SQLite this process is the only writer and its own wake-ups are enough.
+    pub fn replica_poll(&self) -> Option<std::time::Duration> {
+        matches!(self.db, crate::store::Db::Postgres(_)).then_some(REPLICA_POLL)
     }
 
     /// The oldest heartbeat (ms since the epoch) a server may have and still be running.

@@ -443,6 +443,20 @@ pub async fn claim(db: &Db, job: JobId, owner: &str, until_ms: i64) -> StoreResu
     Ok(n == 1)
 }
 
+/// Gives back the leases `owner` holds, as it shuts down: the next start (or another
+/// replica) takes the jobs over at once instead of after the lease runs out. The owner
+/// is kept, so the record still says who ran them last.
+pub async fn release_leases(db: &Db, owner: &str) -> StoreResult<u64> {
+    Ok(on_write!(db, |p| sqlx::query(
+        "UPDATE jobs SET lease_until = 0 WHERE lease_owner = $1 \
+         AND state IN ('queued', 'running')"
+    )
+    .bind(owner)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?)
+}
+
 /// Unfinished jobs nobody holds a live lease on. A job never leased is left alone for
 /// `grace_ms` after its creation: its creator is about to run it.
 pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {

@@ -29,6 +29,24 @@ pub async fn enqueue(
     Ok(id)
 }
 
+/// The Postgres channels replicas tell each other on (`NOTIFY`): a task queued for a node
+/// (payload: the server's uuid) and a task given its result (payload: the task's uuid).
+pub const QUEUED_CHANNEL: &str = "passage_task_queued";
+pub const DONE_CHANNEL: &str = "passage_task_done";
+
+/// Tells the other replicas on a shared Postgres (each listens: `services::wake_on_notify`);
+/// nothing to do on SQLite, which has no other replica.
+pub async fn announce(db: &Db, channel: &str, key: &str) -> StoreResult<()> {
+    if let Db::Postgres(p) = db {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(channel)
+            .bind(key)
+            .execute(p)
+            .await?;
+    }
+    Ok(())
+}
+
 /// Hands out queued tasks, and tasks taken longer than `redeliver_after_ms` ago whose
 /// result never came (tasks are idempotent on the agent, so running one twice is safe).
 pub async fn take(

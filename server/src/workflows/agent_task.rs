@@ -38,10 +38,16 @@ pub async fn run_raw(
     let id = tasks::enqueue(&ctx.jobs_db, server, job, &task)
         .await
         .map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
-    ctx.tasks_queued.notify_waiters();
+    ctx.tasks_queued.wake(&server);
+    if let Err(e) = tasks::announce(&ctx.jobs_db, tasks::QUEUED_CHANNEL, &server.to_string()).await
+    {
+        // The replica the node polls looks again within its poll interval.
+        tracing::warn!(%server, error = %e, "announcing a task");
+    }
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
+    let waker = ctx.task_done.handle(&id);
     loop {
-        let done = ctx.task_done.notified();
+        let done = waker.notified();
         match tasks::result(&ctx.jobs_db, id).await {
             Ok(Some(r)) => return Ok(r),
             Ok(None) => {}
@@ -55,8 +61,12 @@ pub async fn run_raw(
                 timeout_for(ctx, &task).as_secs()
             )));
         }
-        // Polling as well covers a result given to another replica.
-        let _ = tokio::time::timeout(Duration::from_millis(500), done).await;
+        let until = match ctx.replica_poll() {
+            // Polling as well covers a result whose announcement was lost.
+            Some(every) => deadline.min(tokio::time::Instant::now() + every),
+            None => deadline,
+        };
+        let _ = tokio::time::timeout_at(until, done).await;
     }
 }
 

@@ -54,6 +54,12 @@ fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::Join
         let every = (ctx.cfg.job_lease / 3).max(Duration::from_millis(100));
         loop {
             tokio::time::sleep(every).await;
+            if ctx.stopping.load(Ordering::SeqCst) {
+                // The lease was given back for the next start; this runner's work ends
+                // with the process.
+                lost.store(true, Ordering::SeqCst);
+                return;
+            }
             match jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(&ctx)).await {
                 Ok(true) => {}
                 Ok(false) => {
@@ -68,6 +74,9 @@ fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::Join
 
 /// Runs (or resumes) a job to its end.
 pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
+    if ctx.stopping.load(Ordering::SeqCst) {
+        return Ok(());
+    }
     if !jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await? {
         // Finished, or another replica holds it.
         return Ok(());

@@ -39,7 +39,12 @@ fn free_port() -> u16 {
 }
 
 fn start(db: &TestDb, port: u16, pause: Option<&str>) -> Server {
+    start_with(db, port, pause, &[])
+}
+
+fn start_with(db: &TestDb, port: u16, pause: Option<&str>, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_server"));
+    cmd.args(extra);
     cmd.args([
         "--listen",
         &format!("127.0.0.1:{port}"),
@@ -82,6 +87,24 @@ impl Server {
                 Ok(_) => {}
                 Err(_) => panic!("the server never printed {needle:?}"),
             }
+        }
+    }
+
+    /// SIGTERM, as systemd stops a service; answers how long the process took to exit.
+    fn terminate(mut self) -> Duration {
+        let pid = self.proc.0.id().to_string();
+        let sent = std::time::Instant::now();
+        let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(status.success());
+        loop {
+            if self.proc.0.try_wait().unwrap().is_some() {
+                return sent.elapsed();
+            }
+            assert!(
+                sent.elapsed() < Duration::from_secs(30),
+                "the server has not exited 30 s after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -260,6 +283,136 @@ async fn killed_at_every_boundary(b: Backend) {
     assert!(settled.is_some(), "{:?}", api.devices(&op, node).await);
 }
 both!(killed_at_every_boundary_on, killed_at_every_boundary);
+
+/// SIGTERM in the middle of a burst of creations on a simulated fleet: the server is gone
+/// within 5 s (agents' long polls and the jobs in flight do not hold it), and after a
+/// restart every job ends, no device is held twice, and once every VM is destroyed every
+/// device is clean and free again: none is stuck.
+async fn sigterm_mid_run(b: Backend) {
+    let db = TestDb::new(b).await;
+    let port = free_port();
+    let api = Api {
+        base: format!("http://127.0.0.1:{port}"),
+    };
+    let sim_dir = db.dir.path().join("sim");
+    let sim_dir = sim_dir.to_str().unwrap();
+    let fleet = [
+        "--sim-servers",
+        "8",
+        "--sim-gpus",
+        "8",
+        "--sim-dir",
+        sim_dir,
+        "--scrub-grace-secs",
+        "0",
+    ];
+    let server = start_with(&db, port, None, &fleet);
+    let op = api.login().await;
+    let c = api.client(Some(&op));
+    c.post::<Variant>(
+        "/v1/variants",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
+    )
+    .await
+    .ok(201);
+    c.post::<Package>(
+        "/v1/packages",
+        &json!({"name":"gpu-1x","vcpus":1,"memory_mib":1024,"devices":{"NVIDIA_H100":1}}),
+    )
+    .await
+    .ok(201);
+    let fleet_gpus = 64;
+    wait_for(Duration::from_secs(60), || async {
+        let l: Vec<passage_model::api::Server> = c.get("/v1/servers?limit=1000").await.ok(200);
+        let gpus: usize = l
+            .iter()
+            .map(|s| s.assignable_devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        (gpus == fleet_gpus).then_some(())
+    })
+    .await
+    .expect("the simulated fleet came up");
+
+    // Every GPU asked for at once; SIGTERM while their jobs run.
+    let posts: Vec<_> = (0..fleet_gpus)
+        .map(|i| {
+            let c = api.client(Some(&op));
+            tokio::spawn(async move {
+                c.post::<Vm>(
+                    "/v1/vms",
+                    &json!({"alias": format!("t-{i}"), "package":"gpu-1x"}),
+                )
+                .await
+                .ok(202)
+            })
+        })
+        .collect();
+    let mut vms = Vec::new();
+    for p in posts {
+        vms.push(p.await.unwrap());
+    }
+    let took = server.terminate();
+    assert!(
+        took < Duration::from_secs(5),
+        "exited {took:?} after SIGTERM"
+    );
+
+    let _server = start_with(&db, port, None, &fleet);
+    let op = api.login().await;
+    let c = api.client(Some(&op));
+    for vm in &vms {
+        let job = api.job_end(&op, vm.job_uuid.unwrap()).await;
+        assert!(
+            matches!(job.state, JobState::Succeeded | JobState::Failed),
+            "{job:?}"
+        );
+    }
+    let listed: Vec<Vm> = c.get("/v1/vms?limit=1000").await.ok(200);
+    let mut held: Vec<String> = listed
+        .iter()
+        .flat_map(|v| {
+            // Every simulated node has the same device paths: a device is its node's.
+            let node = v.server_uuid;
+            v.assigned_devices
+                .iter()
+                .map(move |d| format!("{node:?}{d}"))
+        })
+        .collect();
+    let n = held.len();
+    held.sort();
+    held.dedup();
+    assert_eq!(held.len(), n, "a device held by two VMs");
+    for v in &listed {
+        assert!(
+            matches!(v.state, VmState::Running | VmState::Failed),
+            "{} is {:?}",
+            v.uuid,
+            v.state
+        );
+    }
+
+    for v in &listed {
+        if v.state == VmState::Running {
+            let d: Vm = c.delete(&format!("/v1/vms/{}", v.uuid)).await.ok(202);
+            api.job_end(&op, d.job_uuid.unwrap()).await;
+        }
+    }
+    let clean = wait_for(Duration::from_secs(60), || async {
+        let l: Vec<passage_model::api::Server> = c.get("/v1/servers?limit=1000").await.ok(200);
+        let devices: Vec<AssignableDevice> = l
+            .into_iter()
+            .flat_map(|s| s.assignable_devices.unwrap_or_default())
+            .collect();
+        (devices.len() == fleet_gpus
+            && devices
+                .iter()
+                .all(|d| d.state == DeviceState::Unassigned && d.used_by.is_none()))
+        .then_some(())
+    })
+    .await;
+    assert!(clean.is_some(), "devices stuck after the restart");
+}
+both!(sigterm_mid_run_on, sigterm_mid_run);
 
 async fn silent_agent_times_out(b: Backend) {
     let mut cfg = fast_config();

@@ -215,9 +215,12 @@ async fn walk(b: Backend) {
 both!(real_binaries, walk);
 
 /// `--sim-servers`: simulated nodes register themselves, keep their identity across a
-/// restart of the server, and are placed on like any other.
+/// restart of the server, and are placed on like any other; on a fresh database beside
+/// the same `--sim-dir`, they join again instead of being refused.
 async fn simulated_nodes(b: Backend) {
-    let db = TestDb::new(b).await;
+    let first = TestDb::new(b).await;
+    let fresh = TestDb::new(b).await;
+    let db = &first;
     let sim_dir = db.dir.path().join("sim");
     let sim = sim_dir.to_str().unwrap().to_string();
     let args = [
@@ -231,8 +234,9 @@ async fn simulated_nodes(b: Backend) {
         &sim,
     ];
     let mut uuids: Vec<ServerId> = Vec::new();
-    for round in 0..2 {
-        let (server, base) = start_server(&db, &args);
+    for round in 0..3 {
+        let db = if round < 2 { db } else { &fresh };
+        let (server, base) = start_server(db, &args);
         let op = Client::at(
             &base,
             Some(&login(&base, "admin", "e2e-admin-password").await),
@@ -258,13 +262,16 @@ async fn simulated_nodes(b: Backend) {
         .unwrap_or_else(|| panic!("round {round}: two simulated nodes with 4 A100s each"));
         let mut now: Vec<ServerId> = list.iter().map(|s| s.uuid).collect();
         now.sort();
-        if round == 0 {
-            uuids = now;
-        } else {
-            assert_eq!(
+        match round {
+            0 => uuids = now,
+            1 => assert_eq!(
                 now, uuids,
                 "the same two nodes after a restart, no new ones"
-            );
+            ),
+            _ => assert!(
+                now.iter().all(|u| !uuids.contains(u)),
+                "two new nodes in the fresh database"
+            ),
         }
         drop(server);
     }

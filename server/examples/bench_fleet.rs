@@ -1,0 +1,357 @@
+//! Fleet benchmark: the whole pipeline a user runs, on a simulated fleet inside a real
+//! `server` process (`--sim-servers`: the real agent loop per node, fake sysfs, the `sim`
+//! hypervisor). Creations from many clients, then every VM `running` (bind, launch and
+//! mark-used answered by the nodes), then every VM deleted and every device back to
+//! `unassigned` through its scrub. Run by `cargo xtask bench fleet` (release build).
+//!
+//! Usage: bench_fleet --server-bin PATH [--backend sqlite|postgres] [--servers 1250]
+//!        [--gpus 8] [--vms 10000] [--clients 64] [--idle-secs 10]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use clap::Parser;
+use common::{ms, pct, post};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Args {
+    /// The `server` binary to start.
+    #[arg(long, value_name = "PATH")]
+    server_bin: String,
+    /// sqlite | postgres (a fresh database on PASSAGE_TEST_PG_URL).
+    #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "postgres"])]
+    backend: String,
+    /// Simulated compute nodes.
+    #[arg(long, default_value_t = 1250)]
+    servers: usize,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 8)]
+    gpus: usize,
+    /// VMs to create (one GPU each).
+    #[arg(long, default_value_t = 10_000)]
+    vms: usize,
+    /// Concurrent API clients.
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// How long the idle fleet is watched before the run.
+    #[arg(long, default_value_t = 10)]
+    idle_secs: u64,
+    /// How long to wait for each phase to finish before reporting it unfinished.
+    #[arg(long, default_value_t = 600)]
+    phase_limit_secs: u64,
+}
+
+/// What `/proc` says of the server process.
+struct Proc {
+    pid: u32,
+    ticks_per_sec: f64,
+}
+
+impl Proc {
+    /// User + system CPU time so far, in seconds.
+    fn cpu_secs(&self) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+        // The fields after the command name (which may hold spaces) in parentheses.
+        let rest = s.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after it.
+        (t(11) + t(12)) / self.ticks_per_sec
+    }
+
+    fn status_kib(&self, key: &str) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn open_files(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid)).map_or(0, |d| d.count())
+    }
+}
+
+fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
+    let mut child = Command::new(&a.server_bin)
+        .args(["--listen", "127.0.0.1:0", "--database", db])
+        .args(["--sim-servers", &a.servers.to_string()])
+        .args(["--sim-gpus", &a.gpus.to_string()])
+        .arg("--sim-dir")
+        .arg(sim_dir)
+        .args(["--scrub-grace-secs", "0"])
+        .env("PASSAGE_ADMIN_PASSWORD", common::ADMIN_PASSWORD)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let base = loop {
+        let l = lines.next().expect("server exited").unwrap();
+        if let Some(u) = l.strip_prefix("Passage listening on ") {
+            break u.trim().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (child, base)
+}
+
+async fn capacity(http: &reqwest::Client, base: &str, op: &str) -> Value {
+    let r = http
+        .get(format!("{base}/v1/capacity"))
+        .bearer_auth(op)
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    v.as_array()
+        .and_then(|a| a.iter().find(|c| c["variant"] == "H100").cloned())
+        .unwrap_or(Value::Null)
+}
+
+fn count(c: &Value, key: &str) -> u64 {
+    c[key].as_u64().unwrap_or(0)
+}
+
+/// Polls the capacity every 50 ms until `done` says so or the limit passes; answers when
+/// it was seen done, measured from `from`.
+async fn until(
+    http: &reqwest::Client,
+    base: &str,
+    op: &str,
+    from: Instant,
+    limit: Duration,
+    done: impl Fn(&Value) -> bool,
+) -> Option<Duration> {
+    loop {
+        let c = capacity(http, base, op).await;
+        if done(&c) {
+            return Some(from.elapsed());
+        }
+        if from.elapsed() > limit {
+            eprintln!("unfinished after {limit:?}: {c}");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `n` requests from `clients` concurrent clients: `request(i)` makes the i-th. Answers
+/// every latency (sorted), the answers by status, and the wall time.
+async fn burst<F, Fut>(
+    clients: usize,
+    n: usize,
+    request: F,
+) -> (Vec<Duration>, BTreeMap<u16, usize>, Duration)
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = u16> + Send,
+{
+    let request = Arc::new(request);
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..clients {
+        let (next, request) = (next.clone(), request.clone());
+        workers.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut codes: BTreeMap<u16, usize> = BTreeMap::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let t = Instant::now();
+                let st = request(i).await;
+                lat.push(t.elapsed());
+                *codes.entry(st).or_default() += 1;
+            }
+            (lat, codes)
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut codes: BTreeMap<u16, usize> = BTreeMap::new();
+    for w in workers {
+        let (l, c) = w.await.unwrap();
+        lat.extend(l);
+        for (k, v) in c {
+            *codes.entry(k).or_default() += v;
+        }
+    }
+    let wall = start.elapsed();
+    lat.sort();
+    (lat, codes, wall)
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let a = Args::parse();
+    let limit = Duration::from_secs(a.phase_limit_secs);
+    let dir = tempfile::tempdir().unwrap();
+    let db = common::database(&a.backend, dir.path()).await;
+    let sim_dir = dir.path().join("sim");
+    let t = Instant::now();
+    let (mut child, base) = start(&a, &db, &sim_dir);
+    let server = Proc {
+        pid: child.id(),
+        // USER_HZ: 100 on every Linux this runs on.
+        ticks_per_sec: 100.0,
+    };
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(a.clients)
+        .build()
+        .unwrap();
+    let op = common::catalog(&http, &base).await;
+    // One GPU and little else: the simulated nodes report their CPUs and memory, and the
+    // run measures the pipeline, not how many 64 GiB VMs a node's memory holds.
+    post(
+        &http,
+        &format!("{base}/v1/packages"),
+        Some(&op),
+        json!({"name":"fleet-1x","vcpus":1,"memory_mib":1024,"devices":{"H100":1}}),
+    )
+    .await;
+    let total = (a.servers * a.gpus) as u64;
+    let up = until(&http, &base, &op, t, limit, |c| count(c, "free") == total).await;
+    println!(
+        "fleet ({}): {} simulated nodes x {} GPUs, all {total} GPUs free {} after the server started",
+        a.backend,
+        a.servers,
+        a.gpus,
+        up.map_or("never".into(), |d| format!("{:.1} s", d.as_secs_f64())),
+    );
+
+    // The idle fleet: heartbeats and inventory reports only.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cpu0 = server.cpu_secs();
+    let t_idle = Instant::now();
+    tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
+    let idle_cpu = (server.cpu_secs() - cpu0) / t_idle.elapsed().as_secs_f64();
+    println!(
+        "idle fleet: server CPU {:.0} % of one core, RSS {} MiB, {} open files",
+        idle_cpu * 100.0,
+        server.status_kib("VmRSS:") / 1024,
+        server.open_files()
+    );
+
+    // Connections opened before the clock starts, as long-lived API clients have them.
+    for _ in 0..a.clients {
+        http.get(format!("{base}/v1/ping")).send().await.unwrap();
+    }
+
+    // Creations: accepted, then all running.
+    let cpu0 = server.cpu_secs();
+    let first = Instant::now();
+    let (h, b, o) = (http.clone(), base.clone(), op.clone());
+    let created: Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let keep = created.clone();
+    let (lat, codes, wall) = burst(a.clients, a.vms, move |i| {
+        let (h, b, o, keep) = (h.clone(), b.clone(), o.clone(), keep.clone());
+        async move {
+            let (st, vm) = post(
+                &h,
+                &format!("{b}/v1/vms"),
+                Some(&o),
+                json!({"alias": format!("f{i}"), "package": "fleet-1x"}),
+            )
+            .await;
+            if let Some(u) = vm["uuid"].as_str() {
+                keep.lock().unwrap().push(u.to_string());
+            }
+            st
+        }
+    })
+    .await;
+    let accepted = codes.get(&202).copied().unwrap_or(0);
+    println!(
+        "creations: {accepted} of {} accepted in {:.2} s = {:.0}/s; latency p50 {} p99 {} max {}; answers {codes:?}",
+        a.vms,
+        wall.as_secs_f64(),
+        accepted as f64 / wall.as_secs_f64(),
+        ms(pct(&lat, 0.5)),
+        ms(pct(&lat, 0.99)),
+        ms(pct(&lat, 1.0)),
+    );
+    let n = accepted as u64;
+    let running = until(&http, &base, &op, first, limit, |c| count(c, "used") == n).await;
+    let vms_running = {
+        let r = http
+            .get(format!("{base}/v1/vms?state=running&limit=1"))
+            .bearer_auth(&op)
+            .send()
+            .await
+            .unwrap();
+        r.headers()
+            .get("x-resource-count")
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let cpu_create = server.cpu_secs() - cpu0;
+    match running {
+        Some(d) => println!(
+            "running: all {n} devices used {:.2} s after the first request = {:.0} VMs/s end to end ({vms_running} VMs running); server CPU {:.1} s = {:.2} ms per VM",
+            d.as_secs_f64(),
+            n as f64 / d.as_secs_f64(),
+            cpu_create,
+            cpu_create * 1000.0 / n.max(1) as f64
+        ),
+        None => println!("running: not all {n} within {limit:?} ({vms_running} VMs running)"),
+    }
+
+    // Deletions: accepted, then every device clean and free again.
+    let uuids = Arc::new(std::mem::take(&mut *created.lock().unwrap()));
+    let cpu0 = server.cpu_secs();
+    let first = Instant::now();
+    let (h, b, o, u) = (http.clone(), base.clone(), op.clone(), uuids.clone());
+    let (lat, codes, wall) = burst(a.clients, uuids.len(), move |i| {
+        let (h, b, o, u) = (h.clone(), b.clone(), o.clone(), u.clone());
+        async move {
+            let r = h
+                .delete(format!("{b}/v1/vms/{}", u[i]))
+                .bearer_auth(&o)
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }
+    })
+    .await;
+    println!(
+        "deletions: {} accepted in {:.2} s = {:.0}/s; latency p50 {} p99 {}; answers {codes:?}",
+        codes.get(&202).copied().unwrap_or(0),
+        wall.as_secs_f64(),
+        uuids.len() as f64 / wall.as_secs_f64(),
+        ms(pct(&lat, 0.5)),
+        ms(pct(&lat, 0.99)),
+    );
+    let clean = until(&http, &base, &op, first, limit, |c| {
+        count(c, "unassigned") == total && count(c, "held") == 0
+    })
+    .await;
+    let cpu_delete = server.cpu_secs() - cpu0;
+    match clean {
+        Some(d) => println!(
+            "clean: all {total} devices unassigned {:.2} s after the first deletion; server CPU {:.1} s = {:.2} ms per VM",
+            d.as_secs_f64(),
+            cpu_delete,
+            cpu_delete * 1000.0 / uuids.len().max(1) as f64
+        ),
+        None => println!("clean: not within {limit:?}"),
+    }
+    println!(
+        "server peak RSS: {} MiB; open files now {}",
+        server.status_kib("VmHWM:") / 1024,
+        server.open_files()
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    common::drop_database(&db).await;
+}
