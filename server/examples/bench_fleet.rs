@@ -88,6 +88,8 @@ fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
         .arg("--sim-dir")
         .arg(sim_dir)
         .args(["--scrub-grace-secs", "0"])
+        // Not ./images on Postgres: the bench's files stay out of the clone.
+        .env("PASSAGE_IMAGE_DIR", sim_dir.with_file_name("images"))
         .env("PASSAGE_ADMIN_PASSWORD", common::ADMIN_PASSWORD)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
@@ -260,7 +262,7 @@ async fn main() {
                 &h,
                 &format!("{b}/v1/vms"),
                 Some(&o),
-                json!({"alias": format!("f{i}"), "package": "fleet-1x"}),
+                json!({"alias": format!("f{i}"), "package": "fleet-1x", "image": "bench"}),
             )
             .await;
             if let Some(u) = vm["uuid"].as_str() {

@@ -47,11 +47,26 @@ impl QemuConfig {
         })?;
         Ok(QemuConfig {
             binary,
-            accel: "kvm:tcg".to_string(),
+            accel: accel_from_env(std::env::var(ACCEL_ENV).ok()),
             sysfs_root: sysfs_root.map(Path::to_path_buf),
             // The fake-sysfs generator's marker: the tree is generated, not a kernel's.
             stand_in_devices: sysfs_root.is_some_and(|r| r.join(crate::host::FAKE_MARKER).exists()),
         })
+    }
+}
+
+/// Overrides the accelerator (`-machine accel=`): `tcg` on a host whose `/dev/kvm` is
+/// there but does not work (a VM without nested virtualisation: QEMU then hangs at
+/// start instead of falling back).
+pub const ACCEL_ENV: &str = "PASSAGE_QEMU_ACCEL";
+
+/// `kvm:tcg` (KVM, or emulation where there is none) unless the operator names one of
+/// QEMU's accelerators; anything else is ignored, as it would only make QEMU refuse to
+/// start every VM.
+fn accel_from_env(v: Option<String>) -> String {
+    match v.as_deref().map(str::trim) {
+        Some(a @ ("kvm" | "tcg" | "kvm:tcg" | "tcg:kvm")) => a.to_string(),
+        _ => "kvm:tcg".to_string(),
     }
 }
 
@@ -402,6 +417,18 @@ impl Hypervisor for QemuHypervisor {
         let mut vms = self.lock();
         vms.retain(|vm, r| Self::is_live(r, *vm));
         vms.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod accel_tests {
+    #[test]
+    fn the_accelerator_is_kvm_then_tcg_unless_named() {
+        use super::accel_from_env as a;
+        assert_eq!(a(None), "kvm:tcg");
+        assert_eq!(a(Some("tcg".into())), "tcg");
+        assert_eq!(a(Some(" kvm ".into())), "kvm");
+        assert_eq!(a(Some("whpx,evil=1".into())), "kvm:tcg");
     }
 }
 

@@ -321,6 +321,7 @@ async fn sigterm_mid_run(b: Backend) {
     )
     .await
     .ok(201);
+    let image = crate::common::create_test_image(&c).await;
     let fleet_gpus = 64;
     wait_for(Duration::from_secs(60), || async {
         let l: Vec<passage_model::api::Server> = c.get("/v1/servers?limit=1000").await.ok(200);
@@ -337,10 +338,11 @@ async fn sigterm_mid_run(b: Backend) {
     let posts: Vec<_> = (0..fleet_gpus)
         .map(|i| {
             let c = api.client(Some(&op));
+            let image = image.clone();
             tokio::spawn(async move {
                 c.post::<Vm>(
                     "/v1/vms",
-                    &json!({"alias": format!("t-{i}"), "package":"gpu-1x"}),
+                    &json!({"alias": format!("t-{i}"), "package":"gpu-1x", "image": image}),
                 )
                 .await
                 .ok(202)

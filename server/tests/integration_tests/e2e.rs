@@ -277,3 +277,182 @@ async fn simulated_nodes(b: Backend) {
     }
 }
 both!(sim_servers, simulated_nodes);
+
+/// The test guest image (`cargo xtask test` builds it and names it in
+/// `PASSAGE_TEST_IMAGE`); outside CI, or with `PASSAGE_ALLOW_NO_QEMU=1`, its absence
+/// skips the test.
+fn guest_image() -> Option<PathBuf> {
+    let found = std::env::var_os("PASSAGE_TEST_IMAGE")
+        .map(PathBuf::from)
+        .filter(|p| p.is_file());
+    if found.is_none() {
+        let allowed = std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1");
+        assert!(
+            allowed || std::env::var_os("CI").is_none(),
+            "PASSAGE_TEST_IMAGE is not set to a file: `cargo xtask test` builds the guest image"
+        );
+        eprintln!("note: SKIPPED: PASSAGE_TEST_IMAGE is not set (run `cargo xtask test-image`)");
+    }
+    found
+}
+
+/// The whole system boots a guest: the real server and a real `node-agent` with the QEMU
+/// backend (emulated: this machine's /dev/kvm does not work) over a generated tree with
+/// two GPUs. An operator uploads the Debian test image; a tenant's VM with a 2-GPU
+/// package is provisioned; the node downloads the image from the server over the agent
+/// API, makes the VM's disk on it, and the guest boots and counts two stand-in devices;
+/// destroying the VM deletes its disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_guest_boots_through_the_whole_system() {
+    let Some(image) = guest_image() else {
+        return;
+    };
+    let db = TestDb::new(Backend::Sqlite).await;
+    let agent_bin = node_agent_bin();
+    let (_server, base) = start_server(&db, &[]);
+    let token = login(&base, "admin", "e2e-admin-password").await;
+    let op = Client::at(&base, Some(&token));
+
+    // The image: a record, then its bytes.
+    let img: passage_model::images::Image = op
+        .post(
+            "/v1/images",
+            &json!({"name":"debian-test","version":"1","os":"linux","type":"qcow2",
+                    "public":true,"tags":{"default_user":"root"}}),
+        )
+        .await
+        .ok(201);
+    let bytes = tokio::fs::read(&image).await.unwrap();
+    let size = bytes.len() as u64;
+    let r = reqwest::Client::new()
+        .put(format!("{base}/v1/images/{}/file", img.uuid))
+        .bearer_auth(&token)
+        .body(bytes)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    let img: passage_model::images::Image =
+        op.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
+    assert_eq!(img.state, passage_model::images::ImageState::Active);
+
+    op.post::<Variant>(
+        "/v1/variants",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
+    )
+    .await
+    .ok(201);
+    op.post::<Package>(
+        "/v1/packages",
+        &json!({"name":"boot-2x","vcpus":1,"memory_mib":768,"disk_gib":4,
+                "devices":{"NVIDIA_H100":2}}),
+    )
+    .await
+    .ok(201);
+
+    // The node: a generated tree with two GPUs, the real agent running QEMU.
+    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
+    let sysfs = db.dir.path().join("sysfs");
+    let out = Command::new(&agent_bin)
+        .args(["fake-sysfs", "--out"])
+        .arg(&sysfs)
+        .args(["--gpus", "2", "--model", "h100"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let state = db.dir.path().join("agent-state");
+    let _agent = Proc(
+        Command::new(&agent_bin)
+            .args(["run", "--server", &base, "--join-token", &jt.token])
+            .arg("--sysfs-root")
+            .arg(&sysfs)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
+            .env("PASSAGE_QEMU_ACCEL", "tcg")
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(Duration::from_secs(30), || async {
+        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+        (list.first()?.assignable_devices.as_ref()?.len() == 2).then_some(())
+    })
+    .await
+    .expect("the node registered with two GPUs");
+
+    let vm: Vm = op
+        .post(
+            "/v1/vms",
+            &json!({"image":"debian-test","alias":"boot-1","package":"boot-2x"}),
+        )
+        .await
+        .ok(202);
+    assert_eq!(vm.image_uuid, Some(img.uuid));
+    let vm_path = format!("/v1/vms/{}", vm.uuid);
+    let job = wait_for(Duration::from_secs(300), || async {
+        let j: passage_model::api::Job = op
+            .get(&format!("/v1/jobs/{}", vm.job_uuid.unwrap()))
+            .await
+            .ok(200);
+        matches!(
+            j.state,
+            passage_model::api::JobState::Succeeded | passage_model::api::JobState::Failed
+        )
+        .then_some(j)
+    })
+    .await
+    .expect("the provision ended");
+    assert_eq!(
+        job.state,
+        passage_model::api::JobState::Succeeded,
+        "{job:?}"
+    );
+    let fetch = job.steps.iter().find(|s| s.name == "fetch_image").unwrap();
+    assert!(fetch.error.is_none(), "{fetch:?}");
+    let cached = state
+        .join("images")
+        .join(img.sha256.as_ref().unwrap().as_str());
+    assert_eq!(
+        std::fs::metadata(&cached).unwrap().len(),
+        size,
+        "the whole image"
+    );
+
+    // The guest's own words, on its serial console.
+    let console = state
+        .join("qemu")
+        .join(vm.uuid.to_string())
+        .join("console.log");
+    let seen = wait_for(Duration::from_secs(300), || async {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        text.lines()
+            .any(|l| l.trim() == "PASSAGE-BOOT-COUNT=1")
+            .then_some(text)
+    })
+    .await
+    .unwrap_or_else(|| {
+        panic!(
+            "the guest never booted; console:\n{}",
+            std::fs::read_to_string(&console).unwrap_or_default()
+        )
+    });
+    assert!(
+        seen.lines().any(|l| l.trim() == "PASSAGE-EDU-COUNT=2"),
+        "two stand-in GPUs in the guest:\n{seen}"
+    );
+
+    let disk = state
+        .join("qemu")
+        .join(vm.uuid.to_string())
+        .join("disk.qcow2");
+    assert!(disk.is_file());
+    op.delete::<Vm>(&vm_path).await.ok(202);
+    wait_for(Duration::from_secs(120), || async {
+        let v: Vm = op.get(&vm_path).await.ok(200);
+        (v.state == VmState::Destroyed).then_some(())
+    })
+    .await
+    .expect("the VM was destroyed");
+    assert!(!disk.exists(), "destroy deleted the disk");
+}
