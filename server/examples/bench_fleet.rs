@@ -5,7 +5,8 @@
 //! `unassigned` through its scrub. Run by `cargo xtask bench fleet` (release build).
 //!
 //! Usage: bench_fleet --server-bin PATH [--backend sqlite|postgres] [--servers 1250]
-//!        [--gpus 8] [--vms 10000] [--clients 64] [--idle-secs 10]
+//!        [--gpus 8] [--vms 10000] [--vcpus 1] [--memory-mib 1024] [--clients 64]
+//!        [--idle-secs 10]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -37,6 +38,14 @@ struct Args {
     /// VMs to create (one GPU each).
     #[arg(long, default_value_t = 10_000)]
     vms: usize,
+    /// vCPUs of the package each VM gets.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u32,
+    /// Memory (MiB) of the package each VM gets. The simulated nodes report 64 CPUs and
+    /// 512 GiB (4 GiB kept for the host): 8 vCPUs and 65536 MiB leave each node's eighth
+    /// GPU free with no room for its VM, the case where placement must skip full nodes.
+    #[arg(long, default_value_t = 1024)]
+    memory_mib: u64,
     /// Concurrent API clients.
     #[arg(long, default_value_t = 64)]
     clients: usize,
@@ -218,7 +227,7 @@ async fn main() {
         &http,
         &format!("{base}/v1/packages"),
         Some(&op),
-        json!({"name":"fleet-1x","vcpus":1,"memory_mib":1024,"devices":{"H100":1}}),
+        json!({"name":"fleet-1x","vcpus":a.vcpus,"memory_mib":a.memory_mib,"devices":{"H100":1}}),
     )
     .await;
     let total = (a.servers * a.gpus) as u64;

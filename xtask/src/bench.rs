@@ -86,6 +86,13 @@ pub struct Fleet {
     /// VMs to create and delete [default: 10000]
     #[arg(long, value_name = "N")]
     vms: Option<usize>,
+    /// vCPUs per VM [default: 1]
+    #[arg(long, value_name = "N")]
+    vcpus: Option<usize>,
+    /// Memory per VM, MiB [default: 1024; 65536 leaves each node's eighth GPU without
+    /// room for its VM]
+    #[arg(long, value_name = "MIB")]
+    memory_mib: Option<usize>,
     /// Concurrent API clients [default: 64]
     #[arg(long, value_name = "C")]
     clients: Option<usize>,
@@ -172,6 +179,8 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .number("--servers", p.servers)
                 .number("--gpus", p.gpus)
                 .number("--vms", p.vms)
+                .number("--vcpus", p.vcpus)
+                .number("--memory-mib", p.memory_mib)
                 .number("--clients", p.clients)
                 .number("--idle-secs", p.idle_secs);
             example("bench_fleet", &f.0)

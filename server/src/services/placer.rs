@@ -245,7 +245,11 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         policy == Policy::Spread,
         need,
         limit,
-        ctx.cfg.alloc,
+        room::Fit {
+            vcpus: package.vcpus,
+            memory_mib: package.memory_mib,
+            alloc: ctx.cfg.alloc,
+        },
     )
     .await;
     let view = match read {

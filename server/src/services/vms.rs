@@ -263,12 +263,22 @@ async fn hinted_choice(
         return Ok(None);
     };
     let spread = policy == placement::Policy::Spread;
-    let mut servers =
-        devices::hinted_servers(&ctx.db, primary, count, ctx.alive_after_ms(), spread, 32).await?;
+    let fit = room::Fit {
+        vcpus: package.vcpus,
+        memory_mib: package.memory_mib,
+        alloc: ctx.cfg.alloc,
+    };
+    let mut servers = devices::hinted_servers(
+        &ctx.db,
+        primary,
+        count,
+        ctx.alive_after_ms(),
+        spread,
+        32,
+        fit,
+    )
+    .await?;
     servers.retain(|(s, _)| !avoid.contains(s));
-    let ids: Vec<passage_model::ServerId> = servers.iter().map(|(s, _)| *s).collect();
-    let rooms = room::rooms(&ctx.db, Some(&ids), ctx.cfg.alloc).await?;
-    servers.retain(|(s, _)| room::fits(rooms.get(s), package.vcpus, package.memory_mib));
     let mut order: Vec<passage_model::ServerId> = Vec::with_capacity(servers.len());
     for tie in servers.chunk_by(|a, b| a.1 == b.1) {
         let mut group: Vec<_> = tie.iter().map(|(s, _)| *s).collect();

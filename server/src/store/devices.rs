@@ -658,7 +658,8 @@ pub async fn clear_taint(db: &Db, server: ServerId, id: &str) -> StoreResult<boo
 }
 
 /// Up to `limit` servers in service, heard from since `alive_after_ms`, with at least
-/// `at_least` free devices of `variant`: fewest free first (pack) or most (spread).
+/// `at_least` free devices of `variant` and room for one VM as `fit` asks: fewest free
+/// first (pack) or most (spread).
 pub async fn hinted_servers(
     db: &Db,
     variant: &str,
@@ -666,19 +667,23 @@ pub async fn hinted_servers(
     alive_after_ms: i64,
     spread: bool,
     limit: i64,
+    fit: super::room::Fit,
 ) -> StoreResult<Vec<(ServerId, i64)>> {
     let order = if spread { "DESC" } else { "ASC" };
     let sql = format!(
         "SELECT f.server_uuid, f.free FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
          WHERE f.variant = $1 AND f.free >= $2 AND s.last_heartbeat >= $3 \
-         AND s.disabled = 0 ORDER BY f.free {order} LIMIT $4"
+         AND s.disabled = 0 AND {} ORDER BY f.free {order} LIMIT $4",
+        super::room::has_room_sql(fit.alloc, "$5", "$6")
     );
     let rows: Vec<(String, i64)> = on_read!(db, |p| sqlx::query_as(&sql)
         .bind(variant)
         .bind(i64::from(at_least))
         .bind(alive_after_ms)
         .bind(limit)
+        .bind(i64::from(fit.vcpus))
+        .bind(i64::try_from(fit.memory_mib).unwrap_or(i64::MAX))
         .fetch_all(p)
         .await)?;
     rows.iter()
@@ -695,7 +700,8 @@ pub struct PlacementView {
 }
 
 /// Servers in service, heard from since `alive_after_ms`, with at least `at_least` free
-/// devices of `variant` (fewest free first, or most with `spread`), as many as hold
+/// devices of `variant` and room for one VM as `fit` asks (fewest free first, or most
+/// with `spread`), as many as hold
 /// `need` such devices together but at most `limit`; their vCPUs and memory, and their
 /// placeable devices of `variants`: one query.
 #[allow(clippy::too_many_arguments)]
@@ -708,8 +714,9 @@ pub async fn placement_view(
     spread: bool,
     need: i64,
     limit: i64,
-    alloc: super::room::Allocation,
+    fit: super::room::Fit,
 ) -> StoreResult<PlacementView> {
+    let alloc = fit.alloc;
     let order = if spread { "DESC" } else { "ASC" };
     // Row kinds: 0 a suggested server (n1: its free devices), 1 its room, 2 a free device.
     // The servers come in policy order until they hold `need` devices or `limit` servers.
@@ -720,7 +727,8 @@ pub async fn placement_view(
          f.free AS free, SUM(f.free) OVER (ORDER BY f.free {order}, f.server_uuid \
          ROWS UNBOUNDED PRECEDING) AS upto FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
-         WHERE f.variant = $1 AND f.free >= $2 AND s.last_heartbeat >= $3 AND s.disabled = 0) \
+         WHERE f.variant = $1 AND f.free >= $2 AND s.last_heartbeat >= $3 AND s.disabled = 0 \
+         AND {has_room}) \
          AS r WHERE upto - free < $4 ORDER BY free {order}, uuid LIMIT $5) \
          SELECT 0 AS kind, h.uuid AS k, CAST(NULL AS TEXT) AS id, CAST(NULL AS TEXT) AS v, \
          h.free AS n1, CAST(NULL AS BIGINT) AS n2, CAST(NULL AS BIGINT) AS n3, \
@@ -731,7 +739,8 @@ pub async fn placement_view(
          UNION ALL SELECT 2, d.server_uuid, d.id, d.variant, d.numa_node, NULL, NULL, NULL \
          FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND {} \
          AND d.variant IS NOT NULL",
-        placeable("d.")
+        placeable("d."),
+        has_room = super::room::has_room_sql(alloc, "$6", "$7"),
     );
     let args = vec![
         page::Arg::Text(variant.to_string()),
@@ -739,6 +748,8 @@ pub async fn placement_view(
         page::Arg::Int(alive_after_ms),
         page::Arg::Int(need),
         page::Arg::Int(limit),
+        page::Arg::Int(i64::from(fit.vcpus)),
+        page::Arg::Int(i64::try_from(fit.memory_mib).unwrap_or(i64::MAX)),
     ];
     type Row = (
         i32,

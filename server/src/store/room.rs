@@ -26,6 +26,37 @@ pub(crate) const ROOM_GROUP: &str = "GROUP BY s.uuid, s.cpus, s.memory_mib";
 /// Servers whose agent reported its resources; the others are not checked.
 pub(crate) const REPORTED: &str = "s.cpus IS NOT NULL AND s.memory_mib IS NOT NULL";
 
+/// What one more VM asks of a server's room, and how the room is counted.
+#[derive(Clone, Copy, Debug)]
+pub struct Fit {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub alloc: Allocation,
+}
+
+/// A condition on `s` (a `servers` row): the server has room for one more VM of
+/// `vcpus` and `memory_mib` (the placeholders that bind them), or never reported its
+/// resources. Placement's reads of the free-device index filter with it, so that
+/// servers with free devices but no vCPUs or memory left are never suggested: without
+/// it a fleet whose free devices sit on full servers sent every request to a full scan.
+/// The same sums as [`ROOM_COLS`], per server through `vms_server`; a hint only, as the
+/// reservation checks the room again under its lock.
+pub(crate) fn has_room_sql(alloc: Allocation, vcpus: &str, memory_mib: &str) -> String {
+    // An integer fits under `floor(cpus * ratio)` exactly when it fits under the product.
+    let ratio = if alloc.cpu_ratio.is_finite() && alloc.cpu_ratio > 0.0 {
+        alloc.cpu_ratio
+    } else {
+        1.0
+    };
+    let reserved = i64::try_from(alloc.reserved_memory_mib).unwrap_or(i64::MAX);
+    format!(
+        "(s.cpus IS NULL OR s.memory_mib IS NULL OR (SELECT \
+         COALESCE(SUM(v.vcpus), 0) + {vcpus} <= s.cpus * CAST({ratio:?} AS DOUBLE PRECISION) \
+         AND COALESCE(SUM(v.memory_mib), 0) + {memory_mib} <= s.memory_mib - {reserved} \
+         FROM vms v WHERE {VMS_HOLDING}))"
+    )
+}
+
 /// The room of each listed server (`servers_in`: ` IN (…)` or ` = ANY(…)`), leaving out
 /// the VMs of `vms_not_in` (` NOT IN (…)` or a condition that is always true), as rows
 /// `('room', server, NULL, NULL, cpus, memory, vcpus used, memory used)`.

@@ -85,6 +85,15 @@ fn new_vm<'a>(
     }
 }
 
+/// What a VM of `vcpus` and 1 GiB asks of a server's room.
+fn fit(vcpus: u32, alloc: Allocation) -> passage_server::store::room::Fit {
+    passage_server::store::room::Fit {
+        vcpus,
+        memory_mib: 1024,
+        alloc,
+    }
+}
+
 /// A VM of its own holding `ids`, reserved as every reservation is (`store::reserve`).
 async fn reserved(db: &Db, server: ServerId, owner: AccountId, ids: &[String]) -> VmId {
     let devs = paths(ids);
@@ -248,7 +257,7 @@ async fn concurrent_reservations_of_one_device(b: Backend) {
         ids.len() as i64
     );
     assert!(
-        devices::hinted_servers(&db, "H100", 1, 0, false, 10)
+        devices::hinted_servers(&db, "H100", 1, 0, false, 10, fit(1, Allocation::default()))
             .await
             .unwrap()
             .is_empty()
@@ -363,11 +372,21 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
     assert_eq!(accounts::gpu_held(&db, t.uuid).await.unwrap(), 2);
     // The free-device index followed: the hinted placement read sees what is left.
     let left = ids.len() - 4;
-    let view = devices::placement_view(&db, "H100", 1, &["H100".into()], 0, false, 100, 100, alloc)
-        .await
-        .unwrap();
+    let view = devices::placement_view(
+        &db,
+        "H100",
+        1,
+        &["H100".into()],
+        0,
+        false,
+        100,
+        100,
+        fit(0, alloc),
+    )
+    .await
+    .unwrap();
     assert_eq!(view.candidates.len(), left);
-    let hinted = devices::hinted_servers(&db, "H100", 1, 0, false, 10)
+    let hinted = devices::hinted_servers(&db, "H100", 1, 0, false, 10, fit(0, alloc))
         .await
         .unwrap();
     assert_eq!(hinted, vec![(server, left as i64)]);
@@ -376,6 +395,87 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
 both!(
     a_batch_decides_each_creation_in_order_on,
     a_batch_decides_each_creation_in_order
+);
+
+/// Placement's reads of the free-device index suggest only servers with room for the VM
+/// asked for: a server whose vCPUs or memory are spent is left out while devices are still
+/// free on it, and one that never reported its resources is not checked.
+async fn full_servers_are_not_suggested(b: Backend) {
+    use passage_server::store::room;
+    let (_tdb, db, server, ids) = seeded(b).await;
+    assert!(ids.len() >= 2);
+    let alloc = Allocation {
+        cpu_ratio: 1.5,
+        reserved_memory_mib: 1024,
+    };
+    let suggested = |vcpus: u32, memory_mib: u64| {
+        let db = db.clone();
+        async move {
+            let fit = room::Fit {
+                vcpus,
+                memory_mib,
+                alloc,
+            };
+            let hinted = devices::hinted_servers(&db, "H100", 1, 0, false, 10, fit)
+                .await
+                .unwrap();
+            let view =
+                devices::placement_view(&db, "H100", 1, &["H100".into()], 0, false, 100, 10, fit)
+                    .await
+                    .unwrap();
+            let hinted: Vec<ServerId> = hinted.into_iter().map(|(s, _)| s).collect();
+            assert_eq!(hinted, view.servers, "both reads agree");
+            !hinted.is_empty()
+        }
+    };
+    // Not reported yet: anything goes.
+    assert!(suggested(1000, 1 << 30).await);
+    // 4 CPUs at 1.5: 6 vCPUs; 9 GiB less 1 GiB kept for the host: 8 GiB.
+    room::set_host(
+        &db,
+        server,
+        Some(passage_model::protocol::HostResources {
+            cpus: 4,
+            memory_mib: 9 * 1024,
+        }),
+    )
+    .await
+    .unwrap();
+    assert!(suggested(6, 8 * 1024).await);
+    assert!(!suggested(7, 1024).await, "7 vCPUs of 6");
+    assert!(
+        !suggested(1, 8 * 1024 + 1).await,
+        "memory beyond what the host keeps"
+    );
+    // A VM of 4 vCPUs and 1 GiB (held while provisioning) leaves 2 vCPUs and 7 GiB.
+    let owner = tenant(&db, "t", None).await;
+    let devs = paths(&ids[..1]);
+    let vm = create::create_one(&db, new_vm(owner, server, &devs, 4), alloc)
+        .await
+        .unwrap();
+    assert!(suggested(2, 7 * 1024).await);
+    assert!(!suggested(3, 1024).await, "3 vCPUs of the 2 left");
+    assert!(!suggested(1, 7 * 1024 + 1).await);
+    // A destroyed VM holds nothing.
+    let sql = "UPDATE vms SET state = 'destroyed' WHERE uuid = $1";
+    match &db {
+        Db::Sqlite { write, .. } => sqlx::query(sql)
+            .bind(vm.uuid.to_string())
+            .execute(write)
+            .await
+            .map(|_| ()),
+        Db::Postgres(p) => sqlx::query(sql)
+            .bind(vm.uuid.to_string())
+            .execute(p)
+            .await
+            .map(|_| ()),
+    }
+    .unwrap();
+    assert!(suggested(6, 8 * 1024).await);
+}
+both!(
+    full_servers_are_not_suggested_on,
+    full_servers_are_not_suggested
 );
 
 /// Every row a creation can write, as text, with what differs between two databases
