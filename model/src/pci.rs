@@ -432,7 +432,10 @@ impl PciDetails {
         put("aer_fatal", self.aer_fatal.map(|n| n.to_string()));
         put("aer_nonfatal", self.aer_nonfatal.map(|n| n.to_string()));
         put("physfn", self.physfn.map(|a| a.to_string()));
-        put("vgpu", self.vgpu.as_ref().map(crate::vgpu::VgpuHost::summary));
+        put(
+            "vgpu",
+            self.vgpu.as_ref().map(crate::vgpu::VgpuHost::summary),
+        );
         out
     }
 }

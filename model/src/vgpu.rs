@@ -154,13 +154,16 @@ impl VgpuHost {
                     t.id
                 )));
             }
-            if t.framebuffer_mib.is_some_and(|f| f == 0 || f > MAX_FRAMEBUFFER_MIB) {
+            if t.framebuffer_mib
+                .is_some_and(|f| f == 0 || f > MAX_FRAMEBUFFER_MIB)
+            {
                 return Err(bad(format!(
                     "vGPU type {}: framebuffer_mib out of 1..={MAX_FRAMEBUFFER_MIB}",
                     t.id
                 )));
             }
-            if t.max_instances.is_some_and(|m| m == 0 || m > MAX_INSTANCES) || t.available > MAX_INSTANCES
+            if t.max_instances.is_some_and(|m| m == 0 || m > MAX_INSTANCES)
+                || t.available > MAX_INSTANCES
             {
                 return Err(bad(format!(
                     "vGPU type {}: instance counts out of 1..={MAX_INSTANCES}",

@@ -172,15 +172,23 @@ impl FakeKernel {
         let existing = fake_vgpu::mdev_types(gpu)?;
         let mig = self.mig_of(gpu);
         for t in types {
-            let file = gpu.join("mdev_supported_types").join(t.id).join("available_instances");
-            write_existing(&file, &format!("{}\n", fake_vgpu::fits(types, mig, &existing, t)))?;
+            let file = gpu
+                .join("mdev_supported_types")
+                .join(t.id)
+                .join("available_instances");
+            write_existing(
+                &file,
+                &format!("{}\n", fake_vgpu::fits(types, mig, &existing, t)),
+            )?;
         }
         Ok(())
     }
 
     fn mdev_create(&self, type_dir: &Path, value: &str) -> io::Result<()> {
         let (Some(ty), Some(gpu)) = (
-            type_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+            type_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned()),
             type_dir.parent().and_then(Path::parent),
         ) else {
             return Err(err(io::ErrorKind::InvalidInput, "not a type".into()));
@@ -195,7 +203,10 @@ impl FakeKernel {
         let uuid = uuid.to_ascii_lowercase();
         let types = Self::table_of(gpu)?;
         let spec = types.iter().find(|t| t.id == ty).ok_or_else(|| {
-            err(io::ErrorKind::NotFound, format!("no vGPU type {ty} (ENODEV)"))
+            err(
+                io::ErrorKind::NotFound,
+                format!("no vGPU type {ty} (ENODEV)"),
+            )
         })?;
         let mdev = gpu.join(&uuid);
         if mdev.exists() || self.root.join("bus/mdev/devices").join(&uuid).exists() {
@@ -216,7 +227,10 @@ impl FakeKernel {
             ));
         }
         fs::create_dir(&mdev)?;
-        symlink(&format!("../mdev_supported_types/{ty}"), &mdev.join("mdev_type"))?;
+        symlink(
+            &format!("../mdev_supported_types/{ty}"),
+            &mdev.join("mdev_type"),
+        )?;
         fs::write(mdev.join("remove"), "")?;
         // Each mdev gets an IOMMU group of its own, as vfio-mdev gives it.
         let groups = self.root.join("kernel/iommu_groups");
@@ -231,12 +245,18 @@ impl FakeKernel {
             .strip_prefix(&self.root)
             .map_err(|_| err(io::ErrorKind::InvalidData, "outside the tree".into()))?;
         let up = self.up_from(&mdev)?;
-        symlink(&format!("{up}kernel/iommu_groups/{next}"), &mdev.join("iommu_group"))?;
+        symlink(
+            &format!("{up}kernel/iommu_groups/{next}"),
+            &mdev.join("iommu_group"),
+        )?;
         symlink(
             &format!("../../../../{}", rel.display()),
             &group.join("devices").join(&uuid),
         )?;
-        symlink(&format!("../../../{uuid}"), &type_dir.join("devices").join(&uuid))?;
+        symlink(
+            &format!("../../../{uuid}"),
+            &type_dir.join("devices").join(&uuid),
+        )?;
         let bus = self.root.join("bus/mdev/devices");
         fs::create_dir_all(&bus)?;
         symlink(&format!("../../../{}", rel.display()), &bus.join(&uuid))?;
@@ -250,12 +270,16 @@ impl FakeKernel {
                 format!("remove takes 1, not {:?} (EINVAL)", value.trim()),
             ));
         }
-        let (Some(gpu), Some(ty)) = (mdev.parent(), link_basename(&mdev.join("mdev_type"))?)
-        else {
+        let (Some(gpu), Some(ty)) = (mdev.parent(), link_basename(&mdev.join("mdev_type"))?) else {
             return Err(err(io::ErrorKind::NotFound, "not an mdev".into()));
         };
         let uuid = file_name(mdev);
-        let _ = fs::remove_file(gpu.join("mdev_supported_types").join(&ty).join("devices").join(&uuid));
+        let _ = fs::remove_file(
+            gpu.join("mdev_supported_types")
+                .join(&ty)
+                .join("devices")
+                .join(&uuid),
+        );
         let _ = fs::remove_file(self.root.join("bus/mdev/devices").join(&uuid));
         if let Some(g) = link_basename(&mdev.join("iommu_group"))?
             && g.parse::<u32>().is_ok()
@@ -273,8 +297,16 @@ impl FakeKernel {
             .ok_or_else(|| err(io::ErrorKind::NotFound, "no parent".into()))?;
         let pf = link_basename(&vf.join("physfn"))?
             .map(|b| parent.join(b))
-            .ok_or_else(|| err(io::ErrorKind::NotFound, format!("{} is not a VF", vf.display())))?;
-        let n: usize = read_attr(&pf.join("sriov_numvfs"))?.trim().parse().unwrap_or(0);
+            .ok_or_else(|| {
+                err(
+                    io::ErrorKind::NotFound,
+                    format!("{} is not a VF", vf.display()),
+                )
+            })?;
+        let n: usize = read_attr(&pf.join("sriov_numvfs"))?
+            .trim()
+            .parse()
+            .unwrap_or(0);
         let mut vfs = Vec::new();
         for i in 0..n {
             if let Some(b) = link_basename(&pf.join(format!("virtfn{i}")))? {
@@ -306,17 +338,25 @@ impl FakeKernel {
             if current.trim() != "0" {
                 return Err(err(
                     io::ErrorKind::ResourceBusy,
-                    format!("{} already is a vGPU of type {} (EBUSY)", file_name(vf), current.trim()),
+                    format!(
+                        "{} already is a vGPU of type {} (EBUSY)",
+                        file_name(vf),
+                        current.trim()
+                    ),
                 ));
             }
             let creatable = read_attr(&nv.join("creatable_vgpu_types"))?;
-            let listed = creatable.lines().skip(1).any(|l| {
-                l.split_once(':').is_some_and(|(id, _)| id.trim() == want)
-            });
+            let listed = creatable
+                .lines()
+                .skip(1)
+                .any(|l| l.split_once(':').is_some_and(|(id, _)| id.trim() == want));
             if !listed {
                 return Err(err(
                     io::ErrorKind::InvalidInput,
-                    format!("vGPU type {want} cannot be created on {} now (EINVAL)", file_name(vf)),
+                    format!(
+                        "vGPU type {want} cannot be created on {} now (EINVAL)",
+                        file_name(vf)
+                    ),
                 ));
             }
             write_existing(&file, &format!("{want}\n"))?;

@@ -82,7 +82,10 @@ pub enum FakeError {
     #[error("{gpus} GPUs do not fit in the bus numbers of {numa_nodes} NUMA node(s)")]
     TooManyGpus { gpus: u32, numa_nodes: u32 },
     #[error("--vgpu {vgpu} needs --model {needs}")]
-    VgpuModel { vgpu: &'static str, needs: &'static str },
+    VgpuModel {
+        vgpu: &'static str,
+        needs: &'static str,
+    },
     #[error("--mig needs --vgpu")]
     MigWithoutVgpu,
     #[error("{0} exists and is not empty")]
@@ -527,7 +530,11 @@ pub fn generate_with(
             vgpu_hosts.push(FakeGpu {
                 rel: rel.clone(),
                 bdf: f.addr.to_string(),
-                vfs: f.virtfns.iter().map(|v| parent.join(v.to_string())).collect(),
+                vfs: f
+                    .virtfns
+                    .iter()
+                    .map(|v| parent.join(v.to_string()))
+                    .collect(),
             });
         }
     }

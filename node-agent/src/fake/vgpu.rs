@@ -295,13 +295,24 @@ mod tests {
     #[test]
     fn capacity_rules() {
         let mut seen = std::collections::HashSet::new();
-        assert!(A100.iter().chain(H100).all(|t| seen.insert(t.id)), "ids are unique");
+        assert!(
+            A100.iter().chain(H100).all(|t| seen.insert(t.id)),
+            "ids are unique"
+        );
         let four_c = &A100[4];
         assert_eq!(fits(A100, false, &[], four_c), 10);
         let e = vec!["nvidia-472".to_string(); 3];
         assert_eq!(fits(A100, false, &e, four_c), 7);
-        assert_eq!(fits(A100, false, &e, &A100[5]), 0, "one time-sliced type per GPU");
-        assert_eq!(fits(A100, true, &[], four_c), 0, "no time-sliced types in MIG mode");
+        assert_eq!(
+            fits(A100, false, &e, &A100[5]),
+            0,
+            "one time-sliced type per GPU"
+        );
+        assert_eq!(
+            fits(A100, true, &[], four_c),
+            0,
+            "no time-sliced types in MIG mode"
+        );
         let mig = vec!["nvidia-470".to_string(), "nvidia-469".to_string()];
         assert_eq!(fits(A100, true, &mig, &A100[1]), 2, "7 - 3 - 2 slices left");
         assert_eq!(fits(A100, true, &mig, &A100[0]), 0);
