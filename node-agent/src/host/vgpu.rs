@@ -560,8 +560,8 @@ mod tests {
             "00000000:3B:00.0, Enabled\n00000000:5E:00.0, Disabled\n00000000:86:00.0, [N/A]\ngarbage\n",
         );
         assert_eq!(m.len(), 2);
-        assert_eq!(m[&"0000:3b:00.0".parse().unwrap()], true);
-        assert_eq!(m[&"0000:5e:00.0".parse().unwrap()], false);
+        assert!(m[&"0000:3b:00.0".parse().unwrap()]);
+        assert!(!m[&"0000:5e:00.0".parse().unwrap()]);
     }
 
     proptest! {
