@@ -110,6 +110,17 @@ impl Proc {
             .unwrap_or(0)
     }
 
+    /// User + system CPU time so far, in seconds (USER_HZ: 100 on every Linux this runs on).
+    fn cpu_secs(&self) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.0)).unwrap_or_default();
+        // The fields after the command name (which may hold spaces) in parentheses:
+        // utime and stime are fields 14 and 15 of the whole line, 11 and 12 after it.
+        let rest = s.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        (t(11) + t(12)) / 100.0
+    }
+
     /// A field of `/proc/PID/io`: `rchar`/`wchar` count every byte through read/write
     /// calls, sockets included.
     fn io(&self, key: &str) -> u64 {
@@ -415,6 +426,7 @@ async fn main() {
     settle(cold);
     let rss_before = server.status_kib("VmRSS:");
     let sampler = RssSampler::start(server.0);
+    let cpu0 = server.cpu_secs();
     let t = Instant::now();
     let out = Command::new("curl")
         .args(["-sS", "--fail-with-body", "-X", "PUT", "-H", "Expect:"])
@@ -427,6 +439,7 @@ async fn main() {
         .status()
         .unwrap();
     let upload = Rate::of(size, t.elapsed().as_secs_f64());
+    let upload_cpu = server.cpu_secs() - cpu0;
     let rss_peak = sampler.finish().max(server.status_kib("VmRSS:"));
     let answered: Value =
         serde_json::from_slice(&std::fs::read(&answer).unwrap_or_default()).unwrap_or_default();
@@ -498,7 +511,12 @@ async fn main() {
     settle(cold);
     let rss_before_dl = server.status_kib("VmRSS:");
     let sampler = RssSampler::start(server.0);
+    let (cpu_s0, cpu_a0) = (server.cpu_secs(), agent_proc.cpu_secs());
     let (vm1, job1) = api.provision("image-1", &img_uuid, limit).await;
+    let (dl_cpu_server, dl_cpu_agent) = (
+        server.cpu_secs() - cpu_s0,
+        agent_proc.cpu_secs() - cpu_a0,
+    );
     let rss_growth_dl = sampler.finish().saturating_sub(rss_before_dl) as f64 / 1024.0;
     let fetch1 = step(&job1, "fetch_image");
     let step1 = Rate::of(size, step_secs(fetch1));
@@ -581,6 +599,11 @@ async fn main() {
         rss_growth,
         server.status_kib("VmHWM:") as f64 / 1024.0,
         rss_growth_dl
+    );
+    println!(
+        "CPU time: the server {upload_cpu:.2} s during the upload; during the first VM's provision the server {dl_cpu_server:.2} s and the agent {dl_cpu_agent:.2} s ({} CPUs, load average at the start {})",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     );
     println!("first VM: fetch_image progress {progress1:?}; its overlay made in {disk1_ms:.0} ms");
     println!(
