@@ -513,10 +513,8 @@ async fn main() {
     let sampler = RssSampler::start(server.0);
     let (cpu_s0, cpu_a0) = (server.cpu_secs(), agent_proc.cpu_secs());
     let (vm1, job1) = api.provision("image-1", &img_uuid, limit).await;
-    let (dl_cpu_server, dl_cpu_agent) = (
-        server.cpu_secs() - cpu_s0,
-        agent_proc.cpu_secs() - cpu_a0,
-    );
+    let (dl_cpu_server, dl_cpu_agent) =
+        (server.cpu_secs() - cpu_s0, agent_proc.cpu_secs() - cpu_a0);
     let rss_growth_dl = sampler.finish().saturating_sub(rss_before_dl) as f64 / 1024.0;
     let fetch1 = step(&job1, "fetch_image");
     let step1 = Rate::of(size, step_secs(fetch1));
@@ -603,7 +601,10 @@ async fn main() {
     println!(
         "CPU time: the server {upload_cpu:.2} s during the upload; during the first VM's provision the server {dl_cpu_server:.2} s and the agent {dl_cpu_agent:.2} s ({} CPUs, load average at the start {})",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
-        load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     println!("first VM: fetch_image progress {progress1:?}; its overlay made in {disk1_ms:.0} ms");
     println!(
