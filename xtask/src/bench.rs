@@ -21,7 +21,7 @@ const NUMA_NODES: &str = "8";
 const IN_PROCESS_RUNS: &str = "500";
 const PROCESS_RUNS: usize = 50;
 
-/// `cargo xtask bench discovery|placement|fleet|portal`.
+/// `cargo xtask bench discovery|placement|fleet|portal|images`.
 #[derive(clap::Subcommand)]
 pub enum Bench {
     /// PCI discovery on a ~300-function fake tree, next to `lspci`
@@ -47,6 +47,29 @@ pub enum Bench {
     /// Fetches the list pages of a release `server` as a signed-in operator from
     /// concurrent clients: p50/p95/p99 and page size (server/examples/bench_portal.rs).
     Portal(Portal),
+    /// A 2 GiB image uploaded and downloaded by a node, next to `cp` on the same disk
+    ///
+    /// A release `server` and a real `node-agent run --hypervisor qemu` (TCG, generated
+    /// tree): `cp` + fsync of the image file, its upload (`curl -T`) with the server's RSS,
+    /// the node's download for a first VM, and a second VM from the cached image
+    /// (server/examples/bench_images.rs). Drops the page cache before each transfer
+    /// (root) unless `--page-cache warm`.
+    Images(Images),
+}
+
+/// `cargo xtask bench images`: flags given are passed on to the example, which holds the
+/// defaults.
+#[derive(clap::Args)]
+pub struct Images {
+    /// Size of the image in MiB [default: 2048]
+    #[arg(long, value_name = "MIB")]
+    size_mib: Option<usize>,
+    /// cold: drop the page cache before each transfer (root); warm: keep it [default: cold]
+    #[arg(long, value_name = "C", value_parser = ["cold", "warm"])]
+    page_cache: Option<String>,
+    /// Where the temporary work directory goes [default: <target>/bench-images]
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
 }
 
 /// `cargo xtask bench placement`: flags given are passed on to the example, which holds
@@ -196,7 +219,48 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .add("--keep", p.keep.clone());
             example("bench_portal", &f.0)
         }
+        Bench::Images(p) => images(p),
     }
+}
+
+/// `bench_images` needs the agent binary beside the server, and QEMU, `qemu-img` and
+/// curl on the machine.
+fn images(p: &Images) -> Result<()> {
+    crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
+    crate::test::ensure_tool("qemu-img", "qemu-utils")?;
+    crate::test::ensure_tool("curl", "curl")?;
+    println!("==> building server, node-agent and bench_images (release)");
+    util::run_checked(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "passage-server",
+        "-p",
+        "node-agent",
+        "--bin",
+        "server",
+        "--bin",
+        "node-agent",
+        "--example",
+        "bench_images",
+    ]))?;
+    let release = target_dir()?.join("release");
+    // Not the system's temp dir: that may be a tmpfs, where `cp` and fsync cost nothing.
+    let work = match &p.work_dir {
+        Some(d) => d.clone(),
+        None => target_dir()?.join("bench-images"),
+    };
+    let mut f = Flags::default();
+    f.number("--size-mib", p.size_mib)
+        .add("--page-cache", p.page_cache.clone())
+        .add("--work-dir", Some(work));
+    let mut cmd = Command::new(release.join("examples/bench_images"));
+    cmd.arg("--server-bin")
+        .arg(release.join("server"))
+        .arg("--agent-bin")
+        .arg(release.join("node-agent"))
+        .args(&f.0);
+    util::run_checked(&mut cmd)
 }
 
 /// Runs one of the server's benchmark examples (`server/examples/<name>.rs`) against a

@@ -8,6 +8,8 @@
 //! - `cargo xtask bench placement`: VM creations per second through the API, and
 //!   multi-GPU placement decisions.
 //! - `cargo xtask bench portal`: the portal's list pages over a seeded fleet.
+//! - `cargo xtask bench images`: a 2 GiB image's upload and a node's download of it next
+//!   to `cp` on the same disk, and a second VM from the cached image.
 //! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
 //!   REST API fuzzed with Schemathesis against its own OpenAPI document.
 //! - `cargo xtask fuzz-parsers [--secs N] [--target T]`: the `cargo fuzz` targets (PCI
@@ -53,7 +55,7 @@ enum Command {
     Test(test::Args),
     /// A local server with simulated GPU nodes, until Ctrl-C
     Demo(demo::Args),
-    /// Benchmarks: PCI discovery, VM placement through the API, portal list pages
+    /// Benchmarks: PCI discovery, placement, fleet, portal pages, image transfers
     #[command(subcommand)]
     Bench(bench::Bench),
     /// Fuzz the REST API with Schemathesis against a throwaway server

@@ -62,13 +62,21 @@ pub fn create_overlay(
     if recorded.as_ref() != Some(disk) {
         write_json(&spec_path, disk, 0o600).map_err(io(&spec_path))?;
     }
+    let started = std::time::Instant::now();
     let made = make_overlay(qemu_img, &dir, disk, image_path);
     if made.is_err() && !path.exists() {
         // No disk, so no longer a user of the image.
         let _ = fs::remove_file(&spec_path);
     }
     made?;
-    tracing::info!(vm = %vm, disk = %path.display(), image = %disk.image.sha256, size_gib = disk.size_gib, "boot disk created");
+    tracing::info!(
+        vm = %vm,
+        disk = %path.display(),
+        image = %disk.image.sha256,
+        size_gib = disk.size_gib,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "boot disk created"
+    );
     Ok(path)
 }
 
