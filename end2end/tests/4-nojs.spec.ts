@@ -81,6 +81,9 @@ test('without JavaScript: an operator creates an image and is shown the upload a
   await expect(curl).toBeVisible();
   await expect(curl).toContainText(`curl -T FILE -H 'authorization: Bearer TOKEN'`);
   await expect(curl).toContainText(`/v1/images/${uuid}/file`);
+  if (process.env.PASSAGE_SCREENS_DIR) {
+    await page.screenshot({ path: `${process.env.PASSAGE_SCREENS_DIR}/image-nojs.png`, fullPage: true });
+  }
   // Deleted again, after the page asked.
   await page.getByRole('link', { name: 'Delete image' }).click();
   await page.getByRole('button', { name: 'Yes, delete plain-image@1' }).click();

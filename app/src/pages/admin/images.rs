@@ -432,7 +432,9 @@ fn Upload(
         #[cfg(not(feature = "hydrate"))]
         let _ = (csrf, input, url, data);
     };
-    let failed = state == ImageState::Failed;
+    // Said when the page opens on a failed image; after an upload here its own answer
+    // says why instead.
+    let failed = state == ImageState::Failed && sending.get_untracked() == Sending::Idle;
     let uploadable = matches!(state, ImageState::Unactivated | ImageState::Failed);
     let busy = move || matches!(sending.get(), Sending::Busy { .. });
     let curl = format!(
