@@ -451,12 +451,12 @@ pub struct ImageRow {
 async fn with_owners(images: Vec<passage_model::images::Image>) -> Vec<ImageRow> {
     let mut logins: BTreeMap<AccountId, String> = BTreeMap::new();
     for img in &images {
-        if !logins.contains_key(&img.owner_uuid) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = logins.entry(img.owner_uuid) {
             let login = match be::get::<Account>(&format!("/accounts/{}", img.owner_uuid)).await {
                 Ok(a) => a.login,
                 Err(_) => crate::fmt::short_uuid(&img.owner_uuid.to_string()).to_string(),
             };
-            logins.insert(img.owner_uuid, login);
+            slot.insert(login);
         }
     }
     images

@@ -437,9 +437,7 @@ fn Upload(
     let failed = state == ImageState::Failed && sending.get_untracked() == Sending::Idle;
     let uploadable = matches!(state, ImageState::Unactivated | ImageState::Failed);
     let busy = move || matches!(sending.get(), Sending::Busy { .. });
-    let curl = format!(
-        "curl -T FILE -H 'authorization: Bearer TOKEN' -H 'x-content-sha256: SHA256' {file_url}"
-    );
+    let curl = format!("curl -T FILE -H 'authorization: Bearer TOKEN' {file_url}");
     view! {
         <section class="card" aria-labelledby="upload-h">
             <h2 id="upload-h">"Upload its file"</h2>
@@ -486,10 +484,10 @@ fn Upload(
                 <summary>"Upload from a shell"</summary>
                 <p>
                     "Without scripts this page cannot stream a file. Send it with an API token "
-                    "(from " <code>"POST /v1/auth/login"</code> " or " <code>"/v1/tokens"</code> "); "
-                    "the checksum header is optional and refuses a file that does not match:"
+                    "(from " <code>"POST /v1/auth/login"</code> " or " <code>"/v1/tokens"</code> "). "
+                    "Add " <code>"-H 'x-content-sha256: DIGEST'"</code> " to have it refused unless its SHA-256 matches."
                 </p>
-                <pre data-testid="upload-curl"><code>{curl}</code></pre>
+                <pre class="wrap" data-testid="upload-curl"><code>{curl}</code></pre>
             </details>
         </section>
     }
