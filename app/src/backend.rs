@@ -51,18 +51,22 @@ pub fn csrf_for(session: &str) -> String {
     hex::encode(&h.finalize()[..16])
 }
 
-/// Every state-changing server function starts here.
-pub fn check_csrf(given: &str) -> PortalResult<()> {
-    let session = session_token().ok_or_else(PortalError::unauthorized)?;
-    let want = csrf_for(&session);
-    // Compare without an early exit, so timing says nothing about the expected value.
-    let same = want.len() == given.len()
+/// Whether `given` is the CSRF token of `session`. Compared without an early exit, so
+/// timing says nothing about the expected value.
+pub fn csrf_matches(session: &str, given: &str) -> bool {
+    let want = csrf_for(session);
+    want.len() == given.len()
         && want
             .bytes()
             .zip(given.bytes())
             .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
-    if same {
+            == 0
+}
+
+/// Every state-changing server function starts here.
+pub fn check_csrf(given: &str) -> PortalResult<()> {
+    let session = session_token().ok_or_else(PortalError::unauthorized)?;
+    if csrf_matches(&session, given) {
         Ok(())
     } else {
         pass_status_on(StatusCode::FORBIDDEN);
@@ -99,6 +103,20 @@ pub fn check_same_origin() -> PortalResult<()> {
         ));
     }
     Ok(())
+}
+
+/// This portal's address as the browser reached it, for commands shown to paste into a
+/// shell.
+pub fn site_origin() -> String {
+    let host = use_context::<http::request::Parts>()
+        .and_then(|p| {
+            p.headers
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "127.0.0.1:8080".to_string());
+    format!("http://{host}")
 }
 
 pub fn set_session_cookie(token: &str, max_age_secs: i64) {

@@ -167,6 +167,10 @@ pub struct Image {
     pub tags: BTreeMap<String, String>,
     pub requirements: ImageRequirements,
     pub created_at: DateTime<Utc>,
+    /// Operators and readers only: how many VMs not yet destroyed were built from it.
+    /// Absent for tenants, whom other tenants' VMs are no business of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_count: Option<u64>,
 }
 
 /// An image's name and version, in characters.

@@ -16,7 +16,7 @@
 //!   `<hostname>~<server uuid>~<device id>`.
 
 use passage_model::api::{JobState, ServerStatus, VmState};
-use passage_model::{AccountId, DeviceState, ServerId};
+use passage_model::{AccountId, DeviceState, ImageId, ServerId};
 
 /// The OpenAPI pattern of [`TimeKey`] cursors.
 pub const TIME_CURSOR_PATTERN: &str =
@@ -197,6 +197,8 @@ pub struct VmFilter {
     pub state: Option<VmState>,
     pub server: Option<ServerId>,
     pub assigned_device: Option<String>,
+    /// Only VMs built from this image.
+    pub image: Option<ImageId>,
 }
 
 /// Which assignable devices the fleet-wide list shows.

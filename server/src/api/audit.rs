@@ -2,7 +2,7 @@
 
 use crate::services::{self, Ctx, auth};
 use axum::extract::{OriginalUri, Request, State};
-use axum::http::{Method, header};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
 
@@ -17,12 +17,7 @@ pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Respons
         .map(|u| u.0.path().to_string())
         .unwrap_or_else(|| req.uri().path().to_string());
     // Resolved before the call: a logout ends the very token that names its caller.
-    let token = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(|t| t.trim().to_string());
+    let token = super::extract::session_credential(req.headers());
     let account = match token {
         Some(t) => auth::caller_from_token(&ctx, &t).await.ok(),
         None => None,

@@ -50,6 +50,32 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .map(str::trim)
 }
 
+/// The header the portal's own scripts send with its CSRF token on calls to /v1.
+pub const CSRF_HEADER: &str = "x-csrf-token";
+
+/// The session token a /v1 call is made with: its bearer token, or else the portal's
+/// session cookie, taken only beside the CSRF token derived from it (`x-csrf-token`). The
+/// cookie is HttpOnly, so the portal's scripts (an upload streamed from the browser)
+/// cannot send it as a bearer token. Browsers attach cookies to requests other sites
+/// make, so the cookie alone counts for nothing: another site can neither read nor
+/// compute the CSRF token, and CORS stays closed to the custom header.
+pub fn session_credential(headers: &HeaderMap) -> Option<String> {
+    if let Some(t) = bearer(headers) {
+        return Some(t.to_string());
+    }
+    let given = headers.get(CSRF_HEADER)?.to_str().ok()?;
+    let session = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == passage_app::backend::SESSION_COOKIE)
+        .map(|(_, v)| v.trim())
+        .filter(|v| !v.is_empty() && v.len() <= 256)?;
+    passage_app::backend::csrf_matches(session, given).then(|| session.to_string())
+}
+
 impl FromRequestParts<Ctx> for Caller {
     type Rejection = ApiError;
 
@@ -58,8 +84,8 @@ impl FromRequestParts<Ctx> for Caller {
         if let Some(c) = parts.extensions.get::<Caller>() {
             return Ok(c.clone());
         }
-        let token = bearer(&parts.headers).ok_or_else(ApiError::unauthorized)?;
-        let account = auth::caller_from_token(ctx, token).await?;
+        let token = session_credential(&parts.headers).ok_or_else(ApiError::unauthorized)?;
+        let account = auth::caller_from_token(ctx, &token).await?;
         Ok(Caller { account })
     }
 }

@@ -15,7 +15,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::listing::{Cursor, DeviceFilter, MAX_CURSOR_LEN, PageReq, Start, VmFilter};
 use chrono::{DateTime, Utc};
 use passage_model::api::{JobState, MAX_LIST_LIMIT, ServerStatus, VmState};
-use passage_model::{AccountId, DevicePath, DeviceState, ServerId};
+use passage_model::{AccountId, DevicePath, DeviceState, ImageId, ServerId};
 use serde::Deserialize;
 use std::marker::PhantomData;
 use utoipa::openapi::Required;
@@ -253,6 +253,9 @@ pub struct VmsQuery {
     /// Only VMs with this device
     #[param(inline)]
     pub assigned_device: Option<DevicePath>,
+    /// Only VMs built from this image
+    #[param(value_type = Option<String>, format = Uuid)]
+    pub image_uuid: Option<ImageId>,
 }
 
 impl From<VmsQuery> for VmFilter {
@@ -262,6 +265,7 @@ impl From<VmsQuery> for VmFilter {
             state: q.state,
             server: q.server_uuid,
             assigned_device: q.assigned_device.map(|d| d.to_string()),
+            image: q.image_uuid,
         }
     }
 }

@@ -86,12 +86,8 @@ pub async fn logout(
     _caller: Caller,
     headers: HeaderMap,
 ) -> ApiResult<StatusCode> {
-    if let Some(t) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    {
-        auth::logout(&ctx, t.trim()).await?;
+    if let Some(t) = crate::api::extract::session_credential(&headers) {
+        auth::logout(&ctx, &t).await?;
     }
     Ok(StatusCode::NO_CONTENT)
 }

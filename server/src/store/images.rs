@@ -5,7 +5,7 @@ use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time, unique_as_
 use crate::{on_read, on_write};
 use passage_model::images::{Image, ImageRequirements, ImageState, ImageType, Sha256};
 use passage_model::{AccountId, ImageId};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(sqlx::FromRow)]
 struct ImageRow {
@@ -56,6 +56,7 @@ impl ImageRow {
                 min_disk_gib: self.min_disk_gib.and_then(|g| u64::try_from(g).ok()),
             },
             created_at: to_time(self.created_at),
+            vm_count: None,
         })
     }
 }
@@ -359,6 +360,30 @@ pub async fn live_vms(db: &Db, uuid: ImageId) -> StoreResult<i64> {
     .bind(uuid.to_string())
     .fetch_one(c)
     .await)?)
+}
+
+/// VMs not yet destroyed built from each of `uuids`, in one query; an image no such VM
+/// names is absent from the map.
+pub async fn live_vm_counts(db: &Db, uuids: &[ImageId]) -> StoreResult<HashMap<ImageId, u64>> {
+    if uuids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let marks: Vec<String> = (1..=uuids.len()).map(|i| format!("${i}")).collect();
+    let sql = format!(
+        "SELECT image_uuid, COUNT(*) FROM vms \
+         WHERE image_uuid IN ({}) AND state <> 'destroyed' GROUP BY image_uuid",
+        marks.join(", ")
+    );
+    let rows: Vec<(String, i64)> = on_read!(db, |c| {
+        let mut q = sqlx::query_as(&sql);
+        for u in uuids {
+            q = q.bind(u.to_string());
+        }
+        q.fetch_all(c).await
+    })?;
+    rows.into_iter()
+        .map(|(u, n)| Ok((parse_uuid(&u, "image")?, u64::try_from(n).unwrap_or(0))))
+        .collect()
 }
 
 /// Whether any VM row (destroyed or not) names `uuid`: then its record stays.

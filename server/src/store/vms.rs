@@ -92,6 +92,10 @@ pub async fn list(db: &Db, f: &VmFilter, req: &PageReq<TimeKey>) -> StoreResult<
         let a = w.text(sv.to_string());
         w.and(format!("server_uuid = {a}"));
     }
+    if let Some(i) = f.image {
+        let a = w.text(i.to_string());
+        w.and(format!("image_uuid = {a}"));
+    }
     if let Some(d) = &f.assigned_device {
         // One whole element of the JSON array of paths: quoted, with LIKE's wildcards
         // escaped (a device path has none, but the store does not rely on it).

@@ -518,6 +518,32 @@ async fn vms_from_images(b: Backend) {
     }
     let got: Vm = tc.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
     assert_eq!(got.image_uuid, Some(v2.uuid));
+    // Staff see how many live VMs each image has, in the list and on the image; tenants
+    // do not (other tenants' VMs are no business of theirs).
+    let listed: Vec<Image> = s.get("/v1/images?name=debian").await.ok(200);
+    let count = |u: ImageId| listed.iter().find(|i| i.uuid == u).and_then(|i| i.vm_count);
+    assert_eq!(count(v1.uuid), Some(2));
+    assert_eq!(count(v2.uuid), Some(1));
+    assert_eq!(count(unready.uuid), Some(0));
+    let one: Image = s.get(&format!("/v1/images/{}", v1.uuid)).await.ok(200);
+    assert_eq!(one.vm_count, Some(2));
+    let seen: Image = tc.get(&format!("/v1/images/{}", v1.uuid)).await.ok(200);
+    assert_eq!(seen.vm_count, None);
+    let theirs: Vec<Image> = tc.get("/v1/images?name=debian").await.ok(200);
+    assert!(theirs.iter().all(|i| i.vm_count.is_none()), "{theirs:?}");
+    // And which VMs those are.
+    let from_v1: Vec<Vm> = s
+        .get(&format!("/v1/vms?image_uuid={}", v1.uuid))
+        .await
+        .ok(200);
+    let mut want: Vec<_> = made.iter().map(|v| v.uuid).collect();
+    want.sort();
+    let mut got_uuids: Vec<_> = from_v1.iter().map(|v| v.uuid).collect();
+    got_uuids.sort();
+    assert_eq!(got_uuids, want);
+    s.get::<Vec<Vm>>("/v1/vms?image_uuid=nope")
+        .await
+        .invalid("image_uuid");
     // Stop, then: no migration (the disk lives on its node); start fetches again.
     let stopped: Vm = tc
         .post_empty(&format!("/v1/vms/{}/stop", vm.uuid))
@@ -580,8 +606,54 @@ async fn vms_from_images(b: Backend) {
         assert_eq!(after.state, VmState::Destroyed);
         assert_eq!(file.exists(), i + 1 < all.len(), "after destroy {i}");
     }
+    // Destroyed VMs use no image.
+    let listed: Vec<Image> = s.get("/v1/images?name=debian").await.ok(200);
+    assert!(listed.iter().all(|i| i.vm_count == Some(0)), "{listed:?}");
 }
 crate::both!(vms_from_images, vms_from_images);
+
+/// The portal's scripts upload with the session cookie and its CSRF token (the cookie is
+/// HttpOnly, so they cannot send a bearer token); the cookie alone, or with a wrong
+/// token, is refused.
+async fn upload_with_portal_session(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let img = new_image(&s, "cookie", "1", "qcow2").await;
+    let url = s.url(&format!("/v1/images/{}/file", img.uuid));
+    let cookie = format!("passage_session={}", s.admin);
+    let csrf = passage_app::backend::csrf_for(&s.admin);
+    let put = |csrf: Option<String>| {
+        let mut rb = s
+            .http
+            .put(&url)
+            .header("cookie", &cookie)
+            .body(qcow2_bytes());
+        if let Some(c) = csrf {
+            rb = rb.header("x-csrf-token", c);
+        }
+        rb.send()
+    };
+    assert_eq!(put(None).await.unwrap().status(), 401);
+    let wrong = passage_app::backend::csrf_for("another-session");
+    assert_eq!(put(Some(wrong)).await.unwrap().status(), 401);
+    // Another site's page cannot learn the token: without it, nothing changed.
+    let still: Image = s.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
+    assert_eq!(still.state, ImageState::Unactivated);
+    let r = put(Some(csrf)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let up: Image = r.json().await.unwrap();
+    assert_eq!(up.state, ImageState::Active);
+    // The audit log names who did it.
+    let log: serde_json::Value = s.get("/v1/audit?limit=100").await.ok(200);
+    let entry = log
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["method"] == "PUT" && e["status"] == 200)
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(entry["actor_login"], "admin", "{log}");
+}
+crate::both!(upload_with_portal_session, upload_with_portal_session);
 
 /// A node's progress on its image download shows on the job step waiting for it; no
 /// node reports on another's task.
