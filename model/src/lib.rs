@@ -16,7 +16,6 @@ mod redact;
 mod schema;
 pub mod state;
 pub mod variant;
-pub mod vgpu;
 
 pub use error::{ApiErrorBody, ErrorCode};
 pub use ids::*;

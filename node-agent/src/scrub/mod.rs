@@ -8,7 +8,7 @@
 
 mod env;
 mod nvme;
-pub(crate) mod process;
+mod process;
 mod programs;
 mod reset;
 
