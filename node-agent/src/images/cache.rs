@@ -17,6 +17,7 @@
 //!   one fits. Images in use are never deleted: over budget, the download goes on with a
 //!   warning, as refusing would fail a VM for want of space some other VM holds.
 
+use super::sink::HashingSink;
 use super::source::{FetchError, ImageSource};
 use crate::state::{read_json, write_json};
 use passage_model::images::Sha256;
@@ -29,7 +30,6 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 
 pub const GIB: u64 = 1024 * 1024 * 1024;
@@ -281,6 +281,8 @@ impl ImageCache {
         let mut last_progress = Instant::now();
         progress.send_replace(TaskProgress { done: have, total });
         let mut received = Ok(());
+        let mut sink = HashingSink::start(file.into_std().await, hasher);
+        let mut too_much = false;
         while let Some(b) = body.as_mut() {
             let chunk = match b.chunk().await {
                 Ok(Some(c)) => c,
@@ -291,28 +293,32 @@ impl ImageCache {
                 }
             };
             if have + chunk.len() as u64 > total {
-                drop(file);
-                let _ = tokio::fs::remove_file(&part).await;
-                return Err(Failure::Fetch(FetchError::transient(format!(
-                    "the source sent more than the image's {total} bytes"
-                ))));
+                too_much = true;
+                break;
             }
-            // Hashing a chunk (at most a few MiB) takes a few milliseconds: done here
-            // rather than hopping to a blocking thread for each chunk.
-            hasher.update(&chunk);
-            file.write_all(&chunk)
-                .await
-                .map_err(|e| Failure::Io(io_err(&part)(e)))?;
-            have += chunk.len() as u64;
+            let n = chunk.len() as u64;
+            if sink.push(chunk).await.is_err() {
+                // The writer stopped: `finish` says why.
+                break;
+            }
+            have += n;
             if last_progress.elapsed() >= PROGRESS_EVERY {
                 progress.send_replace(TaskProgress { done: have, total });
                 last_progress = Instant::now();
             }
         }
-        // What arrived is kept (flushed) for the next attempt, even after an error.
-        file.flush()
+        // What arrived is kept (written) for the next attempt, even after an error.
+        let (file, hasher) = sink
+            .finish()
             .await
             .map_err(|e| Failure::Io(io_err(&part)(e)))?;
+        if too_much {
+            drop(file);
+            let _ = tokio::fs::remove_file(&part).await;
+            return Err(Failure::Fetch(FetchError::transient(format!(
+                "the source sent more than the image's {total} bytes"
+            ))));
+        }
         received.map_err(Failure::Fetch)?;
         if have < total {
             return Err(Failure::Fetch(FetchError::transient(format!(
@@ -333,10 +339,10 @@ impl ImageCache {
                 FetchError::permanent(message)
             }));
         }
-        file.sync_all()
+        let synced = tokio::task::spawn_blocking(move || file.sync_all())
             .await
-            .map_err(|e| Failure::Io(io_err(&part)(e)))?;
-        drop(file);
+            .map_err(|e| Failure::Io(ImageError::Join(e.to_string())))?;
+        synced.map_err(|e| Failure::Io(io_err(&part)(e)))?;
         let (final_path, side, dir) = (
             self.path(&image.sha256),
             self.sidecar_path(&image.sha256),

@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod disk;
+pub mod sink;
 pub mod source;
 
 pub use cache::{GIB, ImageCache, ImageError};

@@ -18,11 +18,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::store::images::{self as store, ImageFilter};
 use axum::body::Body;
 use futures_util::StreamExt;
+use node_agent::images::sink::HashingSink;
 use passage_model::images::{CreateImage, Image, ImageState, Sha256, UpdateImage, check_format};
 use passage_model::{ErrorCode, ImageId};
 use sha2::Digest;
 use std::path::{Path, PathBuf};
-use tokio::io::AsyncWriteExt;
 
 /// An upload claim older than this is taken to be abandoned (its server died mid-upload)
 /// and another upload may take the image over.
@@ -284,35 +284,50 @@ async fn receive(
 ) -> ApiResult<Image> {
     let uuid = img.uuid;
     let max = ctx.cfg.image_max_bytes;
-    let mut file = tokio::fs::File::create(tmp)
+    let file = tokio::fs::File::create(tmp)
         .await
         .map_err(|e| io_error("creating an upload file", e))?;
-    let mut hasher = sha2::Sha256::new();
+    // Written and hashed on threads of their own while this task reads the socket.
+    let mut sink = HashingSink::start(file.into_std().await, sha2::Sha256::new());
     let mut size: u64 = 0;
     let mut head: Vec<u8> = Vec::with_capacity(8);
     let mut stream = body.into_data_stream();
+    let mut received = Ok(());
     while let Some(chunk) = stream.next().await {
         // An error here is the client's connection failing mid-body: the image stays
         // unactivated (`up` cleans up as it drops).
-        let chunk = chunk
-            .map_err(|e| ApiError::invalid("body", format!("the upload was cut short: {e}")))?;
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                received = Err(ApiError::invalid(
+                    "body",
+                    format!("the upload was cut short: {e}"),
+                ));
+                break;
+            }
+        };
         size = size.saturating_add(chunk.len() as u64);
         if size > max {
-            return Err(too_large(max));
+            received = Err(too_large(max));
+            break;
         }
         if head.len() < 8 {
             let take = (8 - head.len()).min(chunk.len());
             head.extend_from_slice(&chunk[..take]);
         }
-        hasher.update(&chunk);
-        file.write_all(&chunk)
-            .await
-            .map_err(|e| io_error("writing an upload file", e))?;
+        if sink.push(chunk).await.is_err() {
+            // The writer stopped: `finish` says why.
+            break;
+        }
     }
-    file.sync_all()
+    // Both threads are done with the file before anything else happens to it.
+    let finished = sink.finish().await;
+    received?;
+    let (file, hasher) = finished.map_err(|e| io_error("writing an upload file", e))?;
+    tokio::task::spawn_blocking(move || file.sync_all())
         .await
+        .map_err(|e| ApiError::internal(format!("syncing an upload file: {e}")))?
         .map_err(|e| io_error("syncing an upload file", e))?;
-    drop(file);
     let digest: [u8; 32] = hasher.finalize().into();
     let sha = Sha256::from_bytes(&digest);
     if let Some(want) = expected
