@@ -15,8 +15,7 @@ use clap::Parser;
 use common::{ms, pct, post};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -90,8 +89,8 @@ impl Proc {
 }
 
 fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
-    let mut child = Command::new(&a.server_bin)
-        .args(["--listen", "127.0.0.1:0", "--database", db])
+    let mut cmd = Command::new(&a.server_bin);
+    cmd.args(["--listen", "127.0.0.1:0", "--database", db])
         .args(["--sim-servers", &a.servers.to_string()])
         .args(["--sim-gpus", &a.gpus.to_string()])
         .arg("--sim-dir")
@@ -100,19 +99,8 @@ fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
         // Not ./images on Postgres: the bench's files stay out of the clone.
         .env("PASSAGE_IMAGE_DIR", sim_dir.with_file_name("images"))
         .env("PASSAGE_ADMIN_PASSWORD", common::ADMIN_PASSWORD)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let base = loop {
-        let l = lines.next().expect("server exited").unwrap();
-        if let Some(u) = l.strip_prefix("Passage listening on ") {
-            break u.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (child, base)
+        .env("RUST_LOG", "error");
+    common::spawn_server(&mut cmd)
 }
 
 async fn capacity(http: &reqwest::Client, base: &str, op: &str) -> Value {

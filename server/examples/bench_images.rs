@@ -396,25 +396,15 @@ async fn main() {
 
     // The server, its catalog, the image record.
     let db = format!("sqlite://{}", w.join("bench.db").display());
-    let mut child = Command::new(&a.server_bin)
-        .args(["--listen", "127.0.0.1:0", "--database", &db])
+    let mut cmd = Command::new(&a.server_bin);
+    cmd.args(["--listen", "127.0.0.1:0", "--database", &db])
         .arg("--image-dir")
         .arg(&image_dir)
         .env("PASSAGE_ADMIN_PASSWORD", common::ADMIN_PASSWORD)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .env("RUST_LOG", "error");
+    let (child, base) = common::spawn_server(&mut cmd);
     let server = Proc(child.id());
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     cleanup.children.push(child);
-    let base = loop {
-        let l = lines.next().expect("server exited").unwrap();
-        if let Some(u) = l.strip_prefix("Passage listening on ") {
-            break u.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
     let http = reqwest::Client::new();
     let token = common::catalog(&http, &base).await;
     let api = Api {

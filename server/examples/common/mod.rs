@@ -100,8 +100,8 @@ pub const ADMIN_PASSWORD: &str = "bench-admin-password";
 /// "running" for an hour without heartbeats, and job steps wait an hour for agents that
 /// never answer, so only the measured requests load the server.
 pub fn start_server(server_bin: &str, db: &str) -> (Child, String) {
-    let mut child = Command::new(server_bin)
-        .args(["--listen", "127.0.0.1:0", "--database", db])
+    let mut cmd = Command::new(server_bin);
+    cmd.args(["--listen", "127.0.0.1:0", "--database", db])
         .args([
             "--heartbeat-timeout-secs",
             "3600",
@@ -115,10 +115,14 @@ pub fn start_server(server_bin: &str, db: &str) -> (Child, String) {
             std::env::temp_dir().join(format!("passage-bench-images-{}", std::process::id())),
         )
         .env("PASSAGE_ADMIN_PASSWORD", ADMIN_PASSWORD)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .env("RUST_LOG", "error");
+    spawn_server(&mut cmd)
+}
+
+/// Starts `cmd` (a `server` command line) with its stdout piped; answers the child and
+/// the base URL it prints once it listens.
+pub fn spawn_server(cmd: &mut Command) -> (Child, String) {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let base = loop {
         let l = lines.next().expect("server exited").unwrap();
