@@ -16,6 +16,7 @@ mod redact;
 mod schema;
 pub mod state;
 pub mod variant;
+pub mod vgpu;
 
 pub use error::{ApiErrorBody, ErrorCode};
 pub use ids::*;

@@ -348,6 +348,12 @@ pub struct PciDetails {
     pub aer_fatal: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aer_nonfatal: Option<u64>,
+    /// For an SR-IOV virtual function: its physical function (the `physfn` link).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub physfn: Option<PciAddress>,
+    /// For a GPU whose driver can share it: its vGPU types, VFs, vGPUs and MIG mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<crate::vgpu::VgpuHost>,
 }
 
 impl PciDetails {
@@ -381,6 +387,9 @@ impl PciDetails {
             return Err(PciParseError::Details(format!(
                 "more than {MAX_GROUP_MEMBERS} bridges"
             )));
+        }
+        if let Some(v) = &self.vgpu {
+            v.validate()?;
         }
         Ok(())
     }
@@ -422,6 +431,11 @@ impl PciDetails {
         put("sriov_numvfs", self.sriov_numvfs.map(|n| n.to_string()));
         put("aer_fatal", self.aer_fatal.map(|n| n.to_string()));
         put("aer_nonfatal", self.aer_nonfatal.map(|n| n.to_string()));
+        put("physfn", self.physfn.map(|a| a.to_string()));
+        put(
+            "vgpu",
+            self.vgpu.as_ref().map(crate::vgpu::VgpuHost::summary),
+        );
         out
     }
 }
@@ -595,6 +609,26 @@ mod tests {
         let mut dev = d;
         dev.details = Some(many);
         assert!(dev.validate().is_err());
+
+        // vGPU facts travel inside details and their bounds are the details' bounds.
+        let mut with_vgpu = with.clone();
+        with_vgpu["details"]["physfn"] = "0000:3a:00.0".into();
+        with_vgpu["details"]["vgpu"] = serde_json::json!({
+            "framework": "mdev", "mig_mode": false,
+            "types": [{"id": "nvidia-222", "name": "GRID A100-4C", "available": 9,
+                       "max_instances": 10, "framebuffer_mib": 4096}],
+            "vgpus": [{"id": "c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d", "type_id": "nvidia-222"}]
+        });
+        let v: PciDevice = serde_json::from_value(with_vgpu.clone()).unwrap();
+        assert!(v.validate().is_ok());
+        assert_eq!(serde_json::to_value(&v).unwrap(), with_vgpu);
+        let mut bad = with_vgpu.clone();
+        bad["details"]["vgpu"]["types"][0]["id"] = "nvidia/../222".into();
+        let bad: PciDevice = serde_json::from_value(bad).unwrap();
+        assert!(bad.validate().is_err());
+        let mut bad = with_vgpu;
+        bad["details"]["vgpu"]["mig"] = true.into();
+        assert!(serde_json::from_value::<PciDevice>(bad).is_err());
     }
 
     proptest! {

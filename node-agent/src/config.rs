@@ -46,9 +46,10 @@ pub struct FileConfig {
     pub hypervisor: Option<HypervisorKind>,
     pub heartbeat_secs: Option<u64>,
     pub hostname: Option<String>,
-    /// The `nvidia-smi` the `nvidia_reset` scrub step runs. Default: `nvidia-smi` on the
-    /// agent's `PATH`; where there is none (or this file does not exist) the step is
-    /// reported as skipped.
+    /// The `nvidia-smi` the `nvidia_reset` scrub step runs, and discovery asks for MIG
+    /// mode on GPUs that host vGPUs. Default: `nvidia-smi` on the agent's `PATH` (on a
+    /// generated tree, the tree's own stand-in for MIG mode); where there is none (or
+    /// this file does not exist) the step is reported as skipped and MIG mode unknown.
     pub nvidia_smi: Option<PathBuf>,
     /// The program the `zero_gpu_memory` scrub step runs as `PROGRAM --bdf BDF` (exit 0:
     /// the GPU's memory was zeroed and read back as zero). Default: `passage-gpu-zero` on

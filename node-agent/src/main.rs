@@ -1,7 +1,7 @@
 use clap::{Parser, Subcommand};
 use node_agent::agent::{self, AgentConfig, DEFAULT_STATE_DIR};
 use node_agent::config::{self, FileConfig};
-use node_agent::fake::{self, FakeOptions, FakeSpec, GpuModel};
+use node_agent::fake::{self, FakeOptions, FakeSpec, FakeVgpu, GpuModel};
 use node_agent::host::{Discoverer, discover};
 use node_agent::hypervisor::HypervisorKind;
 use std::io::Write;
@@ -46,6 +46,13 @@ enum Command {
         /// Memory in MiB over all NUMA nodes (default 256 GiB per node).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=68719476736))]
         memory_mib: Option<u64>,
+        /// Make the GPUs vGPU hosts: mdev types (with --model a100) or NVIDIA vendor VFIO
+        /// over 32 SR-IOV VFs each (with --model h100); writes a stand-in nvidia-smi too.
+        #[arg(long, value_enum)]
+        vgpu: Option<FakeVgpu>,
+        /// Start those GPUs in MIG mode (MIG-backed vGPU types only).
+        #[arg(long, requires = "vgpu")]
+        mig: bool,
     },
     /// Times discovery in-process: min, median and p95 over N warm runs.
     #[command(hide = true)]
@@ -130,6 +137,8 @@ fn main() -> ExitCode {
             gpu_audio,
             cpus,
             memory_mib,
+            vgpu,
+            mig,
         } => {
             let spec = FakeSpec {
                 gpus,
@@ -143,6 +152,8 @@ fn main() -> ExitCode {
                     gpu_audio,
                     cpus,
                     memory_mib,
+                    vgpu,
+                    mig,
                 },
             ) {
                 Ok(tree) => {

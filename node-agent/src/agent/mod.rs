@@ -487,7 +487,15 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         client,
         executor: Arc::new(executor),
         sysfs_root: cfg.sysfs_root.clone(),
-        discoverer: Arc::new(Discoverer::new()),
+        // MIG mode comes from the same nvidia-smi the scrub runs, when one is configured.
+        discoverer: Arc::new(
+            Discoverer::new().with_nvidia_smi(
+                opts.scrub
+                    .nvidia_smi
+                    .clone()
+                    .map_or(crate::host::NvidiaSmi::Auto, crate::host::NvidiaSmi::Path),
+            ),
+        ),
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
         in_flight: std::sync::Mutex::new(HashSet::new()),

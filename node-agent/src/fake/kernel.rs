@@ -2,7 +2,8 @@
 //! tree the way Linux's PCI core would (driver links, overrides), so the binder's code
 //! runs unchanged against it.
 
-use crate::host::{SysfsOps, bound_driver, read_attr, write_existing};
+use super::vgpu::{self as fake_vgpu, TypeSpec};
+use crate::host::{SysfsOps, bound_driver, link_basename, read_attr, write_existing};
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Component, Path, PathBuf};
@@ -145,6 +146,236 @@ impl FakeKernel {
     }
 }
 
+/// The vGPU side: mdev `create` and `remove`, vendor-VFIO `current_vgpu_type`, each
+/// followed by what NVIDIA's driver updates (every type's `available_instances`, every
+/// VF's `creatable_vgpu_types`). Errors name the errno the kernel would return.
+impl FakeKernel {
+    fn table_of(gpu: &Path) -> io::Result<&'static [TypeSpec]> {
+        let device = read_attr(&gpu.join("device"))?;
+        u16::from_str_radix(device.trim_start_matches("0x"), 16)
+            .ok()
+            .and_then(fake_vgpu::table_for_device)
+            .ok_or_else(|| {
+                err(
+                    io::ErrorKind::Unsupported,
+                    format!("{} hosts no vGPUs in this fake", gpu.display()),
+                )
+            })
+    }
+
+    fn mig_of(&self, gpu: &Path) -> bool {
+        fake_vgpu::mig_on(&self.root, &file_name(gpu))
+    }
+
+    fn recompute_mdev(&self, gpu: &Path) -> io::Result<()> {
+        let types = Self::table_of(gpu)?;
+        let existing = fake_vgpu::mdev_types(gpu)?;
+        let mig = self.mig_of(gpu);
+        for t in types {
+            let file = gpu
+                .join("mdev_supported_types")
+                .join(t.id)
+                .join("available_instances");
+            write_existing(
+                &file,
+                &format!("{}\n", fake_vgpu::fits(types, mig, &existing, t)),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn mdev_create(&self, type_dir: &Path, value: &str) -> io::Result<()> {
+        let (Some(ty), Some(gpu)) = (
+            type_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned()),
+            type_dir.parent().and_then(Path::parent),
+        ) else {
+            return Err(err(io::ErrorKind::InvalidInput, "not a type".into()));
+        };
+        let uuid = value.trim();
+        if uuid.len() != 36 || uuid::Uuid::try_parse(uuid).is_err() {
+            return Err(err(
+                io::ErrorKind::InvalidInput,
+                format!("{uuid:?} is not a UUID (EINVAL)"),
+            ));
+        }
+        let uuid = uuid.to_ascii_lowercase();
+        let types = Self::table_of(gpu)?;
+        let spec = types.iter().find(|t| t.id == ty).ok_or_else(|| {
+            err(
+                io::ErrorKind::NotFound,
+                format!("no vGPU type {ty} (ENODEV)"),
+            )
+        })?;
+        let mdev = gpu.join(&uuid);
+        if mdev.exists() || self.root.join("bus/mdev/devices").join(&uuid).exists() {
+            return Err(err(
+                io::ErrorKind::AlreadyExists,
+                format!("mdev {uuid} exists (EEXIST)"),
+            ));
+        }
+        let existing = fake_vgpu::mdev_types(gpu)?;
+        if fake_vgpu::fits(types, self.mig_of(gpu), &existing, spec) == 0 {
+            return Err(err(
+                io::ErrorKind::ResourceBusy,
+                format!(
+                    "no instance of {} available on {} (available_instances 0: EUSERS)",
+                    spec.name,
+                    file_name(gpu)
+                ),
+            ));
+        }
+        fs::create_dir(&mdev)?;
+        symlink(
+            &format!("../mdev_supported_types/{ty}"),
+            &mdev.join("mdev_type"),
+        )?;
+        fs::write(mdev.join("remove"), "")?;
+        // Each mdev gets an IOMMU group of its own, as vfio-mdev gives it.
+        let groups = self.root.join("kernel/iommu_groups");
+        let next = fs::read_dir(&groups)?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .max()
+            .map_or(0, |m| m + 1);
+        let group = groups.join(next.to_string());
+        fs::create_dir_all(group.join("devices"))?;
+        let rel = mdev
+            .strip_prefix(&self.root)
+            .map_err(|_| err(io::ErrorKind::InvalidData, "outside the tree".into()))?;
+        let up = self.up_from(&mdev)?;
+        symlink(
+            &format!("{up}kernel/iommu_groups/{next}"),
+            &mdev.join("iommu_group"),
+        )?;
+        symlink(
+            &format!("../../../../{}", rel.display()),
+            &group.join("devices").join(&uuid),
+        )?;
+        symlink(
+            &format!("../../../{uuid}"),
+            &type_dir.join("devices").join(&uuid),
+        )?;
+        let bus = self.root.join("bus/mdev/devices");
+        fs::create_dir_all(&bus)?;
+        symlink(&format!("../../../{}", rel.display()), &bus.join(&uuid))?;
+        self.recompute_mdev(gpu)
+    }
+
+    fn mdev_remove(&self, mdev: &Path, value: &str) -> io::Result<()> {
+        if value.trim() != "1" {
+            return Err(err(
+                io::ErrorKind::InvalidInput,
+                format!("remove takes 1, not {:?} (EINVAL)", value.trim()),
+            ));
+        }
+        let (Some(gpu), Some(ty)) = (mdev.parent(), link_basename(&mdev.join("mdev_type"))?) else {
+            return Err(err(io::ErrorKind::NotFound, "not an mdev".into()));
+        };
+        let uuid = file_name(mdev);
+        let _ = fs::remove_file(
+            gpu.join("mdev_supported_types")
+                .join(&ty)
+                .join("devices")
+                .join(&uuid),
+        );
+        let _ = fs::remove_file(self.root.join("bus/mdev/devices").join(&uuid));
+        if let Some(g) = link_basename(&mdev.join("iommu_group"))?
+            && g.parse::<u32>().is_ok()
+        {
+            let _ = fs::remove_dir_all(self.root.join("kernel/iommu_groups").join(g));
+        }
+        fs::remove_dir_all(mdev)?;
+        self.recompute_mdev(gpu)
+    }
+
+    /// The PF of a VF and all the PF's VFs' directories.
+    fn vf_family(vf: &Path) -> io::Result<(PathBuf, Vec<PathBuf>)> {
+        let parent = vf
+            .parent()
+            .ok_or_else(|| err(io::ErrorKind::NotFound, "no parent".into()))?;
+        let pf = link_basename(&vf.join("physfn"))?
+            .map(|b| parent.join(b))
+            .ok_or_else(|| {
+                err(
+                    io::ErrorKind::NotFound,
+                    format!("{} is not a VF", vf.display()),
+                )
+            })?;
+        let n: usize = read_attr(&pf.join("sriov_numvfs"))?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        let mut vfs = Vec::new();
+        for i in 0..n {
+            if let Some(b) = link_basename(&pf.join(format!("virtfn{i}")))? {
+                vfs.push(parent.join(b));
+            }
+        }
+        Ok((pf, vfs))
+    }
+
+    fn vf_set_type(&self, nv: &Path, value: &str) -> io::Result<()> {
+        let vf = nv
+            .parent()
+            .ok_or_else(|| err(io::ErrorKind::NotFound, "no VF".into()))?;
+        let (pf, vfs) = Self::vf_family(vf)?;
+        let types = Self::table_of(&pf)?;
+        let want = value.trim();
+        if want.is_empty() || want.len() > 10 || !want.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(err(
+                io::ErrorKind::InvalidInput,
+                format!("{want:?} is not a vGPU type id (EINVAL)"),
+            ));
+        }
+        let want = want.trim_start_matches('0');
+        let file = nv.join("current_vgpu_type");
+        let current = read_attr(&file)?;
+        if want.is_empty() {
+            write_existing(&file, "0\n")?;
+        } else {
+            if current.trim() != "0" {
+                return Err(err(
+                    io::ErrorKind::ResourceBusy,
+                    format!(
+                        "{} already is a vGPU of type {} (EBUSY)",
+                        file_name(vf),
+                        current.trim()
+                    ),
+                ));
+            }
+            let creatable = read_attr(&nv.join("creatable_vgpu_types"))?;
+            let listed = creatable
+                .lines()
+                .skip(1)
+                .any(|l| l.split_once(':').is_some_and(|(id, _)| id.trim() == want));
+            if !listed {
+                return Err(err(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "vGPU type {want} cannot be created on {} now (EINVAL)",
+                        file_name(vf)
+                    ),
+                ));
+            }
+            write_existing(&file, &format!("{want}\n"))?;
+        }
+        let existing = fake_vgpu::vf_types(&vfs)?;
+        let mig = self.mig_of(&pf);
+        for v in &vfs {
+            let cur = read_attr(&v.join("nvidia/current_vgpu_type"))?;
+            let text = if cur.trim() == "0" {
+                fake_vgpu::creatable_text(types, mig, &existing)
+            } else {
+                "ID    : vGPU Name\n".to_string()
+            };
+            write_existing(&v.join("nvidia/creatable_vgpu_types"), &text)?;
+        }
+        Ok(())
+    }
+}
+
 fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -227,6 +458,18 @@ impl SysfsOps for FakeKernel {
                     writeln!(log, "{bdf}")?;
                 }
                 Ok(())
+            }
+            ["devices", .., "mdev_supported_types", _, "create"] => {
+                let type_dir = path.parent().unwrap_or(path);
+                self.mdev_create(type_dir, value)
+            }
+            ["devices", .., "remove"]
+                if path.parent().is_some_and(|m| m.join("mdev_type").exists()) =>
+            {
+                self.mdev_remove(path.parent().unwrap_or(path), value)
+            }
+            ["devices", .., "nvidia", "current_vgpu_type"] => {
+                self.vf_set_type(path.parent().unwrap_or(path), value)
             }
             _ => write_existing(path, value),
         }

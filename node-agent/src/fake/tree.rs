@@ -3,6 +3,7 @@
 //! files and relative symlinks a kernel shows (and a `config` space pciutils can read).
 
 use super::kernel::native_driver;
+use super::vgpu::{self as fake_vgpu, FAKE_VFS, FakeGpu, FakeVgpu};
 use crate::host::FAKE_MARKER;
 use passage_model::{DevicePath, PciAddress};
 use std::fs;
@@ -26,7 +27,7 @@ pub enum GpuModel {
 
 impl GpuModel {
     /// (device, subsystem device, revision); all NVIDIA parts, subsystem vendor NVIDIA.
-    fn ids(self) -> (u16, u16, u8) {
+    pub(crate) fn ids(self) -> (u16, u16, u8) {
         match self {
             GpuModel::V100 => (0x1db4, 0x1214, 0xa1),
             GpuModel::A100 => (0x20b0, 0x134f, 0xa1),
@@ -54,6 +55,11 @@ pub struct FakeOptions {
     pub cpus: Option<u32>,
     /// Memory over all NUMA nodes, split evenly; default 256 GiB per node.
     pub memory_mib: Option<u64>,
+    /// Make the GPUs vGPU hosts of this framework (mdev needs `A100`, vendor VFIO
+    /// `H100`; see [`super::vgpu`]).
+    pub vgpu: Option<FakeVgpu>,
+    /// Start those GPUs in MIG mode (only with `vgpu`).
+    pub mig: bool,
 }
 
 const FAKE_CPUS_PER_NODE: u32 = 32;
@@ -75,6 +81,13 @@ pub enum FakeError {
     NumaNodes(u32),
     #[error("{gpus} GPUs do not fit in the bus numbers of {numa_nodes} NUMA node(s)")]
     TooManyGpus { gpus: u32, numa_nodes: u32 },
+    #[error("--vgpu {vgpu} needs --model {needs}")]
+    VgpuModel {
+        vgpu: &'static str,
+        needs: &'static str,
+    },
+    #[error("--mig needs --vgpu")]
+    MigWithoutVgpu,
     #[error("{0} exists and is not empty")]
     NotEmpty(PathBuf),
     #[error("writing {path}: {source}")]
@@ -139,6 +152,11 @@ struct Func {
     joins_group_of_fn0: bool,
     /// Primary, secondary and subordinate bus numbers for type-1 (bridge) headers.
     bridge: Option<(u8, u8, u8)>,
+    /// A GPU made a vGPU host (mdev types, or vendor-VFIO VFs).
+    vgpu: Option<FakeVgpu>,
+    /// A VF's physical function, and a PF's VFs.
+    physfn: Option<PciAddress>,
+    virtfns: Vec<PciAddress>,
     children: Vec<Func>,
 }
 
@@ -177,6 +195,9 @@ fn endpoint(a: PciAddress, ids: Ids, numa: u32) -> Func {
         slot: None,
         joins_group_of_fn0: false,
         bridge: None,
+        vgpu: None,
+        physfn: None,
+        virtfns: Vec::new(),
         children: Vec::new(),
     }
 }
@@ -221,6 +242,9 @@ fn bridge(
         slot: None,
         joins_group_of_fn0: false,
         bridge: Some((a.bus, secondary, buses.last())),
+        vgpu: None,
+        physfn: None,
+        virtfns: Vec::new(),
         children,
     })
 }
@@ -236,6 +260,7 @@ fn root_port(dev: u8, root_bus: u8) -> (PciAddress, Ids) {
 struct GpuPlan {
     model: GpuModel,
     audio: bool,
+    vgpu: Option<FakeVgpu>,
     /// Slot number of the next GPU on this NUMA node (labels `CPU<node+1> SLOT<n>`).
     next_slot: u32,
 }
@@ -267,6 +292,7 @@ fn gpu_switch(
                 let slot = format!("CPU{} SLOT{}", numa + 1, plan.next_slot);
                 plan.next_slot += 1;
                 let audio = plan.audio;
+                let vgpu = plan.vgpu;
                 let d = bridge(
                     addr(down_bus, (i * 8) as u8, 0),
                     plx,
@@ -276,8 +302,26 @@ fn gpu_switch(
                         let mut gpu = endpoint(addr(gpu_bus, 0, 0), gpu_ids, numa);
                         gpu.link = Some(link);
                         gpu.slot = Some(slot.clone());
+                        gpu.vgpu = vgpu;
+                        let mut vfs = Vec::new();
+                        if vgpu == Some(FakeVgpu::Vfio) {
+                            // VFs sit on the GPU's bus from function 4 on (first VF
+                            // offset 4, stride 1), as on NVIDIA's SR-IOV boards.
+                            for i in 0..FAKE_VFS {
+                                let devfn = 4 + i;
+                                let a = addr(gpu_bus, (devfn / 8) as u8, (devfn % 8) as u8);
+                                let mut vf = endpoint(a, gpu_ids, numa);
+                                vf.physfn = Some(gpu.addr);
+                                vf.vgpu = vgpu;
+                                gpu.virtfns.push(a);
+                                vfs.push(vf);
+                            }
+                            gpu.sriov_total = Some(FAKE_VFS);
+                        }
                         if !audio {
-                            return Some(vec![gpu]);
+                            let mut all = vec![gpu];
+                            all.append(&mut vfs);
+                            return Some(all);
                         }
                         gpu.multifunction = true;
                         let mut snd = endpoint(addr(gpu_bus, 0, 1), audio_ids, numa);
@@ -285,7 +329,9 @@ fn gpu_switch(
                         snd.slot = Some(slot);
                         snd.multifunction = true;
                         snd.joins_group_of_fn0 = true;
-                        Some(vec![gpu, snd])
+                        let mut all = vec![gpu, snd];
+                        all.append(&mut vfs);
+                        Some(all)
                     },
                 )?;
                 downs.push(d);
@@ -300,6 +346,23 @@ fn build(spec: &FakeSpec, opts: &FakeOptions) -> Result<Vec<(u8, Vec<Func>)>, Fa
     let k = spec.numa_nodes;
     if !(1..=8).contains(&k) {
         return Err(FakeError::NumaNodes(k));
+    }
+    if opts.mig && opts.vgpu.is_none() {
+        return Err(FakeError::MigWithoutVgpu);
+    }
+    if let Some(v) = opts.vgpu
+        && fake_vgpu::table(spec.model).map(|(f, _)| f) != Some(v)
+    {
+        return Err(match v {
+            FakeVgpu::Mdev => FakeError::VgpuModel {
+                vgpu: "mdev",
+                needs: "a100",
+            },
+            FakeVgpu::Vfio => FakeError::VgpuModel {
+                vgpu: "vfio",
+                needs: "h100",
+            },
+        });
     }
     let too_many = || FakeError::TooManyGpus {
         gpus: spec.gpus,
@@ -322,6 +385,7 @@ fn build(spec: &FakeSpec, opts: &FakeOptions) -> Result<Vec<(u8, Vec<Func>)>, Fa
         let mut plan = GpuPlan {
             model: spec.model,
             audio: opts.gpu_audio,
+            vgpu: opts.vgpu,
             next_slot: 1,
         };
         if node == 0 {
@@ -415,6 +479,7 @@ pub fn generate_with(
     let mut w = Writer {
         root: out.to_path_buf(),
         flat: Vec::new(),
+        mig: opts.mig,
     };
     w.skeleton().map_err(io_err(out))?;
     w.host(spec, opts).map_err(io_err(out))?;
@@ -434,6 +499,7 @@ pub fn generate_with(
     };
     let mut next_group = 0u32;
     let mut fn0_groups = std::collections::HashMap::new();
+    let mut vgpu_hosts: Vec<FakeGpu> = Vec::new();
     for (rel, f) in &flat {
         let key = (f.addr.domain, f.addr.bus, f.addr.device);
         let group = match fn0_groups.get(&key) {
@@ -454,11 +520,28 @@ pub fn generate_with(
         }
         let id: Result<DevicePath, _> = format!("/{}", rel.display()).parse();
         if let Ok(id) = id {
-            if f.ids.class >> 8 == 0x0302 {
+            if f.ids.class >> 8 == 0x0302 && f.physfn.is_none() {
                 tree.gpus.push(id.clone());
             }
             tree.functions.push(id);
         }
+        if f.vgpu.is_some() && f.physfn.is_none() {
+            let parent = rel.parent().unwrap_or(Path::new(""));
+            vgpu_hosts.push(FakeGpu {
+                rel: rel.clone(),
+                bdf: f.addr.to_string(),
+                vfs: f
+                    .virtfns
+                    .iter()
+                    .map(|v| parent.join(v.to_string()))
+                    .collect(),
+            });
+        }
+    }
+    if let Some((framework, types)) = opts.vgpu.and_then(|_| fake_vgpu::table(spec.model)) {
+        fake_vgpu::write_mig_support(out, framework, types, &vgpu_hosts, opts.mig)
+            .map_err(io_err(out))?;
+        fs::create_dir_all(out.join("bus/mdev/devices")).map_err(io_err(out))?;
     }
     fs::write(
         out.join(FAKE_MARKER),
@@ -471,6 +554,8 @@ pub fn generate_with(
 struct Writer {
     root: PathBuf,
     flat: Vec<(PathBuf, Func)>,
+    /// vGPU hosts start in MIG mode.
+    mig: bool,
 }
 
 const DRIVERS: &[&str] = &[
@@ -548,6 +633,42 @@ impl Writer {
         let dev = self.root.join(FAKE_DEV_DIR);
         fs::create_dir_all(&dev)?;
         fs::File::create(dev.join("nvme0n1"))?.set_len(FAKE_NVME_BYTES)
+    }
+
+    /// A vGPU host's files: mdev types on an mdev GPU, `nvidia/` on a vendor-VFIO VF;
+    /// every GPU starts idle, in the MIG mode of the options.
+    fn vgpu_files(&self, dir: &Path, f: &Func, v: FakeVgpu) -> io::Result<()> {
+        let Some(types) = fake_vgpu::table_for_device(f.ids.device) else {
+            return Ok(());
+        };
+        let mig = self.mig;
+        match v {
+            FakeVgpu::Mdev => {
+                for t in types {
+                    let td = dir.join("mdev_supported_types").join(t.id);
+                    fs::create_dir_all(td.join("devices"))?;
+                    fs::write(td.join("name"), format!("{}\n", t.name))?;
+                    fs::write(td.join("description"), fake_vgpu::description(t))?;
+                    fs::write(td.join("device_api"), "vfio-pci\n")?;
+                    fs::write(
+                        td.join("available_instances"),
+                        format!("{}\n", fake_vgpu::fits(types, mig, &[], t)),
+                    )?;
+                    fs::write(td.join("create"), "")?;
+                }
+            }
+            FakeVgpu::Vfio if f.physfn.is_some() => {
+                let nv = dir.join("nvidia");
+                fs::create_dir_all(&nv)?;
+                fs::write(
+                    nv.join("creatable_vgpu_types"),
+                    fake_vgpu::creatable_text(types, mig, &[]),
+                )?;
+                fs::write(nv.join("current_vgpu_type"), "0\n")?;
+            }
+            FakeVgpu::Vfio => {}
+        }
+        Ok(())
     }
 
     /// `bus/pci/slots/<label>/address`: the slot's `domain:bus:device`.
@@ -640,7 +761,16 @@ impl Writer {
         }
         if let Some(total) = f.sriov_total {
             fs::write(dir.join("sriov_totalvfs"), format!("{total}\n"))?;
-            fs::write(dir.join("sriov_numvfs"), "0\n")?;
+            fs::write(dir.join("sriov_numvfs"), format!("{}\n", f.virtfns.len()))?;
+        }
+        for (n, vf) in f.virtfns.iter().enumerate() {
+            symlink(&format!("../{vf}"), &dir.join(format!("virtfn{n}")))?;
+        }
+        if let Some(pf) = f.physfn {
+            symlink(&format!("../{pf}"), &dir.join("physfn"))?;
+        }
+        if let Some(v) = f.vgpu {
+            self.vgpu_files(&dir, f, v)?;
         }
         let up = "../".repeat(rel.components().count());
         symlink(&format!("{up}bus/pci"), &dir.join("subsystem"))?;

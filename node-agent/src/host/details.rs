@@ -192,6 +192,8 @@ pub(crate) struct Fixed {
     max_link_speed: Option<String>,
     max_link_width: Option<u16>,
     sriov_totalvfs: Option<u32>,
+    /// A VF's physical function: fixed for the life of the VF's directory.
+    physfn: Option<PciAddress>,
     /// What was wrong with these attributes, repeated on every pass that reuses them.
     notes: Vec<String>,
 }
@@ -276,6 +278,14 @@ pub(crate) fn read_fixed(dir: &AttrDir, known: &Known<'_>) -> Fixed {
             &[],
             &mut notes,
         ),
+        physfn: match dir.link_basename("physfn") {
+            Ok(Some(b)) => b.parse().ok(),
+            Ok(None) => None,
+            Err(e) => {
+                notes.push(format!("{}/physfn: {e}", dir.path().display()));
+                None
+            }
+        },
         notes,
     }
 }
@@ -314,6 +324,7 @@ pub(crate) fn collect(
         max_link_speed: fixed.max_link_speed.clone(),
         max_link_width: fixed.max_link_width,
         sriov_totalvfs: fixed.sriov_totalvfs,
+        physfn: fixed.physfn,
         bridges: known.parents.to_vec(),
         slot: shared.slots.get(&(a.domain, a.bus, a.device)).cloned(),
         // Power management retrains links (a GPU at idle drops to 2.5 GT/s), so the
@@ -362,6 +373,11 @@ pub(crate) fn collect(
             &[],
             notes,
         );
+    }
+    // Only NVIDIA GPUs that are not themselves VFs can host vGPUs; every other function
+    // costs nothing here.
+    if known.vendor.0 == super::vgpu::NVIDIA && known.class.is_gpu_like() && d.physfn.is_none() {
+        d.vgpu = super::vgpu::read_host(dir, d.sriov_numvfs, notes);
     }
     d
 }

@@ -79,6 +79,8 @@ struct Ids {
 pub struct Discoverer {
     memory: std::sync::Mutex<Memory>,
     keep_open: bool,
+    /// Asked for MIG mode on passes that found a GPU hosting vGPUs (and only then).
+    nvidia_smi: super::NvidiaSmi,
 }
 
 impl Default for Discoverer {
@@ -99,7 +101,14 @@ impl Discoverer {
         Discoverer {
             memory: Default::default(),
             keep_open: true,
+            nvidia_smi: super::NvidiaSmi::Auto,
         }
+    }
+
+    /// Where MIG mode comes from (default [`super::NvidiaSmi::Auto`]).
+    pub fn with_nvidia_smi(mut self, smi: super::NvidiaSmi) -> Self {
+        self.nvidia_smi = smi;
+        self
     }
 
     /// For a single pass: nothing is kept open for a next one.
@@ -107,6 +116,7 @@ impl Discoverer {
         Discoverer {
             memory: Default::default(),
             keep_open: false,
+            nvidia_smi: super::NvidiaSmi::Auto,
         }
     }
 
@@ -129,7 +139,8 @@ impl Discoverer {
         } else {
             FdBudget::none()
         };
-        let (found, next) = walk_tree(sysfs_root, &prev, &budget)?;
+        let (mut found, next) = walk_tree(sysfs_root, &prev, &budget)?;
+        fill_mig_modes(sysfs_root, &self.nvidia_smi, &mut found);
         *self.lock() = next;
         Ok(found)
     }
@@ -224,6 +235,26 @@ fn walk_tree(
     out.notes.sort();
     out.notes.dedup();
     Ok((out, next))
+}
+
+/// Asks `nvidia-smi` for MIG mode once per pass, and only when a GPU hosts vGPUs: a
+/// host without vGPU software never runs it.
+fn fill_mig_modes(root: &Path, smi: &super::NvidiaSmi, out: &mut Discovery) {
+    let hosts = || {
+        out.devices
+            .iter()
+            .any(|d| d.details.as_ref().is_some_and(|x| x.vgpu.is_some()))
+    };
+    if !hosts() {
+        return;
+    }
+    let modes = smi.mig_modes(root, &mut out.notes);
+    for d in &mut out.devices {
+        let addr = d.address();
+        if let Some(v) = d.details.as_mut().and_then(|x| x.vgpu.as_mut()) {
+            v.mig_mode = modes.get(&addr).copied();
+        }
+    }
 }
 
 /// Gives every function the members of its IOMMU group: the functions of this pass

@@ -6,11 +6,13 @@ mod binding;
 mod details;
 mod discover;
 mod resources;
+mod vgpu;
 
 pub use binding::{BindError, Binder, BindingRecord, BindingState, VFIO_DRIVER};
 pub use details::{PCI_IDS_VERSION, class_name, device_name, vendor_name};
 pub use discover::{Discoverer, Discovery, DiscoveryError, discover, try_discover};
 pub use resources::{ResourcesError, count_cpu_list, host_resources, mem_total_kib};
+pub use vgpu::NvidiaSmi;
 
 use std::fs;
 use std::io::{self, Read};

@@ -8,7 +8,7 @@
 
 mod env;
 mod nvme;
-mod process;
+pub(crate) mod process;
 mod programs;
 mod reset;
 

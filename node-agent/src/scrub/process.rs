@@ -30,21 +30,48 @@ pub struct Finished {
     pub stderr: String,
 }
 
+/// How much of a program's stdout [`run_capturing`] keeps.
+pub const MAX_STDOUT: usize = 64 * 1024;
+
 /// Runs `program` with `args` and waits at most `timeout` for it.
 pub fn run<S: AsRef<OsStr>>(
     program: &Path,
     args: &[S],
     timeout: Duration,
 ) -> Result<Finished, RunError> {
+    run_with(program, args, timeout, false).map(|(f, _)| f)
+}
+
+/// [`run`], keeping the first [`MAX_STDOUT`] bytes of stdout too (for programs whose
+/// answer is their output, such as `nvidia-smi --query-gpu`).
+pub fn run_capturing<S: AsRef<OsStr>>(
+    program: &Path,
+    args: &[S],
+    timeout: Duration,
+) -> Result<(Finished, String), RunError> {
+    run_with(program, args, timeout, true)
+}
+
+fn run_with<S: AsRef<OsStr>>(
+    program: &Path,
+    args: &[S],
+    timeout: Duration,
+    capture: bool,
+) -> Result<(Finished, String), RunError> {
     let mut child = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(if capture {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stderr(Stdio::piped())
         .process_group(0)
         .spawn()
         .map_err(RunError::Spawn)?;
-    let stderr = collect_stderr(&mut child);
+    let stderr = collect(child.stderr.take(), MAX_STDERR + 4);
+    let stdout = collect(child.stdout.take(), MAX_STDOUT);
     // A deadline past what `Instant` can hold is no deadline at all.
     let deadline = Instant::now().checked_add(timeout);
     let status = loop {
@@ -64,9 +91,10 @@ pub fn run<S: AsRef<OsStr>>(
     // The program may have left children in its group; a scrub step leaves nothing
     // running behind it.
     kill_group(&mut child);
-    let stderr = stderr.recv_timeout(STDERR_GRACE).unwrap_or_default();
+    let stderr = truncate(&stderr.recv_timeout(STDERR_GRACE).unwrap_or_default());
+    let stdout = stdout.recv_timeout(STDERR_GRACE).unwrap_or_default();
     match status {
-        Some(status) => Ok(Finished { status, stderr }),
+        Some(status) => Ok((Finished { status, stderr }, stdout)),
         None => Err(RunError::TimedOut { stderr }),
     }
 }
@@ -79,11 +107,11 @@ fn kill_group(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// Reads the child's stderr on a thread, keeping the first [`MAX_STDERR`] bytes and
+/// Reads one of the child's pipes on a thread, keeping the first `max` bytes and
 /// draining the rest so a chatty program never blocks on a full pipe.
-fn collect_stderr(child: &mut Child) -> mpsc::Receiver<String> {
+fn collect(pipe: Option<impl Read + Send + 'static>, max: usize) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
-    if let Some(mut pipe) = child.stderr.take() {
+    if let Some(mut pipe) = pipe {
         std::thread::spawn(move || {
             let mut kept = Vec::new();
             let mut buf = [0u8; 4096];
@@ -91,12 +119,12 @@ fn collect_stderr(child: &mut Child) -> mpsc::Receiver<String> {
                 match pipe.read(&mut buf) {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
-                        let room = (MAX_STDERR + 4).saturating_sub(kept.len());
+                        let room = max.saturating_sub(kept.len());
                         kept.extend_from_slice(&buf[..n.min(room)]);
                     }
                 }
             }
-            let _ = tx.send(truncate(&String::from_utf8_lossy(&kept)));
+            let _ = tx.send(String::from_utf8_lossy(&kept).into_owned());
         });
     }
     rx
