@@ -65,6 +65,8 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/admin/devices") view=admin::devices::DevicesPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/variants") view=admin::variants::VariantsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/packages") view=admin::packages::PackagesPage ssr=ssr.clone()/>
+                    <Route path=path!("/admin/images") view=admin::images::ImagesPage ssr=ssr.clone()/>
+                    <Route path=path!("/admin/images/:uuid") view=admin::images::ImagePage ssr=ssr.clone()/>
                     <Route path=path!("/admin/accounts") view=admin::accounts::AccountsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/vms") view=admin::vms::VmsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/jobs") view=admin::jobs::JobsPage ssr=ssr.clone()/>

@@ -75,6 +75,45 @@ pub fn query(pairs: &[(&str, Option<&str>)]) -> String {
     out
 }
 
+/// `n / unit` to one decimal, rounded down: "1.5". Integer arithmetic only: formatting
+/// floats would bring the float printer into the browser bundle.
+fn tenths(n: u64, unit: u64) -> String {
+    let t = u128::from(n) * 10 / u128::from(unit.max(1));
+    format!("{}.{}", t / 10, t % 10)
+}
+
+/// A size in bytes for people: "512 B", "1.5 MiB", "20.0 GiB" (binary units, as disk
+/// images are sized).
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut unit = 1024u64;
+    let mut i = 0;
+    while n / unit >= 1024 && i + 1 < UNITS.len() {
+        unit *= 1024;
+        i += 1;
+    }
+    format!("{} {}", tenths(n, unit), UNITS[i])
+}
+
+/// Upload progress: "3.2 MiB of 10.0 MiB, 32 %". Always in MiB, so the two numbers
+/// compare at a glance.
+pub fn progress(done: u64, total: u64) -> String {
+    const MIB: u64 = 1024 * 1024;
+    let done = done.min(total);
+    let pct = match total {
+        0 => 100,
+        t => u128::from(done) * 100 / u128::from(t),
+    };
+    format!(
+        "{} MiB of {} MiB, {pct} %",
+        tenths(done, MIB),
+        tenths(total, MIB)
+    )
+}
+
 pub fn short_uuid(u: &str) -> &str {
     u.get(..8).unwrap_or(u)
 }
@@ -113,6 +152,29 @@ mod tests {
             super::query(&[("a", Some("x y")), ("b", Some("c~d&e"))]),
             "?a=x%20y&b=c~d%26e"
         );
+    }
+
+    #[test]
+    fn sizes_in_binary_units() {
+        assert_eq!(super::bytes(0), "0 B");
+        assert_eq!(super::bytes(1023), "1023 B");
+        assert_eq!(super::bytes(1024), "1.0 KiB");
+        assert_eq!(super::bytes(1536 * 1024), "1.5 MiB");
+        assert_eq!(super::bytes(20 << 30), "20.0 GiB");
+        assert_eq!(super::bytes(u64::MAX), "16383.9 PiB");
+    }
+
+    #[test]
+    fn progress_in_mib_and_whole_percent() {
+        let mib = 1024 * 1024;
+        assert_eq!(super::progress(0, 4 * mib), "0.0 MiB of 4.0 MiB, 0 %");
+        assert_eq!(super::progress(mib, 3 * mib), "1.0 MiB of 3.0 MiB, 33 %");
+        assert_eq!(
+            super::progress(4 * mib, 4 * mib),
+            "4.0 MiB of 4.0 MiB, 100 %"
+        );
+        assert_eq!(super::progress(9, 4), "0.0 MiB of 0.0 MiB, 100 %");
+        assert_eq!(super::progress(0, 0), "0.0 MiB of 0.0 MiB, 100 %");
     }
 
     #[test]

@@ -258,16 +258,9 @@ pub async fn create_join_token(csrf: String) -> Result<JoinTokenView, PortalErro
         &api::CreateJoinToken::default(),
     )
     .await?;
-    let host = use_context::<http::request::Parts>()
-        .and_then(|p| {
-            p.headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .map(str::to_string)
-        })
-        .unwrap_or_else(|| "127.0.0.1:8080".to_string());
     let command = format!(
-        "node-agent run --server http://{host} --join-token {} --state-dir /var/lib/passage-agent",
+        "node-agent run --server {} --join-token {} --state-dir /var/lib/passage-agent",
+        be::site_origin(),
         t.token
     );
     Ok(JoinTokenView {
@@ -441,6 +434,154 @@ pub async fn create_package(
 pub async fn delete_package(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     be::delete(&format!("/packages/{}", be::segment(&uuid)?)).await
+}
+
+// ---- operator: images ----
+
+/// An image as the operator pages show it, with its owner said by login.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImageRow {
+    pub image: passage_model::images::Image,
+    /// The owner's login, or the start of its uuid when it cannot be read.
+    pub owner: String,
+}
+
+/// The owners' logins, one lookup per distinct owner.
+#[cfg(feature = "ssr")]
+async fn with_owners(images: Vec<passage_model::images::Image>) -> Vec<ImageRow> {
+    let mut logins: BTreeMap<AccountId, String> = BTreeMap::new();
+    for img in &images {
+        if let std::collections::btree_map::Entry::Vacant(slot) = logins.entry(img.owner_uuid) {
+            let login = match be::get::<Account>(&format!("/accounts/{}", img.owner_uuid)).await {
+                Ok(a) => a.login,
+                Err(_) => crate::fmt::short_uuid(&img.owner_uuid.to_string()).to_string(),
+            };
+            slot.insert(login);
+        }
+    }
+    images
+        .into_iter()
+        .map(|image| ImageRow {
+            owner: logins.get(&image.owner_uuid).cloned().unwrap_or_default(),
+            image,
+        })
+        .collect()
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn list_images(offset: Option<u64>) -> Result<Page<ImageRow>, PortalError> {
+    let off = offset.unwrap_or(0);
+    let p = be::list::<passage_model::images::Image>(&format!(
+        "/images?limit={PAGE_SIZE}&offset={off}"
+    ))
+    .await?;
+    let seen = off + p.items.len() as u64;
+    Ok(Page {
+        next: (seen < p.total).then(|| seen.to_string()),
+        total: p.total,
+        items: with_owners(p.items).await,
+    })
+}
+
+/// One image, the VMs built from it that are not destroyed, and where its file goes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImageDetail {
+    pub row: ImageRow,
+    pub vms: Vec<Vm>,
+    /// `PUT` the file here (the REST API's own route).
+    pub file_url: String,
+}
+
+/// VMs listed on an image's page; past that, its count says how many more there are.
+pub const IMAGE_VMS_SHOWN: u32 = 200;
+
+#[server(prefix = "/portal/fn")]
+pub async fn get_image(uuid: String) -> Result<ImageDetail, PortalError> {
+    let uuid = be::segment(&uuid)?;
+    let image: passage_model::images::Image = be::get(&format!("/images/{uuid}")).await?;
+    let vms = be::list::<Vm>(&format!("/vms?image_uuid={uuid}&limit={IMAGE_VMS_SHOWN}"))
+        .await?
+        .items
+        .into_iter()
+        .filter(|v| v.state != passage_model::api::VmState::Destroyed)
+        .collect();
+    let file_url = format!("{}/v1/images/{uuid}/file", be::site_origin());
+    let row = with_owners(vec![image])
+        .await
+        .pop()
+        .ok_or_else(|| PortalError::portal("the image went missing"))?;
+    Ok(ImageDetail { row, vms, file_url })
+}
+
+#[server(prefix = "/portal/fn")]
+#[allow(clippy::too_many_arguments)]
+pub async fn create_image(
+    csrf: String,
+    name: String,
+    version: String,
+    os: String,
+    image_type: String,
+    description: String,
+    // An unchecked box sends nothing.
+    public: Option<String>,
+    default_user: String,
+    min_disk_gib: String,
+) -> Result<(), PortalError> {
+    use passage_model::images::{CreateImage, Image, ImageRequirements};
+    be::check_csrf(&csrf)?;
+    let mut tags = BTreeMap::new();
+    if let Some(u) = optional(&default_user) {
+        tags.insert("default_user".to_string(), u.to_string());
+    }
+    let req = CreateImage {
+        name: name.trim().to_string(),
+        version: version.trim().to_string(),
+        os: os.trim().to_string(),
+        image_type: image_type
+            .trim()
+            .parse()
+            .map_err(|_| invalid("image_type", "choose qcow2 or raw"))?,
+        description: optional(&description).map(str::to_string),
+        public: public.is_some(),
+        owner_uuid: None,
+        tags,
+        requirements: ImageRequirements {
+            min_disk_gib: optional(&min_disk_gib)
+                .map(|g| number("min_disk_gib", g))
+                .transpose()?,
+        },
+    };
+    // The API's field names, where the form's differ.
+    let img: Image =
+        be::send(Method::POST, "/images", &req)
+            .await
+            .map_err(|e| match e.field.as_deref() {
+                Some("tags.default_user") => PortalError {
+                    field: Some("default_user".into()),
+                    ..e
+                },
+                Some("requirements.min_disk_gib") => PortalError {
+                    field: Some("min_disk_gib".into()),
+                    ..e
+                },
+                _ => e,
+            })?;
+    // Next comes its file, on its own page.
+    leptos_axum::redirect(&format!("/admin/images/{}", img.uuid));
+    Ok(())
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn delete_image(csrf: String, uuid: String) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    let path = format!("/images/{}", be::segment(&uuid)?);
+    be::delete(&path).await?;
+    // Still there (disabled, VMs were built from it): its page says so; else the list.
+    match be::get::<passage_model::images::Image>(&path).await {
+        Ok(_) => leptos_axum::redirect(&format!("/admin/images/{uuid}")),
+        Err(_) => leptos_axum::redirect("/admin/images"),
+    }
+    Ok(())
 }
 
 // ---- operator: accounts ----

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { PACKAGE, ensureCatalog, newTenant, signIn } from './helpers';
+import { ADMIN_PASSWORD, PACKAGE, ensureCatalog, newTenant, signIn } from './helpers';
 
 test.use({ javaScriptEnabled: false });
 
@@ -62,4 +62,31 @@ test('without JavaScript: a lone fitting package is chosen already', async ({ pa
   const fitting = page.locator('.offer').filter({ has: page.getByTestId('availability').filter({ hasText: 'available now' }) });
   await expect(fitting).toHaveCount(1);
   await expect(fitting.getByRole('radio')).toBeChecked();
+});
+
+test('without JavaScript: an operator creates an image and is shown the upload as a curl command', async ({ page }) => {
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await page.goto('/admin/images');
+  await page.locator('#i-name').fill('plain-image');
+  await page.locator('#i-version').fill('1');
+  await page.locator('#i-type').selectOption('raw');
+  await page.getByRole('button', { name: 'Create image' }).click();
+  await expect(page).toHaveURL(/\/admin\/images\/[0-9a-f-]{36}$/);
+  const uuid = page.url().split('/').pop() as string;
+  await expect(page.getByRole('heading', { name: 'Image plain-image@1' })).toBeVisible();
+  await expect(page.getByTestId('image-state')).toHaveText('unactivated');
+  // No form that could not work: the same call from a shell instead.
+  await expect(page.locator('input[type="file"]')).toHaveCount(0);
+  const curl = page.getByTestId('upload-curl');
+  await expect(curl).toBeVisible();
+  await expect(curl).toContainText(`curl -T FILE -H 'authorization: Bearer TOKEN'`);
+  await expect(curl).toContainText(`/v1/images/${uuid}/file`);
+  if (process.env.PASSAGE_SCREENS_DIR) {
+    await page.screenshot({ path: `${process.env.PASSAGE_SCREENS_DIR}/image-nojs.png`, fullPage: true });
+  }
+  // Deleted again, after the page asked.
+  await page.getByRole('link', { name: 'Delete image' }).click();
+  await page.getByRole('button', { name: 'Yes, delete plain-image@1' }).click();
+  await expect(page).toHaveURL(/\/admin\/images$/);
+  await expect(page.locator('tr[data-image="plain-image"]')).toHaveCount(0);
 });

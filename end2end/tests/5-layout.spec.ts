@@ -7,6 +7,7 @@ const STAFF_PAGES: Array<[string, string]> = [
   ['/admin/devices', 'Devices'],
   ['/admin/variants', 'Variants'],
   ['/admin/packages', 'Packages'],
+  ['/admin/images', 'Images'],
   ['/admin/accounts', 'Accounts'],
   ['/admin/vms', 'VMs'],
   ['/admin/jobs', 'Jobs'],

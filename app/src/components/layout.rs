@@ -13,6 +13,7 @@ const STAFF_LINKS: &[(&str, &str)] = &[
     ("/admin/devices", "Devices"),
     ("/admin/variants", "Variants"),
     ("/admin/packages", "Packages"),
+    ("/admin/images", "Images"),
     ("/admin/accounts", "Accounts"),
     ("/admin/vms", "VMs"),
     ("/admin/jobs", "Jobs"),

@@ -1,5 +1,6 @@
 pub mod accounts;
 pub mod devices;
+pub mod images;
 pub mod jobs;
 pub mod overview;
 pub mod packages;
