@@ -6,13 +6,20 @@
 
 use bytes::Bytes;
 use sha2::Digest;
-use std::io::{self, Write};
+use std::io::{self, Seek, Write};
+use std::num::NonZeroU64;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 /// Chunks in flight per stage. A chunk is what the network gave (up to a few hundred
 /// KiB), so a slow disk holds back a few MiB at most before the reader waits.
 const QUEUE: usize = 16;
+
+/// The file's dirty pages go to the disk every this many bytes. Left to the kernel, a
+/// transfer smaller than its dirty threshold (a tenth of memory) reaches the disk only at
+/// the final fsync, which then waits for all of it with the network idle; started as
+/// the file grows, the disk writes while the rest arrives.
+const WRITEBACK_WINDOW: u64 = 32 << 20;
 
 /// Takes chunks in order; writes them to a file and hashes them on two blocking threads.
 pub struct HashingSink {
@@ -30,8 +37,16 @@ impl HashingSink {
         let (to_hash, mut hash_rx) = mpsc::channel::<Bytes>(QUEUE);
         let writer = tokio::task::spawn_blocking(move || {
             let mut file = file;
+            let mut unflushed_from = file.stream_position()?;
+            let mut unflushed: u64 = 0;
             while let Some(chunk) = file_rx.blocking_recv() {
                 file.write_all(&chunk)?;
+                unflushed += chunk.len() as u64;
+                if unflushed >= WRITEBACK_WINDOW {
+                    start_writeback(&file, unflushed_from, unflushed);
+                    unflushed_from += unflushed;
+                    unflushed = 0;
+                }
             }
             Ok(file)
         });
@@ -71,6 +86,21 @@ impl HashingSink {
         let file = self.writer.await.map_err(joined)??;
         let hasher = self.hasher.await.map_err(joined)?;
         Ok((file, hasher))
+    }
+}
+
+/// Asks the kernel to start writing a range of the file to disk, without waiting.
+/// Linux does that for `POSIX_FADV_DONTNEED` (then drops the range's clean pages; the
+/// ones just written are dirty or under writeback and stay). Best effort: where it fails
+/// the final fsync does the work, as before.
+fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
+    if let Err(e) = rustix::fs::fadvise(
+        file,
+        offset,
+        NonZeroU64::new(len),
+        rustix::fs::Advice::DontNeed,
+    ) {
+        tracing::debug!(error = %e, "starting writeback early failed");
     }
 }
 

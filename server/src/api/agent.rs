@@ -85,13 +85,13 @@ pub async fn image_file(
     headers: axum::http::HeaderMap,
 ) -> ApiResult<Response> {
     use axum::http::{HeaderValue, header};
-    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    use tokio::io::AsyncSeekExt;
     let sha: passage_model::images::Sha256 =
         raw.parse().map_err(|_| ApiError::not_found("image"))?;
     let f = crate::services::images::open_for_agent(&ctx, &sha).await?;
     let len = f.len;
     let Some(range) = headers.get(header::RANGE) else {
-        return Ok(super::v1::file_response(f.file, len));
+        return Ok(super::v1::file_response(f.file.into_std().await, len));
     };
     let unsatisfiable = || {
         let mut r = ApiError::new(
@@ -113,10 +113,7 @@ pub async fn image_file(
         .await
         .map_err(|e| ApiError::internal(format!("seeking an image file: {e}")))?;
     let count = end - start + 1;
-    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-        file.take(count),
-        256 * 1024,
-    ));
+    let body = super::v1::file_body(file.into_std().await, count);
     let mut r = body.into_response();
     *r.status_mut() = StatusCode::PARTIAL_CONTENT;
     let h = r.headers_mut();
