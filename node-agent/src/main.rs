@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Passage node agent: PCI discovery, passthrough binding, VM launch and scrubbing.
 #[derive(Parser)]
 #[command(name = "node-agent", version)]
