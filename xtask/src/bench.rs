@@ -70,6 +70,9 @@ pub struct Images {
     /// Where the temporary work directory goes [default: <target>/bench-images]
     #[arg(long, value_name = "DIR")]
     work_dir: Option<PathBuf>,
+    /// Whole runs; the goals are judged on the medians [default: 3]
+    #[arg(long, value_name = "N")]
+    rounds: Option<usize>,
 }
 
 /// `cargo xtask bench placement`: flags given are passed on to the example, which holds
@@ -253,7 +256,8 @@ fn images(p: &Images) -> Result<()> {
     let mut f = Flags::default();
     f.number("--size-mib", p.size_mib)
         .add("--page-cache", p.page_cache.clone())
-        .add("--work-dir", Some(work));
+        .add("--work-dir", Some(work))
+        .number("--rounds", p.rounds);
     let mut cmd = Command::new(release.join("examples/bench_images"));
     cmd.arg("--server-bin")
         .arg(release.join("server"))
