@@ -134,6 +134,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_file_past_the_writeback_window_is_whole() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("f");
+        let file = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{e}"));
+        let mut sink = HashingSink::start(file, sha2::Sha256::new());
+        let mut whole = sha2::Sha256::new();
+        let chunks = (WRITEBACK_WINDOW / (1 << 20)) * 2 + 3;
+        for i in 0..chunks {
+            let chunk = Bytes::from(vec![(i % 251) as u8; 1 << 20]);
+            whole.update(&chunk);
+            sink.push(chunk).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let (file, hasher) = sink.finish().await.unwrap_or_else(|e| panic!("{e}"));
+        file.sync_all().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(hasher.finalize(), whole.clone().finalize());
+        let written = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(written.len() as u64, chunks << 20);
+        assert_eq!(sha2::Sha256::digest(&written), whole.finalize());
+    }
+
+    #[tokio::test]
     async fn a_failing_write_is_reported_by_finish() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let path = dir.path().join("f");
