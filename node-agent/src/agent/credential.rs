@@ -42,7 +42,7 @@ pub fn save(state_dir: &Path, c: &Credential) -> io::Result<()> {
 
 /// Forgets the node's credential (it will join again); a missing one is already gone.
 pub fn remove(state_dir: &Path) -> io::Result<()> {
-    match std::fs::remove_file(credential_path(state_dir)) {
+    match crate::state::remove_json(&credential_path(state_dir)) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }

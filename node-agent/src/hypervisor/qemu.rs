@@ -222,7 +222,7 @@ impl QemuHypervisor {
                 _ => {
                     let _ = fs::remove_file(&files.qmp);
                     let _ = fs::remove_file(&files.pid);
-                    let _ = fs::remove_file(&files.spec);
+                    let _ = crate::state::remove_json(&files.spec);
                 }
             }
         }
@@ -360,9 +360,10 @@ impl QemuHypervisor {
                 reason: format!("QEMU (pid {}) does not exit", r.pid),
             });
         }
-        for f in [&files.qmp, &files.pid, &files.spec] {
+        for f in [&files.qmp, &files.pid] {
             let _ = fs::remove_file(f);
         }
+        let _ = crate::state::remove_json(&files.spec);
         Ok(())
     }
 }

@@ -429,7 +429,7 @@ fn check_cached(path: &Path, side: &Path, image: &ImageRef) -> Result<bool, Imag
             "cached image is damaged (size or SHA-256 differ); fetching it again"
         );
         let _ = fs::remove_file(path);
-        let _ = fs::remove_file(side);
+        let _ = crate::state::remove_json(side);
         return Ok(false);
     }
     if fresh {
@@ -587,7 +587,7 @@ fn evict(
         }
         tracing::info!(image = %e.sha256, bytes = e.size, "evicting an unused image from the cache");
         fs::remove_file(dir.join(e.sha256.as_str()))?;
-        let _ = fs::remove_file(dir.join(format!("{}.json", e.sha256)));
+        let _ = crate::state::remove_json(&dir.join(format!("{}.json", e.sha256)));
         total = total.saturating_sub(e.size);
     }
     if total.saturating_add(needed) > budget {

@@ -66,7 +66,7 @@ pub fn create_overlay(
     let made = make_overlay(qemu_img, &dir, disk, image_path);
     if made.is_err() && !path.exists() {
         // No disk, so no longer a user of the image.
-        let _ = fs::remove_file(&spec_path);
+        let _ = crate::state::remove_json(&spec_path);
     }
     made?;
     tracing::info!(
@@ -182,6 +182,8 @@ pub fn delete_disk(state_dir: &Path, vm: VmId) -> Result<(), ImageError> {
         .chain(VM_FILES)
     {
         let p = dir.join(name);
+        // The scratch file of a record written with `write_json`, where there is one.
+        let _ = fs::remove_file(crate::state::scratch_path(&p));
         match fs::remove_file(&p) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -182,7 +182,8 @@ impl FileWriter {
             }
         }
         if written == n {
-            buf.mem.copy_within(buf.start + n..buf.start + buf.len, buf.start);
+            buf.mem
+                .copy_within(buf.start + n..buf.start + buf.len, buf.start);
             buf.len -= n;
             return Ok(());
         }
