@@ -153,7 +153,15 @@ fn validate_pipeline(steps: &[crate::protocol::ScrubAction]) -> Result<(), Varia
 
 /// The variant a device belongs to: the most specific match, ties broken by name so the
 /// answer never depends on the order variants were listed in.
+///
+/// An SR-IOV virtual function (one with a `physfn`) belongs to none. NVIDIA's VFs carry
+/// their GPU's vendor and device ids, so a whole-GPU variant would take each of them for
+/// a GPU of its own, and a GPU and its VFs could go to different VMs. VFs become
+/// assignable as vGPUs or as VF variants of their own, never as whole devices.
 pub fn classify<'a>(variants: &'a [Variant], d: &PciDevice) -> Option<&'a Variant> {
+    if d.details.as_ref().is_some_and(|x| x.physfn.is_some()) {
+        return None;
+    }
     variants.iter().filter(|v| v.matches(d)).max_by(|a, b| {
         a.specificity()
             .cmp(&b.specificity())
@@ -218,6 +226,23 @@ mod tests {
         assert_eq!(classify(&list1, &d).unwrap().name, "H100_A1");
         assert_eq!(classify(&list2, &d).unwrap().name, "H100_A1");
         assert!(classify(&[], &d).is_none());
+    }
+
+    #[test]
+    fn a_virtual_function_is_never_a_whole_device() {
+        let pf = dev("10de", "2330", "10de", "16c1", "a1");
+        let mut vf = pf.clone();
+        vf.details = Some(crate::pci::PciDetails {
+            physfn: Some("0000:3b:00.0".parse().unwrap()),
+            ..Default::default()
+        });
+        let list = [variant("H100", None, None)];
+        assert!(
+            variant("H100", None, None).matches(&vf),
+            "same ids as its GPU"
+        );
+        assert!(classify(&list, &vf).is_none());
+        assert_eq!(classify(&list, &pf).unwrap().name, "H100");
     }
 
     #[test]

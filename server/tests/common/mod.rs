@@ -292,6 +292,17 @@ impl TestServer {
         gpus: u32,
         host: Option<Value>,
     ) -> (ServerId, String, Vec<PciDevice>) {
+        self.manual_node_from(gpus, host, &node_agent::fake::FakeOptions::default())
+            .await
+    }
+
+    /// [`Self::manual_node_with`] over a tree generated with `opts` (vGPU hosts…).
+    pub async fn manual_node_from(
+        &self,
+        gpus: u32,
+        host: Option<Value>,
+        opts: &node_agent::fake::FakeOptions,
+    ) -> (ServerId, String, Vec<PciDevice>) {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("sys");
         let spec = FakeSpec {
@@ -299,7 +310,7 @@ impl TestServer {
             model: GpuModel::H100,
             numa_nodes: 2,
         };
-        node_agent::fake::generate(&root, &spec).unwrap();
+        node_agent::fake::generate_with(&root, &spec, opts).unwrap();
         let devices = node_agent::host::discover(&root).devices;
         let jt = self.join_token().await;
         let body = json!({"join_token": jt, "hostname": "cn-manual", "agent_version": "t",

@@ -397,6 +397,33 @@ async fn bad_input(b: Backend) {
 }
 both!(bad_input_on, bad_input);
 
+/// NVIDIA's SR-IOV functions carry their GPU's ids: a whole-GPU variant must still count
+/// each physical GPU once, and never offer a VF, which shares the GPU's hardware.
+async fn virtual_functions_are_not_whole_gpus(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    s.h100_catalog(1).await;
+    let opts = node_agent::fake::FakeOptions {
+        vgpu: Some(node_agent::fake::FakeVgpu::Vfio),
+        ..Default::default()
+    };
+    let (server, _cred, devices) = s.manual_node_from(2, None, &opts).await;
+    let vfs = devices
+        .iter()
+        .filter(|d| d.details.as_ref().is_some_and(|x| x.physfn.is_some()))
+        .count();
+    assert!(vfs >= 2, "the tree has VFs with the GPU's ids ({vfs})");
+    let states = s.device_states(server).await;
+    assert_eq!(states.len(), 2, "one assignable device per physical GPU");
+    for (id, _, _) in &states {
+        let d = devices.iter().find(|d| d.id == *id).unwrap();
+        assert!(d.details.as_ref().is_none_or(|x| x.physfn.is_none()));
+    }
+}
+both!(
+    virtual_functions_are_not_whole_gpus_on,
+    virtual_functions_are_not_whole_gpus
+);
+
 async fn inventory_and_variants(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     let (server, cred, devices) = s.manual_node(8).await;
