@@ -154,10 +154,10 @@ fn validate_pipeline(steps: &[crate::protocol::ScrubAction]) -> Result<(), Varia
 /// The variant a device belongs to: the most specific match, ties broken by name so the
 /// answer never depends on the order variants were listed in.
 ///
-/// An SR-IOV virtual function (one with a `physfn`) belongs to none. NVIDIA's VFs carry
-/// their GPU's vendor and device ids, so a whole-GPU variant would take each of them for
-/// a GPU of its own, and a GPU and its VFs could go to different VMs. VFs become
-/// assignable as vGPUs or as VF variants of their own, never as whole devices.
+/// An SR-IOV virtual function (one with a `physfn`) belongs to none. A VF may carry its
+/// GPU's vendor and device ids (the fake vendor-VFIO tree's do), so a whole-GPU variant
+/// would take each for a GPU of its own, and a GPU and its VFs could go to different VMs.
+/// VFs become assignable as vGPUs or as VF variants of their own, never as whole devices.
 pub fn classify<'a>(variants: &'a [Variant], d: &PciDevice) -> Option<&'a Variant> {
     if d.details.as_ref().is_some_and(|x| x.physfn.is_some()) {
         return None;
