@@ -251,6 +251,10 @@ pub struct TaskResult {
     pub error: Option<String>,
     #[serde(default)]
     pub scrub_reports: Vec<ScrubReport>,
+    /// Functions the task changed (their driver, after a bind or an unbind), as read
+    /// after it, so the server need not wait for a whole inventory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<PciDevice>,
 }
 
 impl TaskResult {
@@ -259,6 +263,7 @@ impl TaskResult {
             ok: true,
             error: None,
             scrub_reports: Vec::new(),
+            devices: Vec::new(),
         }
     }
     pub fn failure(msg: impl Into<String>) -> Self {
@@ -274,6 +279,7 @@ impl TaskResult {
             ok: false,
             error: Some(m),
             scrub_reports: Vec::new(),
+            devices: Vec::new(),
         }
     }
 }

@@ -13,10 +13,11 @@ pub use tasks::Executor;
 use crate::host::{Binder, Discoverer, open_sysfs};
 use crate::hypervisor::{self, HypervisorKind};
 use crate::scrub::{ScrubEnv, ScrubOverrides};
+use passage_model::PciDevice;
 use passage_model::TaskId;
 use passage_model::protocol::{
-    Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, PROTOCOL_VERSION, RegisterRequest, Task,
-    TaskEnvelope, TaskProgress,
+    Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, MAX_TASK_DEVICES, PROTOCOL_VERSION,
+    RegisterRequest, Task, TaskEnvelope, TaskProgress,
 };
 use std::collections::HashSet;
 use std::future::Future;
@@ -25,6 +26,22 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, watch};
 use tracing::{debug, error, info, warn};
+
+/// One discovery pass, as it would be reported.
+struct Discovered {
+    report: InventoryReport,
+    skipped: usize,
+    /// Functions left out and attributes ignored, for the debug log.
+    notes: Vec<String>,
+}
+
+/// Functions a task changed: sent with its result; `after` is remembered as the last
+/// report once the server has them, if `before` is still the last one.
+struct Changes {
+    devices: Vec<PciDevice>,
+    before: InventoryReport,
+    after: InventoryReport,
+}
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/passage-agent";
 const LONG_POLL: Duration = Duration::from_secs(30);
@@ -195,13 +212,12 @@ impl Agent {
             .then(|| AgentError::CredentialRejected(e.to_string(), self.credential_path.clone()))
     }
 
-    /// Re-discovers and uploads the inventory if it changed since the last upload. A tree
-    /// that cannot be read is not reported as empty: that would look like lost devices.
-    async fn report_inventory(&self) -> Result<(), AgentError> {
-        let mut last = self.last_inventory.lock().await;
+    /// Reads the node's functions and resources as an inventory report; `None` (logged)
+    /// when the tree cannot be read. `last` is what was reported before, for the logs.
+    async fn discover(&self, last: Option<&InventoryReport>) -> Option<Discovered> {
         let root = self.sysfs_root.clone();
         let disc = self.discoverer.clone();
-        let found = match tokio::task::spawn_blocking(move || {
+        let (found, host) = match tokio::task::spawn_blocking(move || {
             (disc.try_discover(&root), crate::host::host_resources(&root))
         })
         .await
@@ -209,20 +225,19 @@ impl Agent {
             Ok((Ok(d), host)) => (d, host),
             Ok((Err(e), _)) => {
                 warn!(error = %e, "PCI discovery failed; inventory not reported");
-                return Ok(());
+                return None;
             }
             Err(e) => {
                 warn!(error = %e, "PCI discovery panicked; inventory not reported");
-                return Ok(());
+                return None;
             }
         };
-        let (found, host) = found;
         let host = match host {
             Ok(h) => Some(h),
             Err(e) => {
                 // Reported without: the control plane then leaves vCPUs and memory
                 // unchecked on this node rather than refusing every VM.
-                if last.as_ref().is_none_or(|l| l.host.is_some()) {
+                if last.is_none_or(|l| l.host.is_some()) {
                     warn!(error = %e, "CPU and memory not readable; reported without them");
                 }
                 None
@@ -236,21 +251,40 @@ impl Agent {
             );
             devices.truncate(MAX_INVENTORY_DEVICES);
         }
-        let report = InventoryReport { devices, host };
+        Some(Discovered {
+            report: InventoryReport { devices, host },
+            skipped: found.skipped.len(),
+            notes: found.skipped.into_iter().chain(found.notes).collect(),
+        })
+    }
+
+    /// Re-discovers and uploads the inventory if it changed since the last upload. A tree
+    /// that cannot be read is not reported as empty: that would look like lost devices.
+    async fn report_inventory(&self) -> Result<(), AgentError> {
+        let mut last = self.last_inventory.lock().await;
+        let Some(found) = self.discover(last.as_ref()).await else {
+            return Ok(());
+        };
+        self.upload(&mut last, found).await
+    }
+
+    async fn upload(
+        &self,
+        last: &mut Option<InventoryReport>,
+        found: Discovered,
+    ) -> Result<(), AgentError> {
+        let report = found.report;
         if last.as_ref() == Some(&report) {
             return Ok(());
         }
-        for s in &found.skipped {
-            debug!(skipped = %s, "PCI function left out of the inventory");
-        }
         for n in &found.notes {
-            debug!(note = %n, "PCI attribute ignored (its function is still reported)");
+            debug!(note = %n, "PCI function or attribute left out of the inventory");
         }
         match self.client.put_inventory(&report).await {
             Ok(()) => {
                 info!(
                     devices = report.devices.len(),
-                    skipped = found.skipped.len(),
+                    skipped = found.skipped,
                     "inventory reported"
                 );
                 *last = Some(report);
@@ -265,6 +299,48 @@ impl Agent {
                 }
             },
         }
+    }
+
+    /// After a task that rebinds functions: the functions that changed since the last
+    /// report, to send with the task's result instead of a whole inventory, and the report
+    /// to remember once the server has them. When more than functions' attributes changed
+    /// (a function came or went, the host's resources, nothing reported yet), the whole
+    /// inventory is uploaded here instead and nothing is returned.
+    async fn changed_functions(&self) -> Result<Option<Changes>, AgentError> {
+        let mut last = self.last_inventory.lock().await;
+        let Some(found) = self.discover(last.as_ref()).await else {
+            return Ok(None);
+        };
+        let Some(before) = last.as_ref() else {
+            return self.upload(&mut last, found).await.map(|()| None);
+        };
+        let now = &found.report;
+        let same_functions = before.host == now.host
+            && before.devices.len() == now.devices.len()
+            && before
+                .devices
+                .iter()
+                .zip(&now.devices)
+                .all(|(a, b)| a.id == b.id);
+        if !same_functions {
+            return self.upload(&mut last, found).await.map(|()| None);
+        }
+        let devices: Vec<PciDevice> = before
+            .devices
+            .iter()
+            .zip(&now.devices)
+            .filter(|(a, b)| a != b)
+            .map(|(_, b)| b.clone())
+            .take(MAX_TASK_DEVICES + 1)
+            .collect();
+        if devices.len() > MAX_TASK_DEVICES {
+            return self.upload(&mut last, found).await.map(|()| None);
+        }
+        Ok(Some(Changes {
+            devices,
+            before: before.clone(),
+            after: found.report,
+        }))
     }
 
     async fn heartbeat_loop(self: Arc<Self>, every: Duration) -> Result<(), AgentError> {
@@ -344,7 +420,7 @@ impl Agent {
         info!(task = %env.id, kind = name, "running task");
         let (tx, rx) = watch::channel(TaskProgress { done: 0, total: 0 });
         let poster = tokio::spawn(post_progress(self.client.clone(), env.id, rx));
-        let result = self.executor.clone().run(env.task.clone(), tx).await;
+        let mut result = self.executor.clone().run(env.task.clone(), tx).await;
         // The sender is gone: the poster sends what it has left and ends.
         let _ = poster.await;
         if result.ok {
@@ -352,18 +428,36 @@ impl Agent {
         } else {
             warn!(task = %env.id, kind = name, error = ?result.error, "task failed");
         }
-        if matches!(
+        // The functions a task rebound go to the server with its result, so the job
+        // waiting for it sees them as they are now, without a whole inventory pass.
+        let changes = if matches!(
             env.task,
             Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. }
         ) {
-            self.report_inventory().await?;
+            self.changed_functions().await?
+        } else {
+            None
+        };
+        if let Some(c) = &changes {
+            result.devices = c.devices.clone();
         }
-        if let Err(e) = with_retry("task result", || self.client.post_result(env.id, &result)).await
-        {
-            if let Some(f) = self.fatal(&e) {
-                return Err(f);
+        match with_retry("task result", || self.client.post_result(env.id, &result)).await {
+            Ok(()) => {
+                if let Some(c) = changes {
+                    // Unless a heartbeat reported in between: its report is newer.
+                    let mut last = self.last_inventory.lock().await;
+                    if last.as_ref() == Some(&c.before) {
+                        *last = Some(c.after);
+                    }
+                }
             }
-            warn!(task = %env.id, error = %e, "task result refused");
+            Err(e) => {
+                if let Some(f) = self.fatal(&e) {
+                    return Err(f);
+                }
+                // The next heartbeat's inventory brings the functions' new state.
+                warn!(task = %env.id, error = %e, "task result refused");
+            }
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 use super::Ctx;
 use super::auth::{NODE_CREDENTIAL_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
-use crate::store::{devices, servers, tasks, variants};
+use crate::store::{devices, servers, tasks};
 use passage_model::protocol::{
     InventoryReport, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS, PROTOCOL_VERSION, RegisterRequest,
     RegisterResponse, TaskEnvelope, TaskResult,
@@ -103,12 +103,14 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
         h.validate()
             .map_err(|(field, why)| ApiError::invalid(field, why))?;
     }
-    let all = variants::list(&ctx.db).await?;
-    // Before the devices, in a statement of its own: placements lock a server's row
-    // before its devices, so nothing here may hold devices while waiting for it.
-    crate::store::room::set_host(&ctx.db, server, report.host).await?;
-    devices::apply_inventory(&ctx.db, server, &report.devices, &all).await?;
-    servers::heartbeat(&ctx.db, server).await?;
+    devices::apply_inventory(
+        &ctx.db,
+        server,
+        report.host.as_ref(),
+        &report.devices,
+        devices::Coverage::Whole,
+    )
+    .await?;
     Ok(())
 }
 
@@ -149,6 +151,31 @@ pub async fn task_result(
     }
     if result.scrub_reports.len() > passage_model::protocol::MAX_TASK_DEVICES {
         return Err(ApiError::invalid("scrub_reports", "too many"));
+    }
+    if result.devices.len() > passage_model::protocol::MAX_TASK_DEVICES {
+        return Err(ApiError::invalid("devices", "too many"));
+    }
+    let mut seen = HashSet::new();
+    for (i, d) in result.devices.iter().enumerate() {
+        d.validate()
+            .map_err(|e| ApiError::invalid(format!("devices[{i}]"), e.to_string()))?;
+        if !seen.insert(d.id.to_string()) {
+            return Err(ApiError::invalid(
+                format!("devices[{i}].id"),
+                "reported twice",
+            ));
+        }
+    }
+    // Before the result: the job it wakes sees the functions as the task left them.
+    if !result.devices.is_empty() {
+        devices::apply_inventory(
+            &ctx.db,
+            server,
+            None,
+            &result.devices,
+            devices::Coverage::Changed,
+        )
+        .await?;
     }
     tasks::complete(&ctx.db, server, task, &result).await?;
     ctx.task_done.wake(&task);

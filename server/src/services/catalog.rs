@@ -13,8 +13,7 @@ fn check_variant(v: &Variant) -> ApiResult<()> {
 }
 
 async fn recompute(ctx: &Ctx) -> ApiResult<()> {
-    let all = variants::list(&ctx.db).await?;
-    let n = devices::recompute_variants(&ctx.db, &all).await?;
+    let n = devices::recompute_variants(&ctx.db).await?;
     tracing::info!(changed = n, "device variants recomputed");
     Ok(())
 }

@@ -12,7 +12,7 @@ use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
 use passage_model::state::transition;
 use passage_model::variant::classify;
-use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDevice, ServerId, Variant, VmId};
+use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDevice, ServerId, VmId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 #[derive(Clone, Debug)]
@@ -449,36 +449,110 @@ pub async fn move_devices(
         .await)
 }
 
+/// What a report covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coverage {
+    /// Every function of the node: one it leaves out is missing.
+    Whole,
+    /// Only functions that changed (sent with a task's result); the rest are as they were.
+    Changed,
+}
+
+/// What the store holds of a reported function, to tell whether a report changes it.
+#[derive(sqlx::FromRow)]
+struct KnownRow {
+    id: String,
+    vendor: String,
+    device: String,
+    subvendor: String,
+    subsystem: String,
+    revision: String,
+    class: String,
+    driver: Option<String>,
+    numa_node: Option<i64>,
+    iommu_group: Option<i64>,
+    variant: Option<String>,
+    state: String,
+    details: Option<String>,
+    missing: i64,
+    /// Used by a VM that no job is working on (see `health::taint`).
+    at_rest: i64,
+}
+
+impl KnownRow {
+    /// Whether writing `d` (classified as `variant`, its details serialized as `details`)
+    /// would leave the row as it is.
+    fn same_as(&self, d: &PciDevice, variant: &Option<String>, details: &Option<String>) -> bool {
+        self.missing == 0
+            && self.vendor == d.vendor.to_string()
+            && self.device == d.device.to_string()
+            && self.subvendor == d.subvendor.to_string()
+            && self.subsystem == d.subsystem.to_string()
+            && self.revision == d.revision.to_string()
+            && self.class == d.class.to_string()
+            && self.driver == d.driver
+            && self.numa_node == d.numa_node.map(i64::from)
+            && self.iommu_group == d.iommu_group.map(i64::from)
+            && &self.variant == variant
+            && &self.details == details
+    }
+}
+
 /// Applies an agent's inventory: new functions appear, known ones are refreshed, and a
 /// device missing from the report is flagged and kept out of placement but never freed.
+///
+/// The report is also the node's heartbeat, and carries its CPUs and memory (`host`,
+/// kept as they were when absent): the server's row is written first, in the same
+/// transaction, as placements lock a server's row before its devices. The variants are
+/// read after that lock, inside the transaction, so that a variant created meanwhile is
+/// either seen here or finds these devices in its own recount ([`recompute_variants`]
+/// takes every server's lock first): a device is never left without the variant it
+/// matches.
+///
+/// Only what changed is written: a node reports its whole inventory after every bind and
+/// unbind, and rewriting each of its functions then cost the one SQLite writer a dozen
+/// statements per VM for a single changed driver link.
 pub async fn apply_inventory(
     db: &Db,
     server: ServerId,
+    host: Option<&passage_model::protocol::HostResources>,
     report: &[PciDevice],
-    variants: &[Variant],
+    coverage: Coverage,
 ) -> StoreResult<()> {
     let now = now_ms();
     let server_s = server.to_string();
     let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
+    let cpus = host.map(|h| i64::from(h.cpus));
+    let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
     in_tx!(db, |tx| {
-        type Known = (String, String, Option<String>, Option<String>, i64);
-        // `at_rest`: used by a VM that no job is working on (see `health::taint`).
-        let known: Vec<Known> = sqlx::query_as(
-            "SELECT d.id, d.state, d.variant, d.details, CAST(CASE WHEN d.state = 'used' \
+        sqlx::query(
+            "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
+             memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
+        )
+        .bind(&server_s)
+        .bind(now)
+        .bind(cpus)
+        .bind(memory)
+        .execute(&mut *tx)
+        .await?;
+        let variants: Vec<super::variants::VariantRow> = sqlx::query_as(super::variants::LIST_ALL)
+            .fetch_all(&mut *tx)
+            .await?;
+        let variants = super::variants::views(variants)?;
+        let known: Vec<KnownRow> = sqlx::query_as(
+            "SELECT d.id, d.vendor, d.device, d.subvendor, d.subsystem, d.revision, d.class, \
+             d.driver, d.numa_node, d.iommu_group, d.variant, d.state, d.details, d.missing, \
+             CAST(CASE WHEN d.state = 'used' \
              AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
              (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
-             AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) \
+             AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
              FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by WHERE d.server_uuid = $1",
         )
         .bind(&server_s)
         .fetch_all(&mut *tx)
         .await?;
-        let known: HashMap<String, (String, Option<String>, Option<String>, bool)> = known
-            .into_iter()
-            .map(|(id, state, variant, details, at_rest)| {
-                (id, (state, variant, details, at_rest == 1))
-            })
-            .collect();
+        let known: HashMap<&str, &KnownRow> = known.iter().map(|k| (k.id.as_str(), k)).collect();
+        let mut changed = false;
         for d in report {
             let id = d.id.to_string();
             let details = d
@@ -487,9 +561,10 @@ pub async fn apply_inventory(
                 .map(serde_json::to_string)
                 .transpose()
                 .map_err(corrupt)?;
-            let matched = classify(variants, d).map(|v| v.name.clone());
-            match known.get(&id) {
+            let matched = classify(&variants, d).map(|v| v.name.clone());
+            match known.get(id.as_str()) {
                 None => {
+                    changed = true;
                     sqlx::query(
                         "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
                          subsystem, revision, class, driver, numa_node, iommu_group, variant, \
@@ -515,17 +590,22 @@ pub async fn apply_inventory(
                     .execute(&mut *tx)
                     .await?;
                 }
-                Some((state, old_variant, old_details, at_rest)) => {
-                    let previous: Option<passage_model::PciDetails> = old_details
+                Some(k) => {
+                    let previous: Option<passage_model::PciDetails> = k
+                        .details
                         .as_deref()
                         .and_then(|j| serde_json::from_str(j).ok());
-                    let health = crate::health::taint(*at_rest, previous.as_ref(), d);
+                    let health = crate::health::taint(k.at_rest == 1, previous.as_ref(), d);
                     // A held or dirty device keeps its variant until it is free again.
-                    let variant = if matches!(state.as_str(), "unassigned" | "disabled") {
+                    let variant = if matches!(k.state.as_str(), "unassigned" | "disabled") {
                         matched
                     } else {
-                        old_variant.clone()
+                        k.variant.clone()
                     };
+                    if health.is_none() && k.same_as(d, &variant, &details) {
+                        continue;
+                    }
+                    changed = true;
                     sqlx::query(
                         "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
                          subsystem = $6, revision = $7, class = $8, driver = $9, \
@@ -554,42 +634,61 @@ pub async fn apply_inventory(
                 }
             }
         }
-        for (id, (state, _, _, _)) in &known {
-            if reported.contains(id) {
+        for k in known.values() {
+            if coverage == Coverage::Changed || k.missing != 0 || reported.contains(&k.id) {
                 continue;
             }
+            changed = true;
             sqlx::query(
                 "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
                  WHERE server_uuid = $1 AND id = $2 AND missing = 0",
             )
             .bind(&server_s)
-            .bind(id)
+            .bind(&k.id)
             .bind(format!(
-                "missing from the agent's inventory report (state was {state})"
+                "missing from the agent's inventory report (state was {})",
+                k.state
             ))
             .bind(now)
             .execute(&mut *tx)
             .await?;
         }
-        tx.refresh_free(server).await?;
+        if changed {
+            tx.refresh_free(server).await?;
+        }
         Ok(())
     })
 }
 
-/// Re-derives every free device's variant after the variants changed.
-pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u64> {
-    let free = select(db, "WHERE state IN ('unassigned', 'disabled')", &[]).await?;
-    let mut changes = Vec::new();
-    for r in free {
-        let v = classify(variants, &r.pci).map(|v| v.name.clone());
-        if v != r.variant {
-            changes.push((r.server_uuid.to_string(), r.pci.id.to_string(), v));
-        }
-    }
-    let n = changes.len() as u64;
-    let servers: std::collections::BTreeSet<String> =
-        changes.iter().map(|(s, _, _)| s.clone()).collect();
+/// Re-derives every free device's variant after the variants changed. On Postgres every
+/// server's row is locked first, as an inventory locks its server's row before it reads
+/// the variants: an inventory still open when the variants changed is waited for and
+/// its devices recounted here.
+pub async fn recompute_variants(db: &Db) -> StoreResult<u64> {
+    let lock = matches!(db, Db::Postgres(_))
+        .then_some("SELECT 1 FROM servers ORDER BY uuid FOR NO KEY UPDATE");
     in_tx!(db, |tx| {
+        if let Some(lock) = lock {
+            let _: Vec<(i32,)> = sqlx::query_as(lock).fetch_all(&mut *tx).await?;
+        }
+        let variants: Vec<super::variants::VariantRow> = sqlx::query_as(super::variants::LIST_ALL)
+            .fetch_all(&mut *tx)
+            .await?;
+        let variants = super::variants::views(variants)?;
+        let free: Vec<DeviceRow> = sqlx::query_as(&format!(
+            "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled')"
+        ))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut changes = Vec::new();
+        for r in records(free)? {
+            let v = classify(&variants, &r.pci).map(|v| v.name.clone());
+            if v != r.variant {
+                changes.push((r.server_uuid.to_string(), r.pci.id.to_string(), v));
+            }
+        }
+        let servers: std::collections::BTreeSet<String> =
+            changes.iter().map(|(s, _, _)| s.clone()).collect();
         for (server, id, variant) in &changes {
             sqlx::query(
                 "UPDATE devices SET variant = $3, generation = generation + 1 \
@@ -604,9 +703,8 @@ pub async fn recompute_variants(db: &Db, variants: &[Variant]) -> StoreResult<u6
         for server in &servers {
             tx.refresh_free(parse_uuid(server, "server")?).await?;
         }
-        Ok(())
-    })?;
-    Ok(n)
+        Ok(changes.len() as u64)
+    })
 }
 
 /// Count of devices per variant that match, for the variants view.

@@ -339,6 +339,29 @@ pub async fn step_started(db: &Db, job: JobId, idx: usize) -> StoreResult<()> {
     Ok(())
 }
 
+/// Ends step `done` as succeeded and starts step `next`, in one statement: what
+/// [`step_ended`] then [`step_started`] write, for half the writes per job.
+pub async fn step_advance(db: &Db, job: JobId, done: usize, next: usize) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE job_steps SET \
+         state = CASE WHEN idx = $2 THEN $4 ELSE 'running' END, \
+         ended_at = CASE WHEN idx = $2 THEN $5 ELSE ended_at END, \
+         started_at = CASE WHEN idx = $3 THEN COALESCE(started_at, $5) ELSE started_at END, \
+         error = CASE WHEN idx = $3 THEN NULL ELSE error END, \
+         error_kind = CASE WHEN idx = $3 THEN NULL ELSE error_kind END \
+         WHERE job_uuid = $1 AND idx IN ($2, $3)"
+    )
+    .bind(job.to_string())
+    .bind(done as i64)
+    .bind(next as i64)
+    .bind(StepState::Succeeded.as_str())
+    .bind(now_ms())
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
 /// Ends a step in `state`; a failure is kept with its kind (a later end without one keeps
 /// it: an undone step still says why its job failed).
 pub async fn step_ended(

@@ -6,7 +6,7 @@ use passage_model::Variant;
 use passage_model::variant::DeviceType;
 
 #[derive(sqlx::FromRow)]
-struct VariantRow {
+pub(crate) struct VariantRow {
     name: String,
     kind: String,
     vendor: String,
@@ -71,6 +71,15 @@ pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>
             .collect::<StoreResult<_>>()?,
         total,
     ))
+}
+
+/// Every variant, read inside a transaction that classifies devices (`LIST_ALL`'s rows
+/// through [`views`]).
+pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, revision, description, scrub \
+     FROM variants ORDER BY name";
+
+pub(crate) fn views(rows: Vec<VariantRow>) -> StoreResult<Vec<Variant>> {
+    rows.into_iter().map(VariantRow::into_view).collect()
 }
 
 /// Every variant (matching needs them all).

@@ -157,23 +157,36 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             });
         return fail::<W>(ctx, &run, &failed.name, &e).await;
     }
+    // A step that succeeded is written when the next one starts, in the same statement
+    // (a crash between the two replays it, as any step may be). It is written alone
+    // before anything that may stop the run here.
+    let mut ended: Option<usize> = None;
     for (i, step) in W::Step::ALL.iter().copied().enumerate() {
         if run.succeeded(step) {
             continue;
         }
         if lost.load(Ordering::SeqCst) {
+            if let Some(done) = ended.take() {
+                jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
+            }
             tracing::warn!(%job, "lost the job's lease to another replica; stopping here");
             return Ok(());
         }
         let key = format!("{}.{}", W::KIND, step.name());
         if ctx.cfg.pause_before.as_deref() == Some(key.as_str()) {
+            if let Some(done) = ended.take() {
+                jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
+            }
             use std::io::Write;
             let mut out = std::io::stdout();
             let _ = writeln!(out, "passage: paused before {key} (test hook)");
             let _ = out.flush();
             std::future::pending::<()>().await;
         }
-        jobs::step_started(&ctx.jobs_db, job, i).await?;
+        match ended.take() {
+            Some(done) => jobs::step_advance(&ctx.jobs_db, job, done, i).await?,
+            None => jobs::step_started(&ctx.jobs_db, job, i).await?,
+        }
         run.set(i, StepState::Running);
         let started = Instant::now();
         let result = act(ctx, &run, step).await;
@@ -181,7 +194,7 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             .step(W::KIND.as_str(), step.name(), started.elapsed());
         match result {
             Ok(()) => {
-                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Succeeded, None).await?;
+                ended = Some(i);
                 run.set(i, StepState::Succeeded);
             }
             Err(e) => {
@@ -192,6 +205,9 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
                 return fail::<W>(ctx, &run, step.name(), e.message()).await;
             }
         }
+    }
+    if let Some(done) = ended {
+        jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
     }
     jobs::set_state(&ctx.jobs_db, job, JobState::Succeeded, None).await?;
     Ok(())

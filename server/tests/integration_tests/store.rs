@@ -32,7 +32,7 @@ async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>
         serde_json::from_str(r#"{"name":"H100","type":"gpu","vendor":"10de","device":"2330"}"#)
             .unwrap();
     variants::insert(&db, &variant).await.unwrap();
-    devices::apply_inventory(&db, server, &report, &[variant])
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
         .await
         .unwrap();
     let ids: Vec<String> = devices::for_server(&db, server)
@@ -129,7 +129,7 @@ async fn migrations_and_inventory(b: Backend) {
         .map(|d| d.pci)
         .collect();
     let vs = variants::list(&db).await.unwrap();
-    devices::apply_inventory(&db, server, &report, &vs)
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
         .await
         .unwrap();
     assert_eq!(
@@ -634,4 +634,164 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
 both!(
     single_and_batch_paths_write_the_same_on,
     single_and_batch_paths_write_the_same
+);
+
+/// Each device's `updated_at`, by id.
+async fn updated_at(db: &Db) -> std::collections::BTreeMap<String, i64> {
+    let q = "SELECT id, updated_at FROM devices";
+    let rows: Vec<(String, i64)> = match db {
+        Db::Sqlite { read, .. } => sqlx::query_as(q).fetch_all(read).await.unwrap(),
+        Db::Postgres(p) => sqlx::query_as(q).fetch_all(p).await.unwrap(),
+    };
+    rows.into_iter().collect()
+}
+
+/// A node reports its whole inventory after every bind and unbind: only the functions
+/// that changed are written, and a change the health check sees still is.
+async fn an_inventory_writes_only_what_changed(b: Backend) {
+    let (_tdb, db, server, ids) = seeded(b).await;
+    let mut report: Vec<_> = devices::for_server(&db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.pci)
+        .collect();
+    let before = updated_at(&db).await;
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    assert_eq!(
+        updated_at(&db).await,
+        before,
+        "nothing changed, nothing written"
+    );
+
+    let bound = report
+        .iter_mut()
+        .find(|d| d.id.to_string() == ids[0])
+        .unwrap();
+    bound.driver = Some("vfio-pci".into());
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let after = updated_at(&db).await;
+    let written: Vec<&String> = after
+        .iter()
+        .filter(|(id, at)| before.get(*id) != Some(*at))
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(written, vec![&ids[0]]);
+    let rec = devices::for_server(&db, server).await.unwrap();
+    let d = rec.iter().find(|d| d.pci.id.to_string() == ids[0]).unwrap();
+    assert_eq!(d.pci.driver.as_deref(), Some("vfio-pci"));
+
+    // A function left out is flagged once; reported again, it is back.
+    let gone = report.pop().unwrap();
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let rec = devices::for_server(&db, server).await.unwrap();
+    let d = rec.iter().find(|d| d.pci.id == gone.id).unwrap();
+    assert!(d.missing && d.taint.is_some());
+    let flagged = updated_at(&db).await;
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    assert_eq!(updated_at(&db).await, flagged, "flagged once");
+    report.push(gone.clone());
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let rec = devices::for_server(&db, server).await.unwrap();
+    let d = rec.iter().find(|d| d.pci.id == gone.id).unwrap();
+    assert!(!d.missing && d.taint.is_none());
+
+    // A task's result carries only the functions it changed: the rest stay as they are.
+    let mut one = report[0].clone();
+    one.driver = None;
+    devices::apply_inventory(
+        &db,
+        server,
+        None,
+        std::slice::from_ref(&one),
+        devices::Coverage::Changed,
+    )
+    .await
+    .unwrap();
+    let rec = devices::for_server(&db, server).await.unwrap();
+    assert!(rec.iter().all(|d| !d.missing), "nothing flagged missing");
+    let d = rec.iter().find(|d| d.pci.id == one.id).unwrap();
+    assert_eq!(d.pci.driver, None);
+}
+both!(
+    an_inventory_writes_only_what_changed_on,
+    an_inventory_writes_only_what_changed
+);
+
+/// Nodes reporting while an operator creates the variant their GPUs match: whichever
+/// comes first, every GPU ends up with the variant (an inventory that read the variants
+/// before the new one was committed is recounted by the variant's creation).
+async fn a_variant_created_while_nodes_report_reaches_every_device(b: Backend) {
+    let tdb = TestDb::new(b).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    let root = tdb.dir.path().join("sys");
+    node_agent::fake::generate(&root, &node_agent::fake::FakeSpec::default()).unwrap();
+    let report = node_agent::host::discover(&root).devices;
+    let gpus = report
+        .iter()
+        .filter(|d| d.vendor.to_string() == "10de" && d.device.to_string() == "2330")
+        .count();
+    assert!(gpus > 0);
+    let variant: passage_model::Variant =
+        serde_json::from_str(r#"{"name":"H100","type":"gpu","vendor":"10de","device":"2330"}"#)
+            .unwrap();
+    for round in 0..4 {
+        let mut nodes = Vec::new();
+        for i in 0..16 {
+            let token = format!("jt-{round}-{i}");
+            servers::insert_join_token(&db, &token, "test", i64::MAX)
+                .await
+                .unwrap();
+            let s = servers::register(&db, &token, "cn", &format!("cred-{round}-{i}"))
+                .await
+                .unwrap()
+                .unwrap();
+            nodes.push(s);
+        }
+        if round > 0 {
+            variants::delete(&db, "H100").await.unwrap();
+            devices::recompute_variants(&db).await.unwrap();
+        }
+        let reports = nodes.iter().map(|s| {
+            let db = db.clone();
+            let report = report.clone();
+            let s = *s;
+            tokio::spawn(async move {
+                devices::apply_inventory(&db, s, None, &report, devices::Coverage::Whole)
+                    .await
+                    .unwrap()
+            })
+        });
+        let reports: Vec<_> = reports.collect();
+        tokio::task::yield_now().await;
+        variants::insert(&db, &variant).await.unwrap();
+        devices::recompute_variants(&db).await.unwrap();
+        for r in reports {
+            r.await.unwrap();
+        }
+        for s in &nodes {
+            let with = devices::for_server(&db, *s)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|d| d.variant.as_deref() == Some("H100"))
+                .count();
+            assert_eq!(with, gpus, "round {round}: server {s}");
+        }
+    }
+}
+both!(
+    a_variant_created_while_nodes_report_reaches_every_device_on,
+    a_variant_created_while_nodes_report_reaches_every_device
 );
