@@ -119,7 +119,11 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
     let wait = Duration::from_secs(wait.min(MAX_LONG_POLL_SECS));
     let deadline = tokio::time::Instant::now() + wait;
     let redeliver = i64::try_from(ctx.cfg.task_redeliver_after.as_millis()).unwrap_or(i64::MAX);
-    servers::heartbeat(&ctx.db, server).await?;
+    let key = server.to_string();
+    if ctx.heartbeats.get(&key).is_none() {
+        servers::heartbeat(&ctx.db, server).await?;
+        ctx.heartbeats.put(&key, ());
+    }
     let waker = ctx.tasks_queued.handle(&server);
     loop {
         let notified = waker.notified();

@@ -58,6 +58,10 @@ pub struct Services {
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
     /// Packages by the uuid or name they were asked for by.
     pub packages: cache::TtlCache<passage_model::api::Package>,
+    /// Servers whose heartbeat this process wrote within [`cache::TTL`]: a node polls for
+    /// tasks after every task it ran, and a heartbeat per poll cost the one SQLite writer a
+    /// statement per task for a time only read to the second's tens.
+    pub heartbeats: cache::TtlCache<()>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -143,6 +147,7 @@ impl Services {
             audit: batcher::Batcher::new(audit::LINGER),
             tokens: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
+            heartbeats: cache::TtlCache::default(),
         })
     }
 

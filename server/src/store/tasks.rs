@@ -1,7 +1,7 @@
 //! The per-server task queue the agents long-poll.
 
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
-use crate::{in_tx, on_read, on_write};
+use crate::{on_read, on_write};
 use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
 use passage_model::{JobId, ServerId, TaskId};
 
@@ -57,34 +57,24 @@ pub async fn take(
 ) -> StoreResult<Vec<TaskEnvelope>> {
     let now = now_ms();
     let server_s = server.to_string();
-    let rows: Vec<(String, String, String)> = in_tx!(db, |tx| {
-        let rows: Vec<(String, String, String)> = sqlx::query_as(
-            "SELECT uuid, payload, state FROM tasks WHERE server_uuid = $1 \
-             AND (state = 'queued' OR (state = 'taken' AND taken_at < $2)) \
-             ORDER BY created_at LIMIT $3",
-        )
-        .bind(&server_s)
-        .bind(now - redeliver_after_ms)
-        .bind(limit)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut taken = Vec::new();
-        for (uuid, payload, state) in rows {
-            let n = sqlx::query(
-                "UPDATE tasks SET state = 'taken', taken_at = $2 WHERE uuid = $1 AND state = $3",
-            )
-            .bind(&uuid)
-            .bind(now)
-            .bind(&state)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n == 1 {
-                taken.push((uuid, payload, state));
-            }
-        }
-        Ok(taken)
-    })?;
+    // One statement: the oldest deliverable tasks are marked taken and returned. The
+    // condition is stated again outside the subquery, so that on Postgres a task another
+    // replica took meanwhile is re-checked after its row lock and skipped.
+    let deliverable =
+        "server_uuid = $1 AND (state = 'queued' OR (state = 'taken' AND taken_at < $2))";
+    let mut rows: Vec<(String, String, i64)> = on_write!(db, |p| sqlx::query_as(&format!(
+        "UPDATE tasks SET state = 'taken', taken_at = $4 WHERE {deliverable} AND uuid IN \
+         (SELECT uuid FROM tasks WHERE {deliverable} ORDER BY created_at LIMIT $3) \
+         RETURNING uuid, payload, created_at"
+    ))
+    .bind(&server_s)
+    .bind(now - redeliver_after_ms)
+    .bind(limit)
+    .bind(now)
+    .fetch_all(p)
+    .await)?;
+    // RETURNING keeps no order.
+    rows.sort_by_key(|r| r.2);
     rows.into_iter()
         .map(|(uuid, payload, _)| {
             Ok(TaskEnvelope {
@@ -103,29 +93,31 @@ pub async fn complete(
     result: &TaskResult,
 ) -> StoreResult<Task> {
     let payload = serde_json::to_string(result).map_err(corrupt)?;
-    let row: Option<(String, String)> = on_read!(db, |p| sqlx::query_as(
-        "SELECT payload, state FROM tasks WHERE uuid = $1 AND server_uuid = $2"
-    )
-    .bind(task.to_string())
-    .bind(server.to_string())
-    .fetch_optional(p)
-    .await)?;
-    let (task_payload, _) = row.ok_or(StoreError::NotFound("task"))?;
-    let n = on_write!(db, |p| sqlx::query(
+    let done: Option<(String,)> = on_write!(db, |p| sqlx::query_as(
         "UPDATE tasks SET state = 'done', result = $3, done_at = $4 \
-         WHERE uuid = $1 AND server_uuid = $2 AND state <> 'done'"
+         WHERE uuid = $1 AND server_uuid = $2 AND state <> 'done' RETURNING payload"
     )
     .bind(task.to_string())
     .bind(server.to_string())
     .bind(payload)
     .bind(now_ms())
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    if n == 0 {
-        return Err(StoreError::Conflict("the task already has a result".into()));
+    .fetch_optional(p)
+    .await)?;
+    if let Some((task_payload,)) = done {
+        return serde_json::from_str(&task_payload).map_err(corrupt);
     }
-    serde_json::from_str(&task_payload).map_err(corrupt)
+    // Nothing written: say whether the task is unknown here or already answered.
+    let known: Option<(String,)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT state FROM tasks WHERE uuid = $1 AND server_uuid = $2"
+    )
+    .bind(task.to_string())
+    .bind(server.to_string())
+    .fetch_optional(p)
+    .await)?;
+    match known {
+        None => Err(StoreError::NotFound("task")),
+        Some(_) => Err(StoreError::Conflict("the task already has a result".into())),
+    }
 }
 
 pub async fn result(db: &Db, task: TaskId) -> StoreResult<Option<TaskResult>> {

@@ -795,3 +795,64 @@ both!(
     a_variant_created_while_nodes_report_reaches_every_device_on,
     a_variant_created_while_nodes_report_reaches_every_device
 );
+
+/// Agents' polls take the oldest queued tasks, each once: 16 polls at once over 48
+/// tasks deliver every task exactly once; a taken task comes back only after the
+/// redelivery time.
+async fn tasks_are_taken_oldest_first_and_once(b: Backend) {
+    use passage_model::protocol::Task;
+    use passage_server::store::tasks;
+    let (_tdb, db, server, _ids) = seeded(b).await;
+    let mut queued = Vec::new();
+    for _ in 0..48 {
+        let task = Task::StopVm {
+            vm_uuid: VmId::new_ordered(),
+        };
+        queued.push(tasks::enqueue(&db, server, None, &task).await.unwrap());
+        // Distinct creation times, so "oldest first" has one answer.
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    let first = tasks::take(&db, server, 3, i64::MAX).await.unwrap();
+    let ids: Vec<_> = first.iter().map(|t| t.id).collect();
+    assert_eq!(ids, queued[..3], "the oldest, in order");
+
+    let polls: Vec<_> = (0..16)
+        .map(|_| {
+            let db = db.clone();
+            tokio::spawn(async move { tasks::take(&db, server, 4, i64::MAX).await.unwrap() })
+        })
+        .collect();
+    let mut got: Vec<_> = ids.clone();
+    for p in polls {
+        got.extend(p.await.unwrap().into_iter().map(|t| t.id));
+    }
+    // A poll that lost some of its rows to another (Postgres re-checks each after its
+    // lock) answers fewer: the rest are there for the next poll.
+    loop {
+        let more = tasks::take(&db, server, 4, i64::MAX).await.unwrap();
+        if more.is_empty() {
+            break;
+        }
+        got.extend(more.into_iter().map(|t| t.id));
+    }
+    let mut sorted = got.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), got.len(), "a task delivered twice");
+    assert_eq!(got.len(), 48, "every task delivered");
+    assert!(
+        tasks::take(&db, server, 32, i64::MAX)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Past the redelivery time, what was taken and never answered comes again.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let again = tasks::take(&db, server, 64, 1).await.unwrap();
+    assert_eq!(again.len(), 48);
+}
+both!(
+    tasks_are_taken_oldest_first_and_once_on,
+    tasks_are_taken_oldest_first_and_once
+);
