@@ -132,7 +132,7 @@ impl Services {
         Arc::new(Services {
             placer_db: db.lane(PLACER_CONNECTIONS),
             audit_db: db.lane(AUDIT_CONNECTIONS),
-            jobs_db: db.lane(JOB_CONNECTIONS),
+            jobs_db: db.lane_with(JOB_CONNECTIONS, crate::store::Commit::Relaxed),
             db,
             cfg,
             tasks_queued: wakers::Wakers::default(),

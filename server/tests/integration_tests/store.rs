@@ -856,3 +856,37 @@ both!(
     tasks_are_taken_oldest_first_and_once_on,
     tasks_are_taken_oldest_first_and_once
 );
+
+/// The job runner's lane commits without waiting for the disk on Postgres; every other
+/// connection waits.
+async fn the_jobs_lane_alone_relaxes_commits(b: Backend) {
+    use passage_server::store::Commit;
+    let tdb = TestDb::new(b).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    let show = |d: Db| async move {
+        match d {
+            Db::Postgres(p) => Some(
+                sqlx::query_scalar::<_, String>("SHOW synchronous_commit")
+                    .fetch_one(&p)
+                    .await
+                    .unwrap(),
+            ),
+            Db::Sqlite { .. } => None,
+        }
+    };
+    let relaxed = show(db.lane_with(1, Commit::Relaxed)).await;
+    let durable = show(db.lane(1)).await;
+    let main = show(db.clone()).await;
+    match b {
+        Backend::Postgres => {
+            assert_eq!(relaxed.as_deref(), Some("off"));
+            assert_eq!(durable.as_deref(), Some("on"));
+            assert_eq!(main.as_deref(), Some("on"));
+        }
+        Backend::Sqlite => assert!(relaxed.is_none() && durable.is_none() && main.is_none()),
+    }
+}
+both!(
+    the_jobs_lane_alone_relaxes_commits_on,
+    the_jobs_lane_alone_relaxes_commits
+);
