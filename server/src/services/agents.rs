@@ -81,15 +81,11 @@ pub async fn heartbeat(
     Ok(())
 }
 
-pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> ApiResult<()> {
-    if report.devices.len() > MAX_INVENTORY_DEVICES {
-        return Err(ApiError::invalid(
-            "devices",
-            format!("at most {MAX_INVENTORY_DEVICES} functions per report"),
-        ));
-    }
+/// The reported functions (`devices`, of an inventory or a task's result) are each valid
+/// and each reported once.
+fn check_functions(devices: &[passage_model::PciDevice]) -> ApiResult<()> {
     let mut seen = HashSet::new();
-    for (i, d) in report.devices.iter().enumerate() {
+    for (i, d) in devices.iter().enumerate() {
         d.validate()
             .map_err(|e| ApiError::invalid(format!("devices[{i}]"), e.to_string()))?;
         if !seen.insert(d.id.to_string()) {
@@ -99,6 +95,17 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
             ));
         }
     }
+    Ok(())
+}
+
+pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> ApiResult<()> {
+    if report.devices.len() > MAX_INVENTORY_DEVICES {
+        return Err(ApiError::invalid(
+            "devices",
+            format!("at most {MAX_INVENTORY_DEVICES} functions per report"),
+        ));
+    }
+    check_functions(&report.devices)?;
     if let Some(h) = &report.host {
         h.validate()
             .map_err(|(field, why)| ApiError::invalid(field, why))?;
@@ -159,17 +166,7 @@ pub async fn task_result(
     if result.devices.len() > passage_model::protocol::MAX_TASK_DEVICES {
         return Err(ApiError::invalid("devices", "too many"));
     }
-    let mut seen = HashSet::new();
-    for (i, d) in result.devices.iter().enumerate() {
-        d.validate()
-            .map_err(|e| ApiError::invalid(format!("devices[{i}]"), e.to_string()))?;
-        if !seen.insert(d.id.to_string()) {
-            return Err(ApiError::invalid(
-                format!("devices[{i}].id"),
-                "reported twice",
-            ));
-        }
-    }
+    check_functions(&result.devices)?;
     // Before the result: the job it wakes sees the functions as the task left them.
     if !result.devices.is_empty() {
         devices::apply_inventory(

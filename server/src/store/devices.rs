@@ -461,20 +461,8 @@ pub enum Coverage {
 /// What the store holds of a reported function, to tell whether a report changes it.
 #[derive(sqlx::FromRow)]
 struct KnownRow {
-    id: String,
-    vendor: String,
-    device: String,
-    subvendor: String,
-    subsystem: String,
-    revision: String,
-    class: String,
-    driver: Option<String>,
-    numa_node: Option<i64>,
-    iommu_group: Option<i64>,
-    variant: Option<String>,
-    state: String,
-    details: Option<String>,
-    missing: i64,
+    #[sqlx(flatten)]
+    row: DeviceRow,
     /// Used by a VM that no job is working on (see `health::taint`).
     at_rest: i64,
 }
@@ -483,18 +471,19 @@ impl KnownRow {
     /// Whether writing `d` (classified as `variant`, its details serialized as `details`)
     /// would leave the row as it is.
     fn same_as(&self, d: &PciDevice, variant: &Option<String>, details: &Option<String>) -> bool {
-        self.missing == 0
-            && self.vendor == d.vendor.to_string()
-            && self.device == d.device.to_string()
-            && self.subvendor == d.subvendor.to_string()
-            && self.subsystem == d.subsystem.to_string()
-            && self.revision == d.revision.to_string()
-            && self.class == d.class.to_string()
-            && self.driver == d.driver
-            && self.numa_node == d.numa_node.map(i64::from)
-            && self.iommu_group == d.iommu_group.map(i64::from)
-            && &self.variant == variant
-            && &self.details == details
+        let r = &self.row;
+        r.missing == 0
+            && r.vendor == d.vendor.to_string()
+            && r.device == d.device.to_string()
+            && r.subvendor == d.subvendor.to_string()
+            && r.subsystem == d.subsystem.to_string()
+            && r.revision == d.revision.to_string()
+            && r.class == d.class.to_string()
+            && r.driver == d.driver
+            && r.numa_node == d.numa_node.map(i64::from)
+            && r.iommu_group == d.iommu_group.map(i64::from)
+            && &r.variant == variant
+            && &r.details == details
     }
 }
 
@@ -539,19 +528,22 @@ pub async fn apply_inventory(
             .fetch_all(&mut *tx)
             .await?;
         let variants = super::variants::views(variants)?;
-        let known: Vec<KnownRow> = sqlx::query_as(
-            "SELECT d.id, d.vendor, d.device, d.subvendor, d.subsystem, d.revision, d.class, \
-             d.driver, d.numa_node, d.iommu_group, d.variant, d.state, d.details, d.missing, \
-             CAST(CASE WHEN d.state = 'used' \
+        let known: Vec<KnownRow> = sqlx::query_as(&format!(
+            "SELECT {}, CAST(CASE WHEN d.state = 'used' \
              AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
              (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
              AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
              FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by WHERE d.server_uuid = $1",
-        )
+            COLS.split(", ")
+                .map(|c| format!("d.{c}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
         .bind(&server_s)
         .fetch_all(&mut *tx)
         .await?;
-        let known: HashMap<&str, &KnownRow> = known.iter().map(|k| (k.id.as_str(), k)).collect();
+        let known: HashMap<&str, &KnownRow> =
+            known.iter().map(|k| (k.row.id.as_str(), k)).collect();
         let mut changed = false;
         for d in report {
             let id = d.id.to_string();
@@ -592,15 +584,16 @@ pub async fn apply_inventory(
                 }
                 Some(k) => {
                     let previous: Option<passage_model::PciDetails> = k
+                        .row
                         .details
                         .as_deref()
                         .and_then(|j| serde_json::from_str(j).ok());
                     let health = crate::health::taint(k.at_rest == 1, previous.as_ref(), d);
                     // A held or dirty device keeps its variant until it is free again.
-                    let variant = if matches!(k.state.as_str(), "unassigned" | "disabled") {
+                    let variant = if matches!(k.row.state.as_str(), "unassigned" | "disabled") {
                         matched
                     } else {
-                        k.variant.clone()
+                        k.row.variant.clone()
                     };
                     if health.is_none() && k.same_as(d, &variant, &details) {
                         continue;
@@ -634,7 +627,7 @@ pub async fn apply_inventory(
                 }
             }
         }
-        for k in known.values() {
+        for k in known.values().map(|k| &k.row) {
             if coverage == Coverage::Changed || k.missing != 0 || reported.contains(&k.id) {
                 continue;
             }
