@@ -352,6 +352,9 @@ pub async fn save_variant(
             .transpose()?,
         revision: existing.as_ref().and_then(|v| v.revision),
         description: optional(&description).map(str::to_string),
+        parent: existing.as_ref().and_then(|v| v.parent.clone()),
+        vgpu_type: existing.as_ref().and_then(|v| v.vgpu_type.clone()),
+        max_per_gpu: existing.as_ref().and_then(|v| v.max_per_gpu),
         scrub: existing.and_then(|v| v.scrub),
     };
     match original {

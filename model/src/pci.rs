@@ -90,10 +90,16 @@ impl PciAddress {
 
 /// The physical path of a function under sysfs without the leading `/sys`:
 /// `/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0`. Stable while the hardware stays.
+///
+/// A vGPU slot is named the way the kernel names a mediated device: its GPU's path and
+/// the vGPU's UUID below it (`…/0000:3b:00.0/c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d`). The
+/// control plane chooses the UUID when a GPU starts hosting vGPUs; for the vendor-VFIO
+/// framework the node maps it onto one of the GPU's virtual functions.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevicePath {
     root: String,
     chain: Vec<PciAddress>,
+    vgpu: Option<uuid::Uuid>,
 }
 
 impl DevicePath {
@@ -104,10 +110,33 @@ impl DevicePath {
         Some(DevicePath {
             root: format!("pci{root_domain:04x}:{root_bus:02x}"),
             chain,
+            vgpu: None,
         })
     }
 
-    /// The function itself (the last element of the chain).
+    /// The vGPU slot `id` on this GPU.
+    pub fn with_vgpu(&self, id: uuid::Uuid) -> DevicePath {
+        DevicePath {
+            vgpu: Some(id),
+            ..self.gpu()
+        }
+    }
+
+    /// For a vGPU slot: its UUID.
+    pub fn vgpu(&self) -> Option<uuid::Uuid> {
+        self.vgpu
+    }
+
+    /// The PCI function itself: for a vGPU slot, the GPU that hosts it.
+    pub fn gpu(&self) -> DevicePath {
+        DevicePath {
+            root: self.root.clone(),
+            chain: self.chain.clone(),
+            vgpu: None,
+        }
+    }
+
+    /// The function itself (the last element of the chain); for a vGPU slot, its GPU's.
     pub fn address(&self) -> PciAddress {
         // `chain` is never empty: both constructors refuse an empty one.
         self.chain[self.chain.len() - 1]
@@ -134,7 +163,21 @@ impl FromStr for DevicePath {
         let (dom, bus) = root_bus.split_once(':').ok_or_else(err)?;
         hex_exact(dom, 4, 8).ok_or_else(err)?;
         hex_exact(bus, 2, 2).ok_or_else(err)?;
+        let mut parts: Vec<&str> = parts.collect();
+        // A UUID is 36 characters with hyphens; no PCI address has either.
+        let vgpu = match parts.last() {
+            Some(last) if last.len() == 36 && last.contains('-') => {
+                let id = uuid::Uuid::try_parse(last).map_err(|_| err())?;
+                if id.hyphenated().to_string() != *last {
+                    return Err(err());
+                }
+                parts.pop();
+                Some(id)
+            }
+            _ => None,
+        };
         let chain = parts
+            .into_iter()
             .map(|p| p.parse::<PciAddress>().map_err(|_| err()))
             .collect::<Result<Vec<_>, _>>()?;
         if chain.is_empty() {
@@ -143,6 +186,7 @@ impl FromStr for DevicePath {
         Ok(DevicePath {
             root: root.to_ascii_lowercase(),
             chain,
+            vgpu,
         })
     }
 }
@@ -152,6 +196,9 @@ impl fmt::Display for DevicePath {
         write!(f, "/devices/{}", self.root)?;
         for a in &self.chain {
             write!(f, "/{a}")?;
+        }
+        if let Some(id) = self.vgpu {
+            write!(f, "/{}", id.hyphenated())?;
         }
         Ok(())
     }
@@ -178,6 +225,14 @@ string_serde!(DevicePath);
 /// A 16-bit PCI id (vendor, device, subsystem vendor, subsystem), written as 4 hex digits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HexId(pub u16);
+
+impl HexId {
+    /// `ffff`: what PCI reads from an empty slot, so no real function's id; stands for
+    /// "not given" where a body may leave an id out.
+    pub const fn unset() -> HexId {
+        HexId(0xffff)
+    }
+}
 
 impl FromStr for HexId {
     type Err = PciParseError;
@@ -508,6 +563,27 @@ mod tests {
         assert_eq!(p.to_string(), s);
         assert_eq!(p.address().to_string(), "0000:3b:00.0");
         assert_eq!(p.parents().len(), 1);
+        assert_eq!(p.vgpu(), None);
+
+        // A vGPU slot: its GPU's path and a UUID, lowercase and hyphenated as the kernel
+        // names an mdev.
+        let slot = format!("{s}/c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d");
+        let v: DevicePath = slot.parse().unwrap();
+        assert_eq!(v.to_string(), slot);
+        assert_eq!(v.gpu(), p);
+        assert_eq!(v.address(), p.address());
+        assert_eq!(v.vgpu().unwrap().to_string(), "c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d");
+        assert_eq!(p.with_vgpu(v.vgpu().unwrap()), v);
+        assert_ne!(v, p);
+        for bad in [
+            format!("{s}/C9E2D4A0-3F7E-4C89-9A43-0D2F5A6B7C8D"),
+            format!("{s}/c9e2d4a03f7e4c899a430d2f5a6b7c8d"),
+            format!("{s}/c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d/0000:3c:00.0"),
+            "/devices/pci0000:3a/c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d".to_string(),
+            format!("{s}/c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8z"),
+        ] {
+            assert!(bad.parse::<DevicePath>().is_err(), "{bad} accepted");
+        }
         for bad in [
             "/devices/pci0000:3a",
             "/devices/pci0000:3a/",

@@ -29,9 +29,12 @@ pub enum DeviceState {
     Cleaning,
     Quarantined,
     Disabled,
+    /// A GPU that hosts vGPUs: not assignable whole; its vGPU slots are devices of their
+    /// own. It leaves through `dirty`, so a full scrub runs before it is whole again.
+    Shared,
 }
 
-pub const ALL_STATES: [DeviceState; 7] = [
+pub const ALL_STATES: [DeviceState; 8] = [
     DeviceState::Unassigned,
     DeviceState::Provisioning,
     DeviceState::Used,
@@ -39,6 +42,7 @@ pub const ALL_STATES: [DeviceState; 7] = [
     DeviceState::Cleaning,
     DeviceState::Quarantined,
     DeviceState::Disabled,
+    DeviceState::Shared,
 ];
 
 impl DeviceState {
@@ -51,6 +55,7 @@ impl DeviceState {
             DeviceState::Cleaning => "cleaning",
             DeviceState::Quarantined => "quarantined",
             DeviceState::Disabled => "disabled",
+            DeviceState::Shared => "shared",
         }
     }
 
@@ -95,9 +100,13 @@ pub enum DeviceEvent {
     Requeue,
     Disable,
     Enable,
+    /// A vGPU request turned the free GPU into a host of vGPU slots.
+    Share,
+    /// The GPU's last vGPU is gone: it is scrubbed whole before it is assignable again.
+    Unshare,
 }
 
-pub const ALL_EVENTS: [DeviceEvent; 12] = [
+pub const ALL_EVENTS: [DeviceEvent; 14] = [
     DeviceEvent::Reserve,
     DeviceEvent::Attach,
     DeviceEvent::CancelUnused,
@@ -110,6 +119,8 @@ pub const ALL_EVENTS: [DeviceEvent; 12] = [
     DeviceEvent::Requeue,
     DeviceEvent::Disable,
     DeviceEvent::Enable,
+    DeviceEvent::Share,
+    DeviceEvent::Unshare,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -137,6 +148,8 @@ pub fn transition(from: DeviceState, event: DeviceEvent) -> Result<DeviceState, 
         (S::Quarantined, E::Requeue) => S::Dirty,
         (S::Unassigned, E::Disable) => S::Disabled,
         (S::Disabled, E::Enable) => S::Unassigned,
+        (S::Unassigned, E::Share) => S::Shared,
+        (S::Shared, E::Unshare) => S::Dirty,
         _ => return Err(TransitionError { from, event }),
     };
     Ok(to)
@@ -180,6 +193,9 @@ mod tests {
             (S::Quarantined, E::Requeue, S::Dirty),
             (S::Unassigned, E::Disable, S::Disabled),
             (S::Disabled, E::Enable, S::Unassigned),
+            (S::Unassigned, E::Share, S::Shared),
+            (S::Shared, E::Unshare, S::Dirty),
+            (S::Shared, E::Quarantine, S::Quarantined),
         ];
         for from in ALL_STATES {
             for ev in ALL_EVENTS {

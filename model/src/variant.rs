@@ -15,6 +15,8 @@ pub enum DeviceType {
     Nic,
     Fpga,
     Other,
+    /// A share of a GPU: one vGPU of one type, on a GPU of its `parent` variant.
+    Vgpu,
 }
 
 impl DeviceType {
@@ -25,6 +27,7 @@ impl DeviceType {
             DeviceType::Nic => "nic",
             DeviceType::Fpga => "fpga",
             DeviceType::Other => "other",
+            DeviceType::Vgpu => "vgpu",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -34,6 +37,7 @@ impl DeviceType {
             "nic" => DeviceType::Nic,
             "fpga" => DeviceType::Fpga,
             "other" => DeviceType::Other,
+            "vgpu" => DeviceType::Vgpu,
             _ => return None,
         })
     }
@@ -41,6 +45,10 @@ impl DeviceType {
 
 /// `{"name","type","vendor","device","subvendor","subsystem","revision","description"}`;
 /// an absent optional id matches any value.
+///
+/// A vGPU variant (`"type":"vgpu"`) names no PCI function: it is one vGPU of type
+/// `vgpu_type` on a GPU of its `parent` variant, at most `max_per_gpu` per GPU. Its ids are
+/// its parent's (the server copies them; a body may leave them out).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Variant {
@@ -48,7 +56,9 @@ pub struct Variant {
     pub name: String,
     #[serde(rename = "type")]
     pub kind: DeviceType,
+    #[serde(default = "HexId::unset")]
     pub vendor: HexId,
+    #[serde(default = "HexId::unset")]
     pub device: HexId,
     #[serde(default)]
     pub subvendor: Option<HexId>,
@@ -64,6 +74,20 @@ pub struct Variant {
     #[serde(default)]
     #[schema(min_items = 1, max_items = 16)]
     pub scrub: Option<Vec<crate::protocol::ScrubAction>>,
+    /// vGPU variants only: the GPU variant whose GPUs host it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 64)]
+    pub parent: Option<String>,
+    /// vGPU variants only: the driver's type, by id (`nvidia-222`, `557`) or by name
+    /// (`NVIDIA A100-4C`), as the node's discovery reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(max_length = 64)]
+    pub vgpu_type: Option<String>,
+    /// vGPU variants only: how many vGPUs of this type one GPU hosts (CloudStack's
+    /// `max_capacity` per GPU); a node that reports fewer for the type gets fewer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 4096)]
+    pub max_per_gpu: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -74,6 +98,8 @@ pub enum VariantError {
     Description,
     #[error("{0}")]
     Scrub(String),
+    #[error("{1}")]
+    Vgpu(&'static str, String),
 }
 
 impl VariantError {
@@ -82,6 +108,7 @@ impl VariantError {
             VariantError::Name => "name",
             VariantError::Description => "description",
             VariantError::Scrub(_) => "scrub",
+            VariantError::Vgpu(field, _) => field,
         }
     }
 }
@@ -108,11 +135,61 @@ impl Variant {
         if let Some(steps) = &self.scrub {
             validate_pipeline(steps)?;
         }
-        Ok(())
+        self.validate_vgpu()
     }
 
+    fn validate_vgpu(&self) -> Result<(), VariantError> {
+        let bad = |field, m: &str| Err(VariantError::Vgpu(field, m.to_string()));
+        if self.kind != DeviceType::Vgpu {
+            if self.parent.is_some() || self.vgpu_type.is_some() || self.max_per_gpu.is_some() {
+                return bad(
+                    "type",
+                    "parent, vgpu_type and max_per_gpu are for variants of type vgpu",
+                );
+            }
+            if self.vendor == HexId::unset() || self.device == HexId::unset() {
+                return bad("vendor", "vendor and device are required");
+            }
+            return Ok(());
+        }
+        match &self.parent {
+            None => return bad("parent", "a vgpu variant names its parent GPU variant"),
+            Some(p) if validate_name(p).is_err() => {
+                return bad("parent", "parent is not a variant name");
+            }
+            Some(p) if *p == self.name => return bad("parent", "a variant is not its own parent"),
+            Some(_) => {}
+        }
+        match &self.vgpu_type {
+            Some(t)
+                if !t.trim().is_empty()
+                    && t.chars().count() <= 64
+                    && !t.chars().any(char::is_control) => {}
+            _ => {
+                return bad(
+                    "vgpu_type",
+                    "vgpu_type is the driver's type id or name, 1 to 64 characters",
+                );
+            }
+        }
+        match self.max_per_gpu {
+            Some(n) if (1..=crate::vgpu::MAX_INSTANCES).contains(&n) => Ok(()),
+            _ => bad(
+                "max_per_gpu",
+                &format!("max_per_gpu is 1 to {}", crate::vgpu::MAX_INSTANCES),
+            ),
+        }
+    }
+
+    pub fn is_vgpu(&self) -> bool {
+        self.kind == DeviceType::Vgpu
+    }
+
+    /// Whether `d` is one of this variant's devices. A vGPU variant matches no PCI
+    /// function: its devices are slots the control plane makes on its parent's GPUs.
     pub fn matches(&self, d: &PciDevice) -> bool {
-        self.vendor == d.vendor
+        !self.is_vgpu()
+            && self.vendor == d.vendor
             && self.device == d.device
             && self.subvendor.is_none_or(|v| v == d.subvendor)
             && self.subsystem.is_none_or(|v| v == d.subsystem)
@@ -202,6 +279,9 @@ mod tests {
             revision: rev.map(|s| s.parse().unwrap()),
             description: None,
             scrub: None,
+            parent: None,
+            vgpu_type: None,
+            max_per_gpu: None,
         }
     }
 

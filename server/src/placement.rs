@@ -35,7 +35,7 @@ pub fn choose(
     type Key = (bool, bool, usize, ServerId);
     let mut best: Option<(Key, Vec<DevicePath>)> = None;
     for (server, devs) in by_server {
-        let Some((numa_local, picked)) = pick_on_server(&devs, request) else {
+        let Some((numa_local, picked)) = pick_on_server(&devs, request, policy) else {
             continue;
         };
         let free = match policy {
@@ -51,10 +51,12 @@ pub fn choose(
 }
 
 /// The devices one server would give, and whether each variant's share sits on a single
-/// NUMA node.
+/// NUMA node. vGPU slots come from the GPU with the fewest free slots first (pack) or
+/// the most (spread).
 pub fn pick_on_server(
     devs: &[&Candidate],
     request: &BTreeMap<String, u32>,
+    policy: Policy,
 ) -> Option<(bool, Vec<DevicePath>)> {
     let mut all_local = true;
     let mut picked = Vec::new();
@@ -69,6 +71,23 @@ pub fn pick_on_server(
             return None;
         }
         of_variant.sort_by(|a, b| a.id.cmp(&b.id));
+        if of_variant.first().is_some_and(|c| c.id.vgpu().is_some()) {
+            let mut per_gpu: HashMap<DevicePath, usize> = HashMap::new();
+            for c in &of_variant {
+                *per_gpu.entry(c.id.gpu()).or_default() += 1;
+            }
+            of_variant.sort_by_cached_key(|c| {
+                let gpu = c.id.gpu();
+                let n = per_gpu.get(&gpu).copied().unwrap_or(0);
+                let by_policy = match policy {
+                    Policy::Pack => n,
+                    Policy::Spread => usize::MAX - n,
+                };
+                (by_policy, gpu, c.id.clone())
+            });
+            picked.extend(of_variant.iter().take(count).map(|c| c.id.clone()));
+            continue;
+        }
         let mut by_numa: BTreeMap<Option<u32>, Vec<&Candidate>> = BTreeMap::new();
         for c in &of_variant {
             by_numa.entry(c.numa_node).or_default().push(c);

@@ -94,6 +94,13 @@ fn check_functions(devices: &[passage_model::PciDevice]) -> ApiResult<()> {
                 "reported twice",
             ));
         }
+        // vGPU slots are the control plane's own rows, never a node's functions.
+        if d.id.vgpu().is_some() {
+            return Err(ApiError::invalid(
+                format!("devices[{i}].id"),
+                "a PCI function's path, not a vGPU's",
+            ));
+        }
     }
     Ok(())
 }

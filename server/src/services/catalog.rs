@@ -18,9 +18,51 @@ async fn recompute(ctx: &Ctx) -> ApiResult<()> {
     Ok(())
 }
 
-pub async fn create_variant(ctx: &Ctx, caller: &Caller, v: Variant) -> ApiResult<Variant> {
+/// A vGPU variant's parent must be a GPU variant that exists; the vGPU variant takes its
+/// ids. A variant that hosts vGPU variants stays a variant of whole devices.
+async fn resolve_parent(ctx: &Ctx, v: &mut Variant) -> ApiResult<()> {
+    use passage_model::variant::DeviceType;
+    if let Some(name) = &v.parent {
+        let parent = match variants::get(&ctx.db, name).await {
+            Ok(p) => p,
+            Err(crate::store::StoreError::NotFound(_)) => {
+                return Err(ApiError::invalid(
+                    "parent",
+                    format!("no variant is named {name:?}"),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if parent.kind != DeviceType::Gpu {
+            return Err(ApiError::invalid(
+                "parent",
+                format!("variant {name:?} is not a GPU variant (type gpu)"),
+            ));
+        }
+        v.vendor = parent.vendor;
+        v.device = parent.device;
+        v.subvendor = parent.subvendor;
+        v.subsystem = parent.subsystem;
+        v.revision = parent.revision;
+    }
+    if v.kind != DeviceType::Gpu
+        && variants::list(&ctx.db)
+            .await?
+            .iter()
+            .any(|c| c.parent.as_deref() == Some(v.name.as_str()))
+    {
+        return Err(ApiError::conflict(format!(
+            "type: variant {:?} hosts vGPU variants and must stay a GPU variant",
+            v.name
+        )));
+    }
+    Ok(())
+}
+
+pub async fn create_variant(ctx: &Ctx, caller: &Caller, mut v: Variant) -> ApiResult<Variant> {
     caller.require_operator()?;
     check_variant(&v)?;
+    resolve_parent(ctx, &mut v).await?;
     variants::insert(&ctx.db, &v).await?;
     recompute(ctx).await?;
     Ok(variants::get(&ctx.db, &v.name).await?)
@@ -31,7 +73,12 @@ fn known_shape(name: &str) -> ApiResult<()> {
     passage_model::variant::validate_name(name).map_err(|_| ApiError::not_found("variant"))
 }
 
-pub async fn put_variant(ctx: &Ctx, caller: &Caller, name: &str, v: Variant) -> ApiResult<Variant> {
+pub async fn put_variant(
+    ctx: &Ctx,
+    caller: &Caller,
+    name: &str,
+    mut v: Variant,
+) -> ApiResult<Variant> {
     caller.require_operator()?;
     known_shape(name)?;
     check_variant(&v)?;
@@ -40,6 +87,7 @@ pub async fn put_variant(ctx: &Ctx, caller: &Caller, name: &str, v: Variant) -> 
             "name: must equal the name in the URL (variants cannot be renamed)",
         ));
     }
+    resolve_parent(ctx, &mut v).await?;
     variants::update(&ctx.db, &v).await?;
     recompute(ctx).await?;
     Ok(variants::get(&ctx.db, name).await?)

@@ -228,6 +228,9 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         return (Vec::new(), reqs);
     };
     let policy = package.placement.unwrap_or(ctx.cfg.placement);
+    if let Err(e) = open_vgpus(ctx, package, reqs.len()).await {
+        tracing::warn!(error = %e, "opening GPUs for vGPUs; placing with the slots there are");
+    }
     let variants: Vec<String> = request.keys().cloned().collect();
     // Servers enough for every request's devices and some to spare, for servers that turn
     // out short of vCPUs or memory or of NUMA-local sets; never more than one per request.
@@ -289,6 +292,64 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
     (planned, alone)
 }
 
+/// Makes sure there are vGPU slots for `vms` VMs of `package`: for each vGPU variant it
+/// asks for, opens free GPUs of the parent variant (`store::vgpus::open`). Pack opens only
+/// as many as the free slots lack, so vGPUs fill the GPUs already in their type first
+/// (CloudStack's depth-first); spread opens one GPU per vGPU while whole GPUs are free, so
+/// each goes to the emptiest GPU (breadth-first). Answers the GPUs opened.
+pub(super) async fn open_vgpus(
+    ctx: &Ctx,
+    package: &Package,
+    vms: usize,
+) -> crate::store::StoreResult<usize> {
+    use crate::store::{variants, vgpus};
+    let mut opened = 0;
+    let mut known: Option<Vec<passage_model::Variant>> = None;
+    for (name, &count) in &package.devices {
+        if known.is_none() {
+            let all = variants::list(&ctx.placer_db).await?;
+            if !all.iter().any(passage_model::Variant::is_vgpu) {
+                return Ok(0);
+            }
+            known = Some(all);
+        }
+        let Some(v) = known
+            .as_ref()
+            .and_then(|all| all.iter().find(|v| &v.name == name && v.is_vgpu()))
+        else {
+            continue;
+        };
+        let policy = package.placement.unwrap_or(ctx.cfg.placement);
+        let need = i64::from(count).saturating_mul(i64::try_from(vms).unwrap_or(i64::MAX));
+        let free = vgpus::free_slots(&ctx.placer_db, name, ctx.alive_after_ms()).await?;
+        let per_gpu = i64::from(v.max_per_gpu.unwrap_or(1).max(1));
+        let gpus = match policy {
+            Policy::Pack => ((need - free).max(0) + per_gpu - 1) / per_gpu,
+            Policy::Spread => need,
+        };
+        if gpus == 0 {
+            continue;
+        }
+        let fit = room::Fit {
+            vcpus: package.vcpus,
+            memory_mib: package.memory_mib,
+            alloc: ctx.cfg.alloc,
+        };
+        let got = vgpus::open(
+            &ctx.placer_db,
+            v,
+            usize::try_from(gpus).unwrap_or(usize::MAX),
+            policy,
+            ctx.alive_after_ms(),
+            fit,
+        )
+        .await?;
+        tracing::debug!(variant = %name, wanted = gpus, opened = got.len(), "GPUs opened for vGPUs");
+        opened += got.len();
+    }
+    Ok(opened)
+}
+
 /// The server for one more request of `package`, taken from `slots`: the first by policy
 /// (fewest free devices of the primary variant for pack, most for spread) where the
 /// devices share a NUMA node, else the first that fits at all.
@@ -314,7 +375,7 @@ fn pick(
             continue;
         }
         let cands: Vec<&Candidate> = slot.cands.iter().collect();
-        let Some((numa_local, devices)) = placement::pick_on_server(&cands, request) else {
+        let Some((numa_local, devices)) = placement::pick_on_server(&cands, request, policy) else {
             continue;
         };
         if numa_local {

@@ -134,6 +134,7 @@ pub(super) async fn place_and_reserve(
     mut avoid: Vec<passage_model::ServerId>,
 ) -> ApiResult<Vm> {
     let variants: Vec<String> = package.devices.keys().cloned().collect();
+    let mut opened_gpus = false;
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {
@@ -154,6 +155,13 @@ pub(super) async fn place_and_reserve(
             }
         };
         let Some(choice) = choice else {
+            // No free vGPU slot: open a free GPU for them once, then look again.
+            if !opened_gpus && !package.devices.is_empty() {
+                opened_gpus = true;
+                if super::placer::open_vgpus(ctx, package, 1).await? > 0 {
+                    continue;
+                }
+            }
             let err = insufficient(&package.devices);
             for (variant, count) in &package.devices {
                 let r = store::ops::alert(

@@ -533,7 +533,8 @@ pub async fn apply_inventory(
              AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
              (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
              AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
-             FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by WHERE d.server_uuid = $1",
+             FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
+             WHERE d.server_uuid = $1 AND d.parent IS NULL",
             COLS.split(", ")
                 .map(|c| format!("d.{c}"))
                 .collect::<Vec<_>>()
@@ -624,6 +625,18 @@ pub async fn apply_inventory(
                     .bind(&health)
                     .execute(&mut *tx)
                     .await?;
+                    if k.row.missing != 0 {
+                        // Its vGPU slots were flagged with it; back with it.
+                        sqlx::query(
+                            "UPDATE devices SET missing = 0, taint = NULL, updated_at = $3 \
+                             WHERE server_uuid = $1 AND parent = $2 AND missing = 1",
+                        )
+                        .bind(&server_s)
+                        .bind(&id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
                 }
             }
         }
@@ -632,9 +645,10 @@ pub async fn apply_inventory(
                 continue;
             }
             changed = true;
+            // A missing GPU's vGPU slots are flagged with it: placement skips them.
             sqlx::query(
                 "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
-                 WHERE server_uuid = $1 AND id = $2 AND missing = 0",
+                 WHERE server_uuid = $1 AND (id = $2 OR parent = $2) AND missing = 0",
             )
             .bind(&server_s)
             .bind(&k.id)
@@ -669,7 +683,8 @@ pub async fn recompute_variants(db: &Db) -> StoreResult<u64> {
             .await?;
         let variants = super::variants::views(variants)?;
         let free: Vec<DeviceRow> = sqlx::query_as(&format!(
-            "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled')"
+            "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled') \
+             AND parent IS NULL"
         ))
         .fetch_all(&mut *tx)
         .await?;

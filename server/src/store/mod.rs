@@ -26,6 +26,7 @@ pub mod servers;
 pub mod sql;
 pub mod tasks;
 pub mod variants;
+pub mod vgpus;
 pub mod vms;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};

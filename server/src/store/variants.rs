@@ -16,6 +16,9 @@ pub(crate) struct VariantRow {
     revision: Option<String>,
     description: Option<String>,
     scrub: Option<String>,
+    parent: Option<String>,
+    vgpu_type: Option<String>,
+    max_per_gpu: Option<i64>,
 }
 
 impl VariantRow {
@@ -40,6 +43,13 @@ impl VariantRow {
                 .transpose()
                 .map_err(corrupt)?,
             description: self.description,
+            parent: self.parent,
+            vgpu_type: self.vgpu_type,
+            max_per_gpu: self
+                .max_per_gpu
+                .map(u32::try_from)
+                .transpose()
+                .map_err(corrupt)?,
             scrub: self
                 .scrub
                 .as_deref()
@@ -51,7 +61,8 @@ impl VariantRow {
     }
 }
 
-const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub";
+const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub, \
+    parent, vgpu_type, max_per_gpu";
 
 /// A page, newest first, and the total.
 pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
@@ -75,8 +86,8 @@ pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>
 
 /// Every variant, read inside a transaction that classifies devices (`LIST_ALL`'s rows
 /// through [`views`]).
-pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, revision, description, scrub \
-     FROM variants ORDER BY name";
+pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, \
+     revision, description, scrub, parent, vgpu_type, max_per_gpu FROM variants ORDER BY name";
 
 pub(crate) fn views(rows: Vec<VariantRow>) -> StoreResult<Vec<Variant>> {
     rows.into_iter().map(VariantRow::into_view).collect()
@@ -104,7 +115,8 @@ pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
 
 pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(&format!(
-        "INSERT INTO variants ({COLS}, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $9)"
+        "INSERT INTO variants ({COLS}, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $9)"
     ))
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -116,6 +128,9 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(&v.description)
     .bind(now_ms())
     .bind(scrub_json(v)?)
+    .bind(&v.parent)
+    .bind(&v.vgpu_type)
+    .bind(v.max_per_gpu.map(i64::from))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))
@@ -126,7 +141,8 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
 pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
-         subsystem = $6, revision = $7, description = $8, scrub = $9 WHERE name = $1"
+         subsystem = $6, revision = $7, description = $8, scrub = $9, parent = $10, \
+         vgpu_type = $11, max_per_gpu = $12 WHERE name = $1"
     )
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -137,6 +153,9 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(v.revision.map(|x| x.to_string()))
     .bind(&v.description)
     .bind(scrub_json(v)?)
+    .bind(&v.parent)
+    .bind(&v.vgpu_type)
+    .bind(v.max_per_gpu.map(i64::from))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
@@ -146,12 +165,24 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     Ok(())
 }
 
-/// Refused while a package asks for the variant or a device of it is anywhere but
-/// `unassigned`/`disabled`: either would lose track of what a VM holds.
+/// Refused while a package asks for the variant, a vGPU variant names it as parent, or
+/// a device of it is anywhere but `unassigned`/`disabled` (for a vGPU variant: while any
+/// GPU hosts its slots): each would lose track of what a VM holds or of a GPU's mode.
 pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
+    let child: Option<String> = on_read!(db, |p| sqlx::query_scalar(
+        "SELECT name FROM variants WHERE parent = $1 ORDER BY name LIMIT 1"
+    )
+    .bind(name)
+    .fetch_optional(p)
+    .await)?;
+    if let Some(child) = child {
+        return Err(StoreError::Conflict(format!(
+            "vGPU variant {child:?} is hosted on variant {name:?}"
+        )));
+    }
     let busy: i64 = on_read!(db, |p| sqlx::query_scalar(
         "SELECT COUNT(*) FROM devices WHERE variant = $1 \
-         AND state NOT IN ('unassigned', 'disabled')"
+         AND (state NOT IN ('unassigned', 'disabled') OR parent IS NOT NULL)"
     )
     .bind(name)
     .fetch_one(p)

@@ -259,6 +259,7 @@ async fn replace_undo(
                 &format!("resize or migration of VM {} unwound", vm.uuid),
             )
             .await?;
+            super::scrub::close_free_gpus(ctx, plan.to_server, &strings(&plan.add)).await?;
             Ok(())
         }
         ReplaceStep::Bind if plan.add.is_empty() => Ok(()),

@@ -114,6 +114,8 @@ impl Workflow for Provision {
                 if launched && !moved.is_empty() {
                     let dirty: Vec<String> = moved.into_iter().map(|m| m.id).collect();
                     scrub::start_job(ctx, server, &dirty).await?;
+                } else if !moved.is_empty() {
+                    scrub::close_free_gpus(ctx, server, &ids(&vm)).await?;
                 }
                 Ok(())
             }

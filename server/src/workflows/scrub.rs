@@ -132,6 +132,7 @@ pub async fn scrub_devices(
         )
         .await?;
     }
+    close_free_gpus(ctx, server, &ids).await?;
     if failed.is_empty() {
         Ok(())
     } else {
@@ -140,6 +141,17 @@ pub async fn scrub_devices(
             failed.join("; ")
         )))
     }
+}
+
+/// Closes the GPUs of those of `ids` that are vGPU slots once all their slots are free
+/// (`store::vgpus::close_idle`), and starts the full scrub of the GPUs closed.
+pub async fn close_free_gpus(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResult<()> {
+    let gpus = crate::store::vgpus::parents_of(ids);
+    let closed = crate::store::vgpus::close_idle(&ctx.jobs_db, server, &gpus).await?;
+    if !closed.is_empty() {
+        start_job(ctx, server, &closed).await?;
+    }
+    Ok(())
 }
 
 /// Each device's pipeline from its variant; devices whose variant names none are left to

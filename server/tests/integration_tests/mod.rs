@@ -16,4 +16,5 @@ mod schema;
 mod security;
 mod store;
 mod tls;
+mod vgpus;
 mod workflows;

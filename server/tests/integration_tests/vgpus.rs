@@ -1,0 +1,206 @@
+//! Shared GPUs through the REST API: vGPU variants, one GPU one mode, slots reserved
+//! without ever exceeding a GPU's count, pack and spread, on SQLite and on Postgres.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::{Backend, TestServer, fast_config};
+use node_agent::fake::{FakeOptions, FakeVgpu};
+use passage_model::api::{Package, Vm};
+use passage_model::{DevicePath, DeviceState, ErrorCode, PciDevice, ServerId, Variant, VmId};
+use serde_json::json;
+
+/// H100s hosting vGPUs through vendor VFIO, with CPUs and memory to spare.
+/// Answers the server, the node's credential and its inventory.
+async fn vgpu_node(s: &TestServer, gpus: u32) -> (ServerId, String, Vec<PciDevice>) {
+    let opts = FakeOptions {
+        vgpu: Some(FakeVgpu::Vfio),
+        ..FakeOptions::default()
+    };
+    let host = json!({"cpus": 512, "memory_mib": 4_194_304});
+    s.manual_node_from(gpus, Some(host), &opts).await
+}
+
+/// `NVIDIA_H100` (whole), `H100_10C` (4 time-sliced vGPUs per GPU) and a package of one
+/// of each, `gpu-1x` and `vgpu-<policy>`.
+async fn catalog(s: &TestServer, policy: &str) -> String {
+    s.h100_catalog(1).await;
+    let r = s
+        .post::<Variant>(
+            "/v1/variants",
+            &json!({"name": "H100_10C", "type": "vgpu", "parent": "NVIDIA_H100",
+                    "vgpu_type": "NVIDIA H100XM-10C", "max_per_gpu": 4}),
+        )
+        .await;
+    assert!(r.status == 201 || r.status == 409, "{r:?}");
+    let name = format!("vgpu-{policy}");
+    let _: Package = s
+        .post(
+            "/v1/packages",
+            &json!({"name": name, "vcpus": 1, "memory_mib": 1024, "disk_gib": 10,
+                    "devices": {"H100_10C": 1}, "placement": policy}),
+        )
+        .await
+        .ok(201);
+    name
+}
+
+async fn create(s: &TestServer, token: &str, package: &str, alias: &str) -> Vm {
+    s.with(token)
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": alias, "package": package}),
+        )
+        .await
+        .ok(202)
+}
+
+type States = Vec<(DevicePath, DeviceState, Option<VmId>)>;
+
+fn slots_of(states: &States, gpu: &DevicePath) -> Vec<(DeviceState, Option<VmId>)> {
+    states
+        .iter()
+        .filter(|(id, _, _)| id.vgpu().is_some() && id.gpu() == *gpu)
+        .map(|(_, st, u)| (*st, *u))
+        .collect()
+}
+
+fn gpus_in(states: &States, state: DeviceState) -> Vec<DevicePath> {
+    states
+        .iter()
+        .filter(|(id, st, _)| id.vgpu().is_none() && *st == state)
+        .map(|(id, _, _)| id.clone())
+        .collect()
+}
+
+async fn vgpu_variants_are_checked(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    s.h100_catalog(1).await;
+    let made: Variant = s
+        .post(
+            "/v1/variants",
+            &json!({"name": "H100_10C", "type": "vgpu", "parent": "NVIDIA_H100",
+                    "vgpu_type": "NVIDIA H100XM-10C", "max_per_gpu": 4}),
+        )
+        .await
+        .ok(201);
+    // Its ids are its parent's.
+    assert_eq!(made.vendor.to_string(), "10de");
+    assert_eq!(made.device.to_string(), "2330");
+    assert_eq!(made.parent.as_deref(), Some("NVIDIA_H100"));
+    assert_eq!(made.max_per_gpu, Some(4));
+    let bad = |body: serde_json::Value| {
+        let s = &s;
+        async move { s.post::<Variant>("/v1/variants", &body).await }
+    };
+    bad(json!({"name": "x", "type": "vgpu", "vgpu_type": "557", "max_per_gpu": 1}))
+        .await
+        .invalid("parent");
+    bad(json!({"name": "x", "type": "vgpu", "parent": "nope", "vgpu_type": "557",
+               "max_per_gpu": 1}))
+    .await
+    .invalid("parent");
+    bad(json!({"name": "x", "type": "vgpu", "parent": "H100_10C", "vgpu_type": "557",
+               "max_per_gpu": 1}))
+    .await
+    .invalid("parent");
+    bad(json!({"name": "x", "type": "vgpu", "parent": "NVIDIA_H100", "max_per_gpu": 1}))
+        .await
+        .invalid("vgpu_type");
+    bad(json!({"name": "x", "type": "vgpu", "parent": "NVIDIA_H100", "vgpu_type": "557",
+               "max_per_gpu": 0}))
+    .await
+    .invalid("max_per_gpu");
+    bad(json!({"name": "x", "type": "gpu", "vendor": "10de", "device": "2330",
+               "max_per_gpu": 2}))
+    .await
+    .invalid("type");
+    bad(json!({"name": "x", "type": "gpu"})).await.invalid("vendor");
+    // A parent stays while a vGPU variant names it, and stays a GPU variant.
+    s.delete::<()>("/v1/variants/NVIDIA_H100")
+        .await
+        .fails(409, ErrorCode::Conflict);
+    s.put::<Variant>(
+        "/v1/variants/NVIDIA_H100",
+        &json!({"name": "NVIDIA_H100", "type": "other", "vendor": "10de", "device": "2330"}),
+    )
+    .await
+    .fails(409, ErrorCode::Conflict);
+}
+both!(vgpu_variants_are_checked_on, vgpu_variants_are_checked);
+
+/// 64 creations race for the last vGPU slot of a GPU: one wins, the GPU never hosts more
+/// than its 4, and the GPU is not given whole while it hosts vGPUs. An inventory from the
+/// node frees no slot.
+async fn race_for_the_last_vgpu_slot(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let (server, cred, devices) = vgpu_node(&s, 1).await;
+    let package = catalog(&s, "pack").await;
+    let (_, tenant) = s.tenant("racer").await;
+    let first: Vec<Vm> = {
+        let mut v = Vec::new();
+        for i in 0..3 {
+            v.push(create(&s, &tenant, &package, &format!("first-{i}")).await);
+        }
+        v
+    };
+    let states = s.device_states(server).await;
+    let shared = gpus_in(&states, DeviceState::Shared);
+    assert_eq!(shared.len(), 1, "{states:?}");
+    let gpu = &shared[0];
+    assert_eq!(slots_of(&states, gpu).len(), 4);
+    for vm in &first {
+        assert_eq!(vm.assigned_devices.len(), 1);
+        assert_eq!(vm.assigned_devices[0].gpu(), *gpu);
+    }
+    // The GPU is not whole any more.
+    s.with(&tenant)
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "whole", "package": "gpu-1x"}),
+        )
+        .await
+        .fails(409, ErrorCode::InsufficientCapacity);
+
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let body = json!({"image": "test-image", "alias": format!("race-{i}"),
+                              "package": package});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
+    let mut won = Vec::new();
+    let mut lost = 0;
+    for c in calls {
+        let r = c.await.unwrap();
+        match r.status {
+            202 => won.push(r.ok(202)),
+            _ => {
+                r.fails(409, ErrorCode::InsufficientCapacity);
+                lost += 1;
+            }
+        }
+    }
+    assert_eq!((won.len(), lost), (1, 63));
+    let states = s.device_states(server).await;
+    let slots = slots_of(&states, gpu);
+    assert_eq!(slots.len(), 4, "never more slots than the type allows");
+    assert!(
+        slots
+            .iter()
+            .all(|(st, u)| *st == DeviceState::Provisioning && u.is_some())
+    );
+    let mut holders: Vec<VmId> = slots.iter().filter_map(|(_, u)| *u).collect();
+    holders.sort();
+    holders.dedup();
+    assert_eq!(holders.len(), 4, "each slot held by a different VM");
+    assert_eq!(gpus_in(&states, DeviceState::Shared), vec![gpu.clone()]);
+
+    // The node's next inventory knows nothing of slots: it frees none of them.
+    s.with(&cred)
+        .put::<()>("/agent/v1/inventory", &json!({"devices": devices}))
+        .await
+        .ok(204);
+    let after = s.device_states(server).await;
+    assert_eq!(slots_of(&after, gpu), slots);
+}
+both!(race_for_the_last_vgpu_slot_on, race_for_the_last_vgpu_slot);
