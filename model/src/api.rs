@@ -1143,7 +1143,44 @@ pub struct Capacity {
     pub cleaning: u64,
     pub quarantined: u64,
     pub disabled: u64,
+    /// GPUs hosting vGPUs (not assignable whole).
+    #[serde(default)]
+    pub shared: u64,
     pub tainted: u64,
+    /// For a vGPU variant: its slots as CloudStack counts them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<VgpuCapacity>,
+}
+
+/// A vGPU variant's capacity, fleet-wide and per server (CloudStack's `max_capacity` and
+/// `remaining_capacity`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VgpuCapacity {
+    pub parent: String,
+    pub vgpu_type: String,
+    pub max_per_gpu: u32,
+    /// vGPUs of this type the fleet would host if every GPU of the parent variant that
+    /// offers the type hosted only it (GPUs hosting another type count 0).
+    pub max_capacity: u64,
+    /// vGPUs of this type that could be created now: free slots on GPUs already in the
+    /// type, plus the slots free whole GPUs would get, on servers up and in service.
+    pub remaining_capacity: u64,
+    /// Slots held by VMs (provisioning or used).
+    pub in_use: u64,
+    /// GPUs hosting this type now.
+    pub gpus: u64,
+    pub servers: Vec<VgpuServerCapacity>,
+}
+
+/// One server's share of a [`VgpuCapacity`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VgpuServerCapacity {
+    pub server_uuid: ServerId,
+    pub hostname: String,
+    pub max_capacity: u64,
+    pub remaining_capacity: u64,
+    pub in_use: u64,
+    pub gpus: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

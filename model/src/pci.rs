@@ -572,7 +572,10 @@ mod tests {
         assert_eq!(v.to_string(), slot);
         assert_eq!(v.gpu(), p);
         assert_eq!(v.address(), p.address());
-        assert_eq!(v.vgpu().unwrap().to_string(), "c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d");
+        assert_eq!(
+            v.vgpu().unwrap().to_string(),
+            "c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d"
+        );
         assert_eq!(p.with_vgpu(v.vgpu().unwrap()), v);
         assert_ne!(v, p);
         for bad in [

@@ -147,8 +147,17 @@ impl Variant {
                     "parent, vgpu_type and max_per_gpu are for variants of type vgpu",
                 );
             }
-            if self.vendor == HexId::unset() || self.device == HexId::unset() {
-                return bad("vendor", "vendor and device are required");
+            if self.vendor == HexId::unset() {
+                return bad(
+                    "vendor",
+                    "missing field `vendor` (a PCI vendor id, e.g. 10de)",
+                );
+            }
+            if self.device == HexId::unset() {
+                return bad(
+                    "device",
+                    "missing field `device` (a PCI device id, e.g. 2330)",
+                );
             }
             return Ok(());
         }

@@ -226,11 +226,121 @@ pub async fn capacity(db: &Db, alive_after_ms: i64) -> StoreResult<Vec<Capacity>
             "cleaning" => c.cleaning += n,
             "quarantined" => c.quarantined += n,
             "disabled" => c.disabled += n,
+            "shared" => c.shared += n,
             other => return Err(corrupt(other)),
         }
     }
     for c in by.values_mut() {
         c.held = c.provisioning + c.used;
     }
+    let vgpus: Vec<passage_model::Variant> = super::variants::list(db)
+        .await?
+        .into_iter()
+        .filter(passage_model::Variant::is_vgpu)
+        .collect();
+    for v in &vgpus {
+        let cap = vgpu_capacity(db, v, alive_after_ms).await?;
+        by.entry(v.name.clone())
+            .or_insert_with(|| Capacity {
+                variant: v.name.clone(),
+                ..Capacity::default()
+            })
+            .vgpu = Some(cap);
+    }
     Ok(by.into_values().collect())
+}
+
+type VgpuRow = (
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+    i64,
+    i64,
+    Option<String>,
+    String,
+);
+
+/// A vGPU variant's capacity: its slots, and the GPUs of its parent that could host it.
+async fn vgpu_capacity(
+    db: &Db,
+    v: &passage_model::Variant,
+    alive_after_ms: i64,
+) -> StoreResult<passage_model::api::VgpuCapacity> {
+    use super::vgpus::{slots_max, slots_on};
+    use passage_model::api::{VgpuCapacity, VgpuServerCapacity};
+    let parent = v.parent.clone().unwrap_or_default();
+    let rows: Vec<VgpuRow> = on_read!(db, |p| sqlx::query_as(
+        "SELECT d.server_uuid, d.id, d.state, d.parent, d.variant, \
+           CAST(CASE WHEN d.taint IS NULL AND d.missing = 0 THEN 0 ELSE 1 END AS BIGINT), \
+           CAST(CASE WHEN s.last_heartbeat >= $1 AND s.disabled = 0 THEN 1 ELSE 0 END AS BIGINT), \
+           CASE WHEN d.parent IS NULL THEN d.details END, s.hostname \
+         FROM devices d JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.variant = $2 OR (d.variant = $3 AND d.parent IS NULL) \
+         ORDER BY s.hostname, d.server_uuid"
+    )
+    .bind(alive_after_ms)
+    .bind(&v.name)
+    .bind(&parent)
+    .fetch_all(p)
+    .await)?;
+    // GPUs of the parent that host this type now: their slots count, not the GPU.
+    let hosting: std::collections::HashSet<(String, String)> = rows
+        .iter()
+        .filter_map(|r| r.3.clone().map(|gpu| (r.0.clone(), gpu)))
+        .collect();
+    let mut servers: Vec<VgpuServerCapacity> = Vec::new();
+    for (server, id, state, slot_of, _variant, tainted, up, details, hostname) in rows {
+        let uuid = super::parse_uuid(&server, "server")?;
+        if servers.last().is_none_or(|s| s.server_uuid != uuid) {
+            servers.push(VgpuServerCapacity {
+                server_uuid: uuid,
+                hostname,
+                max_capacity: 0,
+                remaining_capacity: 0,
+                in_use: 0,
+                gpus: 0,
+            });
+        }
+        let Some(s) = servers.last_mut() else {
+            continue;
+        };
+        let placeable = tainted == 0 && up == 1;
+        if slot_of.is_some() {
+            s.max_capacity += 1;
+            match state.as_str() {
+                "provisioning" | "used" => s.in_use += 1,
+                "unassigned" if placeable => s.remaining_capacity += 1,
+                _ => {}
+            }
+            continue;
+        }
+        if hosting.contains(&(server.clone(), id)) {
+            s.gpus += 1;
+            continue;
+        }
+        // A GPU of the parent: whole, or hosting another type (which counts 0).
+        if state == "shared" {
+            continue;
+        }
+        let details: Option<passage_model::PciDetails> = details
+            .as_deref()
+            .and_then(|j| serde_json::from_str(j).ok());
+        s.max_capacity += u64::from(slots_max(v, details.as_ref()));
+        if state == "unassigned" && placeable {
+            s.remaining_capacity += u64::from(slots_on(v, details.as_ref()).unwrap_or(0));
+        }
+    }
+    servers.retain(|s| s.max_capacity > 0 || s.in_use > 0);
+    Ok(VgpuCapacity {
+        parent,
+        vgpu_type: v.vgpu_type.clone().unwrap_or_default(),
+        max_per_gpu: v.max_per_gpu.unwrap_or(0),
+        max_capacity: servers.iter().map(|s| s.max_capacity).sum(),
+        remaining_capacity: servers.iter().map(|s| s.remaining_capacity).sum(),
+        in_use: servers.iter().map(|s| s.in_use).sum(),
+        gpus: servers.iter().map(|s| s.gpus).sum(),
+        servers,
+    })
 }

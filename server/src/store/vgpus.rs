@@ -48,6 +48,21 @@ pub fn slots_on(v: &Variant, details: Option<&PciDetails>) -> Option<u32> {
     Some(v.max_per_gpu?.min(fits)).filter(|n| *n > 0)
 }
 
+/// How many slots of `v` a GPU with these details hosts at most (whatever it does now):
+/// the variant's `max_per_gpu`, or the node's count for the type when lower; 0 when the
+/// node does not list the type for it.
+pub fn slots_max(v: &Variant, details: Option<&PciDetails>) -> u32 {
+    let Some(t) = details
+        .and_then(|d| d.vgpu.as_ref())
+        .zip(v.vgpu_type.as_deref())
+        .and_then(|(host, want)| find_type(host, want))
+    else {
+        return 0;
+    };
+    let per_gpu = v.max_per_gpu.unwrap_or(0);
+    t.max_instances.map_or(per_gpu, |m| m.min(per_gpu))
+}
+
 type GpuRow = (String, String, i64, Option<String>);
 
 /// Opens up to `gpus` free GPUs of `v`'s parent variant for `v`, on servers heard from
@@ -83,9 +98,16 @@ pub async fn open(
         .await)?;
     let mut eligible: Vec<(ServerId, DevicePath, i64, u32)> = Vec::new();
     for (server, id, generation, details) in rows {
-        let details: Option<PciDetails> = details.as_deref().and_then(|j| serde_json::from_str(j).ok());
+        let details: Option<PciDetails> = details
+            .as_deref()
+            .and_then(|j| serde_json::from_str(j).ok());
         if let Some(n) = slots_on(v, details.as_ref()) {
-            eligible.push((parse_uuid(&server, "server")?, id.parse().map_err(corrupt)?, generation, n));
+            eligible.push((
+                parse_uuid(&server, "server")?,
+                id.parse().map_err(corrupt)?,
+                generation,
+                n,
+            ));
         }
     }
     let mut per_server: HashMap<ServerId, usize> = HashMap::new();

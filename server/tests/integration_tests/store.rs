@@ -890,3 +890,162 @@ both!(
     the_jobs_lane_alone_relaxes_commits_on,
     the_jobs_lane_alone_relaxes_commits
 );
+
+/// A GPU's life as a host of vGPUs: opened for a vGPU variant (shared, its slots free
+/// in the index), never opened twice, its slots reserved as devices; an inventory keeps
+/// its hands off the slots but flags them with a missing GPU; closed only when its last
+/// slot is free after its scrub, and then dirty, to be scrubbed whole.
+async fn a_gpu_hosts_vgpus_until_its_last_is_scrubbed(b: Backend) {
+    use passage_server::placement::Policy;
+    use passage_server::store::vgpus;
+    let tdb = TestDb::new(b).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    servers::insert_join_token(&db, "jt", "test", i64::MAX)
+        .await
+        .unwrap();
+    let server = servers::register(&db, "jt", "cn-1", "cred")
+        .await
+        .unwrap()
+        .unwrap();
+    let root = tdb.dir.path().join("sys");
+    let spec = node_agent::fake::FakeSpec {
+        gpus: 1,
+        model: node_agent::fake::GpuModel::A100,
+        ..node_agent::fake::FakeSpec::default()
+    };
+    let opts = node_agent::fake::FakeOptions {
+        vgpu: Some(node_agent::fake::FakeVgpu::Mdev),
+        ..node_agent::fake::FakeOptions::default()
+    };
+    node_agent::fake::generate_with(&root, &spec, &opts).unwrap();
+    let report = node_agent::host::discover(&root).devices;
+    let parent: passage_model::Variant =
+        serde_json::from_str(r#"{"name":"A100","type":"gpu","vendor":"10de","device":"20b0"}"#)
+            .unwrap();
+    variants::insert(&db, &parent).await.unwrap();
+    let v: passage_model::Variant = serde_json::from_str(
+        r#"{"name":"A100_10C","type":"vgpu","vendor":"10de","device":"20b0","parent":"A100",
+            "vgpu_type":"GRID A100-10C","max_per_gpu":8}"#,
+    )
+    .unwrap();
+    variants::insert(&db, &v).await.unwrap();
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let alloc = Allocation::default();
+    // The node says GRID A100-10C (by name: its id is nvidia-475) fits 4 times: fewer
+    // than the variant's 8.
+    let opened = vgpus::open(&db, &v, 2, Policy::Pack, 0, fit(1, alloc))
+        .await
+        .unwrap();
+    assert_eq!(opened.len(), 1, "one GPU to open");
+    assert_eq!(opened[0].slots, 4);
+    let gpu = opened[0].gpu.to_string();
+    assert!(
+        vgpus::open(&db, &v, 1, Policy::Pack, 0, fit(1, alloc))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a shared GPU is not opened again"
+    );
+    assert_eq!(vgpus::free_slots(&db, "A100_10C", 0).await.unwrap(), 4);
+    let all = devices::for_server(&db, server).await.unwrap();
+    let state_of = |all: &[devices::DeviceRecord], id: &str| {
+        all.iter()
+            .find(|d| d.pci.id.to_string() == id)
+            .map(|d| d.state)
+    };
+    assert_eq!(state_of(&all, &gpu), Some(DeviceState::Shared));
+    let slots: Vec<String> = all
+        .iter()
+        .filter(|d| d.pci.id.vgpu().is_some())
+        .map(|d| d.pci.id.to_string())
+        .collect();
+    assert_eq!(slots.len(), 4);
+    assert!(
+        devices::candidates(&db, &["A100".into()], 0)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a shared GPU is not given whole"
+    );
+
+    let owner = tenant(&db, "t", None).await;
+    let vm = reserved(&db, server, owner, &slots[..1]).await;
+    assert_eq!(accounts::gpu_held(&db, owner).await.unwrap(), 1);
+    assert!(
+        vgpus::close_idle(&db, server, std::slice::from_ref(&gpu))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a GPU with a held slot stays open"
+    );
+
+    // The inventory never reports slots: they are not missing, and a held one stays held.
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let all = devices::for_server(&db, server).await.unwrap();
+    assert!(
+        all.iter()
+            .filter(|d| d.pci.id.vgpu().is_some())
+            .all(|d| !d.missing)
+    );
+    assert_eq!(state_of(&all, &slots[0]), Some(DeviceState::Provisioning));
+    // A missing GPU takes its slots out of placement with it; back, they are back.
+    let without: Vec<_> = report
+        .iter()
+        .filter(|d| d.id.to_string() != gpu)
+        .cloned()
+        .collect();
+    devices::apply_inventory(&db, server, None, &without, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    assert_eq!(vgpus::free_slots(&db, "A100_10C", 0).await.unwrap(), 0);
+    devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    assert_eq!(vgpus::free_slots(&db, "A100_10C", 0).await.unwrap(), 3);
+
+    // Released, scrubbed: the last vGPU is gone and the GPU closes, dirty.
+    for (event, who) in [
+        (DeviceEvent::Release, Some(vm)),
+        (DeviceEvent::ScrubStart, None),
+    ] {
+        devices::move_devices(&db, server, &slots[..1], event, who, "test")
+            .await
+            .unwrap();
+        assert!(
+            vgpus::close_idle(&db, server, std::slice::from_ref(&gpu))
+                .await
+                .unwrap()
+                .is_empty(),
+            "not closed before its slot's scrub"
+        );
+    }
+    devices::move_devices(
+        &db,
+        server,
+        &slots[..1],
+        DeviceEvent::ScrubSucceeded,
+        None,
+        "test",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        vgpus::close_idle(&db, server, std::slice::from_ref(&gpu))
+            .await
+            .unwrap(),
+        vec![gpu.clone()]
+    );
+    let all = devices::for_server(&db, server).await.unwrap();
+    assert!(all.iter().all(|d| d.pci.id.vgpu().is_none()), "slots gone");
+    assert_eq!(state_of(&all, &gpu), Some(DeviceState::Dirty));
+    assert_eq!(vgpus::free_slots(&db, "A100_10C", 0).await.unwrap(), 0);
+    assert_eq!(accounts::gpu_held(&db, owner).await.unwrap(), 0);
+}
+both!(
+    a_gpu_hosts_vgpus_until_its_last_is_scrubbed_on,
+    a_gpu_hosts_vgpus_until_its_last_is_scrubbed
+);

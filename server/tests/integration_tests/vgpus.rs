@@ -4,7 +4,7 @@
 
 use crate::common::{Backend, TestServer, fast_config};
 use node_agent::fake::{FakeOptions, FakeVgpu};
-use passage_model::api::{Package, Vm};
+use passage_model::api::{Capacity, Package, VgpuCapacity, Vm};
 use passage_model::{DevicePath, DeviceState, ErrorCode, PciDevice, ServerId, Variant, VmId};
 use serde_json::json;
 
@@ -53,6 +53,14 @@ async fn create(s: &TestServer, token: &str, package: &str, alias: &str) -> Vm {
         .ok(202)
 }
 
+async fn vgpu_capacity(s: &TestServer) -> VgpuCapacity {
+    let all: Vec<Capacity> = s.get("/v1/capacity").await.ok(200);
+    all.into_iter()
+        .find(|c| c.variant == "H100_10C")
+        .and_then(|c| c.vgpu)
+        .expect("the vGPU variant's capacity")
+}
+
 type States = Vec<(DevicePath, DeviceState, Option<VmId>)>;
 
 fn slots_of(states: &States, gpu: &DevicePath) -> Vec<(DeviceState, Option<VmId>)> {
@@ -94,26 +102,36 @@ async fn vgpu_variants_are_checked(b: Backend) {
     bad(json!({"name": "x", "type": "vgpu", "vgpu_type": "557", "max_per_gpu": 1}))
         .await
         .invalid("parent");
-    bad(json!({"name": "x", "type": "vgpu", "parent": "nope", "vgpu_type": "557",
-               "max_per_gpu": 1}))
+    bad(
+        json!({"name": "x", "type": "vgpu", "parent": "nope", "vgpu_type": "557",
+               "max_per_gpu": 1}),
+    )
     .await
     .invalid("parent");
-    bad(json!({"name": "x", "type": "vgpu", "parent": "H100_10C", "vgpu_type": "557",
-               "max_per_gpu": 1}))
+    bad(
+        json!({"name": "x", "type": "vgpu", "parent": "H100_10C", "vgpu_type": "557",
+               "max_per_gpu": 1}),
+    )
     .await
     .invalid("parent");
     bad(json!({"name": "x", "type": "vgpu", "parent": "NVIDIA_H100", "max_per_gpu": 1}))
         .await
         .invalid("vgpu_type");
-    bad(json!({"name": "x", "type": "vgpu", "parent": "NVIDIA_H100", "vgpu_type": "557",
-               "max_per_gpu": 0}))
+    bad(
+        json!({"name": "x", "type": "vgpu", "parent": "NVIDIA_H100", "vgpu_type": "557",
+               "max_per_gpu": 0}),
+    )
     .await
     .invalid("max_per_gpu");
-    bad(json!({"name": "x", "type": "gpu", "vendor": "10de", "device": "2330",
-               "max_per_gpu": 2}))
+    bad(
+        json!({"name": "x", "type": "gpu", "vendor": "10de", "device": "2330",
+               "max_per_gpu": 2}),
+    )
     .await
     .invalid("type");
-    bad(json!({"name": "x", "type": "gpu"})).await.invalid("vendor");
+    bad(json!({"name": "x", "type": "gpu"}))
+        .await
+        .invalid("vendor");
     // A parent stays while a vGPU variant names it, and stays a GPU variant.
     s.delete::<()>("/v1/variants/NVIDIA_H100")
         .await
@@ -194,6 +212,16 @@ async fn race_for_the_last_vgpu_slot(b: Backend) {
     holders.dedup();
     assert_eq!(holders.len(), 4, "each slot held by a different VM");
     assert_eq!(gpus_in(&states, DeviceState::Shared), vec![gpu.clone()]);
+    let cap = vgpu_capacity(&s).await;
+    assert_eq!(
+        (
+            cap.max_capacity,
+            cap.remaining_capacity,
+            cap.in_use,
+            cap.gpus
+        ),
+        (4, 0, 4, 1)
+    );
 
     // The node's next inventory knows nothing of slots: it frees none of them.
     s.with(&cred)
@@ -204,3 +232,61 @@ async fn race_for_the_last_vgpu_slot(b: Backend) {
     assert_eq!(slots_of(&after, gpu), slots);
 }
 both!(race_for_the_last_vgpu_slot_on, race_for_the_last_vgpu_slot);
+
+/// Pack fills the GPU already in the type before opening another; spread puts each vGPU
+/// on the emptiest GPU. A whole-GPU request takes the GPU no vGPU is on.
+async fn pack_and_spread(b: Backend) {
+    for policy in ["pack", "spread"] {
+        let s = TestServer::start(b, fast_config()).await;
+        let (server, _, _) = vgpu_node(&s, 2).await;
+        let package = catalog(&s, policy).await;
+        let (_, tenant) = s.tenant("t").await;
+        let a = create(&s, &tenant, &package, "a").await;
+        let b2 = create(&s, &tenant, &package, "b").await;
+        let (ga, gb) = (a.assigned_devices[0].gpu(), b2.assigned_devices[0].gpu());
+        let states = s.device_states(server).await;
+        let shared = gpus_in(&states, DeviceState::Shared);
+        if policy == "pack" {
+            assert_eq!(ga, gb, "pack: both on one GPU");
+            assert_eq!(shared, vec![ga.clone()]);
+            // CloudStack's figures: 2 slots of 4 used on the shared GPU, and the other GPU
+            // would host 4 more while it is whole.
+            let cap = vgpu_capacity(&s).await;
+            assert_eq!(
+                (
+                    cap.max_capacity,
+                    cap.remaining_capacity,
+                    cap.in_use,
+                    cap.gpus
+                ),
+                (8, 6, 2, 1)
+            );
+            assert_eq!(cap.servers.len(), 1);
+            assert_eq!(cap.servers[0].server_uuid, server);
+            assert_eq!(cap.servers[0].remaining_capacity, 6);
+            let whole = create(&s, &tenant, "gpu-1x", "whole").await;
+            assert_ne!(whole.assigned_devices[0], ga);
+            assert_eq!(whole.assigned_devices[0].vgpu(), None);
+            // The whole GPU is held now: the shared one's free slots remain.
+            let cap = vgpu_capacity(&s).await;
+            assert_eq!(
+                (cap.max_capacity, cap.remaining_capacity, cap.in_use),
+                (8, 2, 2)
+            );
+            let all: Vec<Capacity> = s.get("/v1/capacity").await.ok(200);
+            let parent = all.iter().find(|c| c.variant == "NVIDIA_H100").unwrap();
+            assert_eq!((parent.shared, parent.provisioning), (1, 1));
+        } else {
+            assert_ne!(ga, gb, "spread: one vGPU per GPU");
+            assert_eq!(shared.len(), 2);
+            s.with(&tenant)
+                .post::<Vm>(
+                    "/v1/vms",
+                    &json!({"image": "test-image", "alias": "whole", "package": "gpu-1x"}),
+                )
+                .await
+                .fails(409, ErrorCode::InsufficientCapacity);
+        }
+    }
+}
+both!(pack_and_spread_on, pack_and_spread);
