@@ -64,6 +64,8 @@ pub fn slots_max(v: &Variant, details: Option<&PciDetails>) -> u32 {
 }
 
 type GpuRow = (String, String, i64, Option<String>);
+/// A free GPU that offers the type: its server, path, generation and slots.
+type Eligible = (ServerId, DevicePath, i64, u32);
 
 /// Opens up to `gpus` free GPUs of `v`'s parent variant for `v`, on servers heard from
 /// since `alive_after_ms` with room for one VM of `fit`: for `pack`, on the servers with
@@ -96,7 +98,7 @@ pub async fn open(
         .bind(memory)
         .fetch_all(p)
         .await)?;
-    let mut eligible: Vec<(ServerId, DevicePath, i64, u32)> = Vec::new();
+    let mut eligible: Vec<Eligible> = Vec::new();
     for (server, id, generation, details) in rows {
         let details: Option<PciDetails> = details
             .as_deref()
@@ -126,7 +128,7 @@ pub async fn open(
     if policy == Policy::Spread {
         let mut round: HashMap<ServerId, usize> = HashMap::new();
         eligible = {
-            let mut keyed: Vec<(usize, usize, (ServerId, DevicePath, i64, u32))> = eligible
+            let mut keyed: Vec<(usize, usize, Eligible)> = eligible
                 .into_iter()
                 .enumerate()
                 .map(|(i, e)| {
