@@ -329,6 +329,9 @@ pub async fn save_variant(
     subvendor: String,
     subsystem: String,
     description: String,
+    #[server(default)] parent: String,
+    #[server(default)] vgpu_type: String,
+    #[server(default)] max_per_gpu: String,
 ) -> Result<(), PortalError> {
     use passage_model::variant::DeviceType;
     be::check_csrf(&csrf)?;
@@ -338,12 +341,24 @@ pub async fn save_variant(
         Some(o) => Some(be::get::<Variant>(&format!("/variants/{}", be::segment(o)?)).await?),
         None => None,
     };
+    let kind = DeviceType::parse(kind.trim())
+        .ok_or_else(|| invalid("type", "choose one of the listed types"))?;
+    // A vGPU variant's ids are its parent's: the server fills what is left empty.
+    let id = |field: &str, v: &str| match optional(v) {
+        None if kind == DeviceType::Vgpu => Ok(passage_model::HexId::unset()),
+        _ => hex_id(field, v),
+    };
+    let max_per_gpu = optional(&max_per_gpu)
+        .map(|n| {
+            n.parse::<u32>()
+                .map_err(|_| invalid("max_per_gpu", "a whole number of vGPUs, 1 or more"))
+        })
+        .transpose()?;
     let variant = Variant {
         name: name.trim().to_string(),
-        kind: DeviceType::parse(kind.trim())
-            .ok_or_else(|| invalid("type", "choose one of the listed types"))?,
-        vendor: hex_id("vendor", &vendor)?,
-        device: hex_id("device", &device)?,
+        kind,
+        vendor: id("vendor", &vendor)?,
+        device: id("device", &device)?,
         subvendor: optional(&subvendor)
             .map(|v| hex_id("subvendor", v))
             .transpose()?,
@@ -352,9 +367,9 @@ pub async fn save_variant(
             .transpose()?,
         revision: existing.as_ref().and_then(|v| v.revision),
         description: optional(&description).map(str::to_string),
-        parent: existing.as_ref().and_then(|v| v.parent.clone()),
-        vgpu_type: existing.as_ref().and_then(|v| v.vgpu_type.clone()),
-        max_per_gpu: existing.as_ref().and_then(|v| v.max_per_gpu),
+        parent: optional(&parent).map(str::to_string),
+        vgpu_type: optional(&vgpu_type).map(str::to_string),
+        max_per_gpu,
         scrub: existing.and_then(|v| v.scrub),
     };
     match original {

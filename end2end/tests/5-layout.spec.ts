@@ -67,7 +67,7 @@ test('the capacity legend never draws a label over another', async ({ page }) =>
     await page.setViewportSize({ width, height: 900 });
     await page.goto('/admin');
     const items = page.getByTestId('capacity-legend').locator('li');
-    await expect(items).toHaveCount(7);
+    await expect(items).toHaveCount(8);
     await expect(items.first()).toHaveText('unassigned');
     const boxes = [];
     for (const item of await items.all()) {

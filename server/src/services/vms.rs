@@ -237,6 +237,7 @@ pub async fn availability(
             None => {
                 let cands = with_room(ctx, &package, full_scan(ctx, &variants).await?).await?;
                 placement::choose(&cands, &package.devices, &[], policy).is_some()
+                    || vgpus_would_open(ctx, &package).await?
             }
         }
     };
@@ -256,6 +257,22 @@ pub async fn availability(
         quota_ok,
         message,
     })
+}
+
+/// Whether a package of vGPUs only would get them by opening free GPUs (a creation opens
+/// them; asking must not).
+async fn vgpus_would_open(ctx: &Ctx, package: &passage_model::api::Package) -> ApiResult<bool> {
+    let all = store::variants::list(&ctx.db).await?;
+    for (name, &count) in &package.devices {
+        let Some(v) = all.iter().find(|v| &v.name == name && v.is_vgpu()) else {
+            return Ok(false);
+        };
+        let cap = store::ops::vgpu_capacity(&ctx.db, v, ctx.alive_after_ms()).await?;
+        if cap.remaining_capacity < u64::from(count) {
+            return Ok(false);
+        }
+    }
+    Ok(!package.devices.is_empty())
 }
 
 async fn hinted_choice(

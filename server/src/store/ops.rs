@@ -263,7 +263,7 @@ type VgpuRow = (
 );
 
 /// A vGPU variant's capacity: its slots, and the GPUs of its parent that could host it.
-async fn vgpu_capacity(
+pub async fn vgpu_capacity(
     db: &Db,
     v: &passage_model::Variant,
     alive_after_ms: i64,

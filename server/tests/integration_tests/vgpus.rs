@@ -32,7 +32,7 @@ async fn catalog(s: &TestServer, policy: &str) -> String {
         .await;
     assert!(r.status == 201 || r.status == 409, "{r:?}");
     let name = format!("vgpu-{policy}");
-    let _: Package = s
+    let p: Package = s
         .post(
             "/v1/packages",
             &json!({"name": name, "vcpus": 1, "memory_mib": 1024, "disk_gib": 10,
@@ -40,6 +40,14 @@ async fn catalog(s: &TestServer, policy: &str) -> String {
         )
         .await
         .ok(201);
+    // No GPU hosts the type yet, and a tenant is told it can have one.
+    let (_, t) = s.tenant(&format!("asker-{policy}")).await;
+    let a: passage_model::api::PackageAvailability = s
+        .with(&t)
+        .get(&format!("/v1/packages/{}/availability", p.uuid))
+        .await
+        .ok(200);
+    assert!(a.capacity_ok, "{a:?}");
     name
 }
 

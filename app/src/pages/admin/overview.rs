@@ -9,8 +9,9 @@ use leptos_meta::Title;
 use passage_model::api::Capacity;
 
 /// The states the capacity chart draws, in the order a device moves through them.
-pub const STATES: [&str; 7] = [
+pub const STATES: [&str; 8] = [
     "unassigned",
+    "shared",
     "provisioning",
     "used",
     "dirty",
@@ -28,6 +29,7 @@ pub fn count(c: &Capacity, state: &str) -> u64 {
         "cleaning" => c.cleaning,
         "quarantined" => c.quarantined,
         "disabled" => c.disabled,
+        "shared" => c.shared,
         _ => 0,
     }
 }
@@ -57,6 +59,7 @@ pub fn OverviewPage() -> impl IntoView {
                 <section aria-labelledby="cap-h">
                     <h2 id="cap-h">"Capacity by variant"</h2>
                     <CapacityChart capacity=o.capacity.clone()/>
+                    <VgpuTable capacity=o.capacity.clone()/>
                     <CapacityTable capacity=o.capacity/>
                 </section>
                 <section aria-labelledby="failed-h">
@@ -171,6 +174,52 @@ fn Legend() -> impl IntoView {
             }).collect_view()}
         </ul>
     }
+}
+
+/// Per vGPU type, CloudStack's figures: slots in use, remaining, maximum, fleet-wide and
+/// per server.
+#[component]
+fn VgpuTable(capacity: Vec<Capacity>) -> impl IntoView {
+    let rows: Vec<(String, passage_model::api::VgpuCapacity)> = capacity
+        .into_iter()
+        .filter_map(|c| c.vgpu.map(|v| (c.variant, v)))
+        .collect();
+    (!rows.is_empty()).then(|| view! {
+        <table class="capacity" data-testid="vgpu-capacity">
+            <caption>"vGPU types"</caption>
+            <thead>
+                <tr>
+                    <th scope="col">"vGPU variant"</th>
+                    <th scope="col">"Type"</th>
+                    <th scope="col">"On"</th>
+                    <th scope="col">"GPUs hosting"</th>
+                    <th scope="col">"In use"</th>
+                    <th scope="col">"Remaining"</th>
+                    <th scope="col">"Max"</th>
+                    <th scope="col">"Per server (in use / remaining / max)"</th>
+                </tr>
+            </thead>
+            <tbody>
+                {rows.into_iter().map(|(name, v)| {
+                    let per_server = v.servers.iter().map(|s| format!(
+                        "{} {}/{}/{}", s.hostname, s.in_use, s.remaining_capacity, s.max_capacity
+                    )).collect::<Vec<_>>().join(", ");
+                    view! {
+                        <tr data-variant=name.clone()>
+                            <th scope="row">{name.clone()}</th>
+                            <td>{format!("{} (max {} per GPU)", v.vgpu_type, v.max_per_gpu)}</td>
+                            <td>{v.parent}</td>
+                            <td data-state="gpus">{v.gpus}</td>
+                            <td data-state="in_use">{v.in_use}</td>
+                            <td data-state="remaining">{v.remaining_capacity}</td>
+                            <td data-state="max">{v.max_capacity}</td>
+                            <td>{per_server}</td>
+                        </tr>
+                    }
+                }).collect_view()}
+            </tbody>
+        </table>
+    })
 }
 
 #[component]

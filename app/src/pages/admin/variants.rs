@@ -95,6 +95,9 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
     let subvendor = text(|v| v.subvendor.as_ref().map(|h| h.to_string()));
     let subsystem = text(|v| v.subsystem.as_ref().map(|h| h.to_string()));
     let description = text(|v| v.description.clone());
+    let parent = text(|v| v.parent.clone());
+    let vgpu_type = text(|v| v.vgpu_type.clone());
+    let max_per_gpu = text(|v| v.max_per_gpu.map(|n| n.to_string()));
     let kind = existing.as_ref().map(|v| v.kind.as_str()).unwrap_or("gpu");
     let field = move |id: &'static str, label: &'static str, value: String, hint: &'static str| {
         view! {
@@ -116,7 +119,7 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
                 <div class="field">
                     <label for="v-kind">"Type"</label>
                     <select id="v-kind" name="kind">
-                        {["gpu", "fpga", "nic", "nvme", "other"].into_iter().map(|k| view! {
+                        {["gpu", "fpga", "nic", "nvme", "other", "vgpu"].into_iter().map(|k| view! {
                             <option value=k selected=kind == k>{k}</option>
                         }).collect_view()}
                     </select>
@@ -127,6 +130,12 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
                 {field("subvendor", "Subsystem vendor (optional)", subvendor, "any")}
                 {field("subsystem", "Subsystem id (optional)", subsystem, "any")}
                 {field("description", "Description", description, "")}
+                <fieldset>
+                    <legend>"vGPU (type vgpu only: ids come from the parent)"</legend>
+                    {field("parent", "Parent GPU variant", parent, "NVIDIA_H100")}
+                    {field("vgpu_type", "vGPU type (id or name)", vgpu_type, "NVIDIA H100XM-10C")}
+                    {field("max_per_gpu", "vGPUs per GPU", max_per_gpu, "4")}
+                </fieldset>
                 <FormStatus result=result ok="Saved."/>
                 <button type="submit">{if editing { "Save variant" } else { "Create variant" }}</button>
                 {editing.then(|| view! { " " <a href="/admin/variants">"Cancel"</a> })}
