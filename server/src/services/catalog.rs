@@ -88,6 +88,16 @@ pub async fn put_variant(
         ));
     }
     resolve_parent(ctx, &mut v).await?;
+    // GPUs host slots of the type and parent they were opened for: those stay while any do.
+    let old = variants::get(&ctx.db, name).await?;
+    if (old.kind != v.kind || old.parent != v.parent || old.vgpu_type != v.vgpu_type)
+        && variants::slots_of(&ctx.db, name).await? > 0
+    {
+        return Err(ApiError::conflict(format!(
+            "vgpu_type: GPUs host vGPUs of variant {name:?}; its type, parent and vGPU type \
+             stay until they are gone (max_per_gpu applies to GPUs opened from now on)"
+        )));
+    }
     variants::update(&ctx.db, &v).await?;
     recompute(ctx).await?;
     Ok(variants::get(&ctx.db, name).await?)

@@ -210,6 +210,16 @@ pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
     Ok(())
 }
 
+/// vGPU slots of `name` that exist (on GPUs hosting it now).
+pub async fn slots_of(db: &Db, name: &str) -> StoreResult<i64> {
+    Ok(on_read!(db, |p| sqlx::query_scalar(
+        "SELECT COUNT(*) FROM devices WHERE variant = $1 AND parent IS NOT NULL"
+    )
+    .bind(name)
+    .fetch_one(p)
+    .await)?)
+}
+
 fn scrub_json(v: &Variant) -> StoreResult<Option<String>> {
     v.scrub
         .as_ref()

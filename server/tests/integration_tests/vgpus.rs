@@ -230,6 +230,17 @@ async fn race_for_the_last_vgpu_slot(b: Backend) {
         ),
         (4, 0, 4, 1)
     );
+    // The slots keep the type they were made for.
+    s.put::<Variant>(
+        "/v1/variants/H100_10C",
+        &json!({"name": "H100_10C", "type": "vgpu", "parent": "NVIDIA_H100",
+                "vgpu_type": "NVIDIA H100XM-20C", "max_per_gpu": 4}),
+    )
+    .await
+    .fails(409, ErrorCode::Conflict);
+    s.delete::<()>("/v1/variants/H100_10C")
+        .await
+        .fails(409, ErrorCode::Conflict);
 
     // The node's next inventory knows nothing of slots: it frees none of them.
     s.with(&cred)
