@@ -132,11 +132,16 @@ pub struct TaskProgress {
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Task {
     /// Reserve the devices for passthrough (vfio-pci on Linux) and remember the binding.
+    /// vGPU slots among them are made as vGPUs of the type named here (the driver's id
+    /// or name), by slot path.
     BindPassthrough {
         vm_uuid: VmId,
         devices: Vec<DevicePath>,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        vgpu_types: BTreeMap<String, String>,
     },
-    /// Give the devices back to the driver they had before.
+    /// Give the devices back to the driver they had before; vGPU slots among them are
+    /// destroyed if their vGPU is still this VM's.
     UnbindPassthrough {
         vm_uuid: VmId,
         devices: Vec<DevicePath>,

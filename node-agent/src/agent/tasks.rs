@@ -1,7 +1,7 @@
 //! Running one task: the pure part of the agent loop, testable over a fake tree and the
 //! simulated hypervisor without any server.
 
-use crate::host::Binder;
+use crate::host::{Binder, VgpuSlots};
 use crate::hypervisor::Hypervisor;
 use crate::images::ImageService;
 use crate::scrub::{ScrubEnv, scrub_for_task};
@@ -13,6 +13,8 @@ use tokio::sync::watch;
 
 pub struct Executor {
     pub binder: Binder,
+    /// The vGPUs made for VMs (slots in a task's devices).
+    pub vgpus: VgpuSlots,
     pub hypervisor: Arc<dyn Hypervisor>,
     /// The programs and block devices scrub steps use.
     pub scrub_env: ScrubEnv,
@@ -27,7 +29,9 @@ impl Executor {
     /// ([`ScrubEnv::for_sysfs`]: the host's tools, or none on a generated tree).
     pub fn new(binder: Binder, hypervisor: Arc<dyn Hypervisor>) -> Self {
         let scrub_env = ScrubEnv::for_sysfs(binder.ops().as_ref());
+        let vgpus = VgpuSlots::new(binder.ops().clone(), binder.state_dir());
         Executor {
+            vgpus,
             binder,
             hypervisor,
             scrub_env,
@@ -84,27 +88,54 @@ impl Executor {
     /// failed [`TaskResult`]; the agent reports it and carries on.
     pub fn execute(&self, task: &Task) -> TaskResult {
         match task {
-            Task::BindPassthrough { devices, .. } => {
+            Task::BindPassthrough {
+                vm_uuid,
+                devices,
+                vgpu_types,
+            } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());
                 }
+                let functions: Vec<DevicePath> = devices
+                    .iter()
+                    .filter(|d| d.vgpu().is_none())
+                    .cloned()
+                    .collect();
                 // The whole set at once: functions sharing an IOMMU group (a GPU and its
                 // audio function) are only viable together.
-                if let Err(e) = self.binder.check_viability(devices) {
+                if let Err(e) = self.binder.check_viability(&functions) {
                     return TaskResult::failure(e.to_string());
                 }
                 self.each(devices, |d| {
+                    if d.vgpu().is_some() {
+                        let t = vgpu_types
+                            .get(&d.to_string())
+                            .ok_or_else(|| format!("{d}: no vGPU type given"))?;
+                        return self.vgpus.make(d, t, *vm_uuid);
+                    }
                     self.binder.bind_checked(d).map_err(|e| e.to_string())
                 })
             }
-            Task::UnbindPassthrough { devices, .. } => self.each(devices, |d| {
+            Task::UnbindPassthrough { vm_uuid, devices } => self.each(devices, |d| {
+                if d.vgpu().is_some() {
+                    return self.vgpus.release(d, *vm_uuid);
+                }
                 self.binder.unbind_passthrough(d).map_err(|e| e.to_string())
             }),
             Task::StartVm { vm } => {
                 if vm.devices.len() > MAX_TASK_DEVICES {
                     return too_many(vm.devices.len());
                 }
-                match self.hypervisor.start(vm) {
+                let mut launch = vm.clone();
+                for d in &mut launch.devices {
+                    if d.vgpu().is_some() {
+                        match self.vgpus.launch_path(d) {
+                            Ok(p) => *d = p,
+                            Err(e) => return TaskResult::failure(e),
+                        }
+                    }
+                }
+                match self.hypervisor.start(&launch) {
                     Ok(()) => TaskResult::success(),
                     Err(e) => TaskResult::failure(e.to_string()),
                 }
@@ -144,7 +175,13 @@ impl Executor {
                 let ops = self.binder.ops();
                 let reports: Vec<_> = devices
                     .iter()
-                    .map(|d| scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env))
+                    .map(|d| {
+                        if d.vgpu().is_some() {
+                            self.vgpus.scrub(d)
+                        } else {
+                            scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env)
+                        }
+                    })
                     .collect();
                 let failed: Vec<String> = reports
                     .iter()

@@ -91,6 +91,11 @@ impl Binder {
         &self.ops
     }
 
+    /// Where the binding records live (the agent's state directory).
+    pub fn state_dir(&self) -> &Path {
+        self.state_path.parent().unwrap_or(&self.state_path)
+    }
+
     pub fn state(&self) -> Result<BindingState, BindError> {
         read_json(&self.state_path)
             .map(Option::unwrap_or_default)

@@ -36,13 +36,21 @@ pub fn cloud_hypervisor_argv(
     }
     for d in &spec.devices {
         argv.push("--device".into());
-        argv.push(format!(
-            "path={}/",
+        // An mdev vGPU by its bus path; a function, or a vendor-VFIO vGPU's VF, by its own.
+        let mdev = d
+            .vgpu()
+            .map(|u| {
+                sysfs_root
+                    .join("bus/mdev/devices")
+                    .join(u.hyphenated().to_string())
+            })
+            .filter(|_| crate::host::device_dir(sysfs_root, d).is_dir());
+        let path = mdev.unwrap_or_else(|| {
             sysfs_root
                 .join("bus/pci/devices")
                 .join(d.address().to_string())
-                .display()
-        ));
+        });
+        argv.push(format!("path={}/", path.display()));
     }
     argv
 }

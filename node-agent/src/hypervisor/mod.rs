@@ -124,6 +124,22 @@ pub fn find_on_path(name: &str) -> Option<PathBuf> {
 /// Refuses a VM whose devices are not on vfio-pci: QEMU would fail later and less clearly.
 pub(crate) fn check_devices_ready(sysfs_root: &Path, spec: &VmSpec) -> Result<(), HypervisorError> {
     for dev in &spec.devices {
+        // A vGPU: an mdev exists at its path, or (vendor VFIO) its VF carries a type.
+        if dev.vgpu().is_some() {
+            let mdev = device_dir(sysfs_root, dev);
+            let vf_type = crate::host::read_attr(
+                &device_dir(sysfs_root, &dev.gpu()).join("nvidia/current_vgpu_type"),
+            )
+            .unwrap_or_default();
+            if !mdev.is_dir() && matches!(vf_type.trim(), "" | "0") {
+                return Err(HypervisorError::DeviceNotReady {
+                    vm: spec.uuid,
+                    device: dev.to_string(),
+                    driver: "no vGPU made".to_string(),
+                });
+            }
+            continue;
+        }
         let driver = bound_driver(&device_dir(sysfs_root, dev)).ok().flatten();
         if driver.as_deref() != Some(VFIO_DRIVER) {
             return Err(HypervisorError::DeviceNotReady {

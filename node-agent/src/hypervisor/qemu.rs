@@ -138,9 +138,19 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
     ]);
     for d in &spec.devices {
         argv.push("-device".into());
+        let mdev = d
+            .vgpu()
+            .map(|u| format!("/sys/bus/mdev/devices/{}", u.hyphenated()));
+        let is_mdev = cfg
+            .sysfs_root
+            .as_ref()
+            .is_some_and(|r| crate::host::device_dir(r, d).is_dir());
         if cfg.stand_in_devices {
             argv.push("edu".into());
+        } else if let (Some(mdev), true) = (mdev, is_mdev) {
+            argv.push(format!("vfio-pci,sysfsdev={mdev}"));
         } else {
+            // A function, or a vendor-VFIO vGPU: its VF (the path's last address).
             argv.push(format!("vfio-pci,host={}", d.address()));
         }
     }
@@ -498,5 +508,41 @@ mod tests {
         );
         assert_eq!(line.matches("-device edu").count(), 2, "{line}");
         assert!(!line.contains("vfio-pci"), "{line}");
+    }
+
+    /// An mdev vGPU is passed by its sysfs path; a vendor-VFIO vGPU by its VF's address.
+    #[test]
+    fn vgpus_on_the_command_line() {
+        let root = tempfile::tempdir().unwrap();
+        let mdev: passage_model::DevicePath = "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/\
+                                c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d"
+            .parse()
+            .unwrap();
+        std::fs::create_dir_all(crate::host::device_dir(root.path(), &mdev)).unwrap();
+        let vf: passage_model::DevicePath = "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.4/\
+                              0b6e3f55-6a55-4a11-8f1e-2d1b8f0c9e77"
+            .parse()
+            .unwrap();
+        let cfg = QemuConfig {
+            binary: PathBuf::from("qemu-system-x86_64"),
+            accel: "tcg".into(),
+            sysfs_root: Some(root.path().to_path_buf()),
+            stand_in_devices: false,
+        };
+        let spec = VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 1,
+            memory_mib: 1024,
+            devices: vec![mdev, vf],
+            disk: None,
+        };
+        let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid)).join(" ");
+        assert!(
+            line.contains(
+                "-device vfio-pci,sysfsdev=/sys/bus/mdev/devices/\
+                 c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d -device vfio-pci,host=0000:3b:00.4"
+            ),
+            "{line}"
+        );
     }
 }

@@ -203,6 +203,7 @@ fn executor_runs_a_vm_lifecycle() {
     let bind = Task::BindPassthrough {
         vm_uuid: vm,
         devices: devices.clone(),
+        vgpu_types: Default::default(),
     };
     assert!(exec.execute(&bind).ok);
     assert!(exec.execute(&bind).ok);
@@ -318,12 +319,14 @@ fn a_shared_iommu_group_must_go_through_whole() {
     let r = exec.execute(&Task::BindPassthrough {
         vm_uuid: vm,
         devices: vec![w.gpus[1].clone()],
+        vgpu_types: Default::default(),
     });
     assert!(!r.ok);
     assert!(r.error.unwrap().contains("IOMMU group"));
     let r = exec.execute(&Task::BindPassthrough {
         vm_uuid: vm,
         devices: vec![w.gpus[1].clone(), audio[1].clone()],
+        vgpu_types: Default::default(),
     });
     assert!(r.ok, "{r:?}");
 

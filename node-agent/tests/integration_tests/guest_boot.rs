@@ -176,6 +176,7 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
         Task::BindPassthrough {
             vm_uuid: vm,
             devices: tree.gpus.clone(),
+            vgpu_types: Default::default(),
         },
     )
     .await;

@@ -9,3 +9,4 @@ mod pciutils;
 mod qemu;
 mod robustness;
 mod scrub;
+mod vgpu_slots;

@@ -58,6 +58,8 @@ impl Workflow for Start {
                 let task = Task::BindPassthrough {
                     vm_uuid: vm.uuid,
                     devices: vm.assigned_devices.clone(),
+                    vgpu_types: super::provision::vgpu_types(ctx, server, &vm.assigned_devices)
+                        .await?,
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
@@ -184,6 +186,7 @@ async fn replace(
             let task = Task::BindPassthrough {
                 vm_uuid: vm.uuid,
                 devices: plan.add.clone(),
+                vgpu_types: super::provision::vgpu_types(ctx, plan.to_server, &plan.add).await?,
             };
             agent_task::run(ctx, plan.to_server, job, task)
                 .await

@@ -28,6 +28,35 @@ pub(super) async fn held(ctx: &Ctx, vm: &Vm) -> Result<Vec<String>, StepError> {
         .collect())
 }
 
+/// The vGPU type each vGPU slot among `devices` is made as, by slot path: its variant's
+/// `vgpu_type`. Empty (and nothing read) when no slot is among them.
+pub(super) async fn vgpu_types(
+    ctx: &Ctx,
+    server: ServerId,
+    devices: &[passage_model::DevicePath],
+) -> Result<std::collections::BTreeMap<String, String>, StepError> {
+    let mut out = std::collections::BTreeMap::new();
+    if devices.iter().all(|d| d.vgpu().is_none()) {
+        return Ok(out);
+    }
+    let variants = crate::store::variants::list(&ctx.jobs_db).await?;
+    for d in devices::for_server(&ctx.jobs_db, server).await? {
+        if d.pci.id.vgpu().is_none() || !devices.contains(&d.pci.id) {
+            continue;
+        }
+        let t = d
+            .variant
+            .as_ref()
+            .and_then(|name| variants.iter().find(|v| &v.name == name))
+            .and_then(|v| v.vgpu_type.clone())
+            .ok_or_else(|| {
+                StepError::Broken(format!("vGPU slot {} has no vGPU variant", d.pci.id))
+            })?;
+        out.insert(d.pci.id.to_string(), t);
+    }
+    Ok(out)
+}
+
 /// The spec a node starts the VM from.
 pub(super) fn spec(vm: &Vm, disk: Option<passage_model::protocol::DiskSpec>) -> VmSpec {
     VmSpec {
@@ -70,6 +99,7 @@ impl Workflow for Provision {
                 let task = Task::BindPassthrough {
                     vm_uuid: vm.uuid,
                     devices: vm.assigned_devices.clone(),
+                    vgpu_types: vgpu_types(ctx, server, &vm.assigned_devices).await?,
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }

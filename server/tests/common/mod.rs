@@ -228,16 +228,32 @@ impl TestServer {
     /// A node: a fake sysfs tree with `gpus` H100s and the real agent loop serving it.
     /// Returns the node's folder (sysfs/ and state/ inside) once its server shows up.
     pub async fn add_node(&mut self, gpus: u32) -> Node {
+        self.add_node_from(
+            gpus,
+            GpuModel::H100,
+            &node_agent::fake::FakeOptions::default(),
+        )
+        .await
+    }
+
+    /// [`Self::add_node`] with GPUs of `model` generated with `opts` (vGPU hosts…).
+    pub async fn add_node_from(
+        &mut self,
+        gpus: u32,
+        model: GpuModel,
+        opts: &node_agent::fake::FakeOptions,
+    ) -> Node {
         let dir = tempfile::tempdir().unwrap();
         let sysfs = dir.path().join("sysfs");
         let state = dir.path().join("state");
-        node_agent::fake::generate(
+        node_agent::fake::generate_with(
             &sysfs,
             &FakeSpec {
                 gpus,
-                model: GpuModel::H100,
+                model,
                 numa_nodes: 2,
             },
+            opts,
         )
         .unwrap();
         let before = self.server_uuids().await;

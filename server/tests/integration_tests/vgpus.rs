@@ -309,3 +309,134 @@ async fn pack_and_spread(b: Backend) {
     }
 }
 both!(pack_and_spread_on, pack_and_spread);
+
+/// The whole life of vGPUs through the real agent loop over the fake kernel, for both
+/// frameworks: two VMs get vGPUs of one GPU (an mdev each, or a VF each with the type
+/// set), run, and are destroyed; their vGPUs are gone from the node after the scrub, and
+/// the GPU, scrubbed whole, is assignable whole again.
+async fn vgpus_made_run_and_go_on_a_node(b: Backend) {
+    use node_agent::fake::GpuModel;
+    use passage_model::api::{Job, JobState, VmState};
+    for (model, framework, ids, vgpu_type) in [
+        (
+            GpuModel::A100,
+            FakeVgpu::Mdev,
+            ("A100", "20b0"),
+            "GRID A100-10C",
+        ),
+        (
+            GpuModel::H100,
+            FakeVgpu::Vfio,
+            ("H100", "2330"),
+            "NVIDIA H100XM-10C",
+        ),
+    ] {
+        let mut s = TestServer::start(b, fast_config()).await;
+        let opts = FakeOptions {
+            vgpu: Some(framework),
+            ..FakeOptions::default()
+        };
+        let node = s.add_node_from(1, model, &opts).await;
+        s.image().await;
+        let (parent, device) = ids;
+        let _: Variant = s
+            .post(
+                "/v1/variants",
+                &json!({"name": parent, "type": "gpu", "vendor": "10de", "device": device}),
+            )
+            .await
+            .ok(201);
+        let _: Variant = s
+            .post(
+                "/v1/variants",
+                &json!({"name": "V", "type": "vgpu", "parent": parent,
+                        "vgpu_type": vgpu_type, "max_per_gpu": 4}),
+            )
+            .await
+            .ok(201);
+        for (name, devices) in [("vgpu", json!({"V": 1})), ("whole", json!({parent: 1}))] {
+            let _: Package = s
+                .post(
+                    "/v1/packages",
+                    &json!({"name": name, "vcpus": 1, "memory_mib": 1024, "disk_gib": 10,
+                            "devices": devices}),
+                )
+                .await
+                .ok(201);
+        }
+        let (_, tenant) = s.tenant("t").await;
+        let mut vms = Vec::new();
+        for alias in ["a", "b"] {
+            let vm = create(&s, &tenant, "vgpu", alias).await;
+            let job: Job = s.wait_job(vm.job_uuid.unwrap()).await;
+            assert_eq!(job.state, JobState::Succeeded, "{model:?}: {job:?}");
+            vms.push(vm);
+        }
+        let mdevs = node.sysfs.join("bus/mdev/devices");
+        let made = |vm: &Vm| {
+            let slot = &vm.assigned_devices[0];
+            match framework {
+                FakeVgpu::Mdev => mdevs.join(slot.vgpu().unwrap().to_string()).exists(),
+                FakeVgpu::Vfio => {
+                    let gpu = node_agent::host::device_dir(&node.sysfs, &slot.gpu());
+                    // Some VF of the GPU carries a type.
+                    std::fs::read_dir(&gpu).unwrap().flatten().any(|e| {
+                        e.file_name().to_string_lossy().starts_with("virtfn")
+                            && std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type"))
+                                .is_ok_and(|t| t.trim() != "0")
+                    })
+                }
+            }
+        };
+        for vm in &vms {
+            let v: Vm = s
+                .with(&tenant)
+                .get(&format!("/v1/vms/{}", vm.uuid))
+                .await
+                .ok(200);
+            assert_eq!(v.state, VmState::Running, "{model:?}");
+            assert!(
+                made(vm),
+                "{model:?}: the vGPU of {} exists on the node",
+                vm.uuid
+            );
+        }
+        assert_eq!(
+            vms[0].assigned_devices[0].gpu(),
+            vms[1].assigned_devices[0].gpu()
+        );
+        let gpu = vms[0].assigned_devices[0].gpu();
+        // Destroyed: the vGPUs go, then the GPU is scrubbed whole.
+        for vm in &vms {
+            let r = s
+                .with(&tenant)
+                .delete::<Vm>(&format!("/v1/vms/{}", vm.uuid))
+                .await;
+            s.wait_job(r.ok(202).job_uuid.unwrap()).await;
+        }
+        let whole_again = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+            let states = s.device_states(node.uuid).await;
+            let gpu_state = states.iter().find(|(id, _, _)| *id == gpu).map(|x| x.1);
+            let slots = states
+                .iter()
+                .filter(|(id, _, _)| id.vgpu().is_some())
+                .count();
+            (gpu_state == Some(DeviceState::Unassigned) && slots == 0).then_some(())
+        })
+        .await;
+        assert!(
+            whole_again.is_some(),
+            "{model:?}: {:?}",
+            s.device_states(node.uuid).await
+        );
+        for vm in &vms {
+            assert!(!made(vm), "{model:?}: the vGPU of {} is gone", vm.uuid);
+        }
+        let whole = create(&s, &tenant, "whole", "w").await;
+        assert_eq!(whole.assigned_devices, vec![gpu.clone()]);
+    }
+}
+both!(
+    vgpus_made_run_and_go_on_a_node_on,
+    vgpus_made_run_and_go_on_a_node
+);

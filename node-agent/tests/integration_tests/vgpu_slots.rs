@@ -1,0 +1,111 @@
+//! The vGPUs a node makes for VMs, over the fake kernel's two frameworks: made once per
+//! owner, released only by their owner, destroyed by the scrub, adopted after a restart,
+//! refused with the kernel's words when the type does not fit.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use node_agent::fake::{FakeOptions, FakeSpec, FakeVgpu, GpuModel};
+use node_agent::host::{VgpuSlots, open_sysfs};
+use passage_model::{DevicePath, VmId};
+
+fn world(model: GpuModel, vgpu: FakeVgpu) -> (tempfile::TempDir, VgpuSlots, DevicePath) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("sys");
+    let spec = FakeSpec {
+        gpus: 1,
+        model,
+        numa_nodes: 1,
+    };
+    let opts = FakeOptions {
+        vgpu: Some(vgpu),
+        ..FakeOptions::default()
+    };
+    node_agent::fake::generate_with(&root, &spec, &opts).unwrap();
+    let gpu = node_agent::host::discover(&root)
+        .devices
+        .into_iter()
+        .find(|d| d.details.as_ref().is_some_and(|x| x.vgpu.is_some()))
+        .unwrap()
+        .id;
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let slots = VgpuSlots::new(open_sysfs(&root).unwrap(), &state);
+    (dir, slots, gpu)
+}
+
+fn vgpus_on(dir: &tempfile::TempDir) -> usize {
+    let root = dir.path().join("sys");
+    node_agent::host::discover(&root)
+        .devices
+        .iter()
+        .filter_map(|d| d.details.as_ref()?.vgpu.as_ref())
+        .map(|h| h.vgpus.len())
+        .sum()
+}
+
+#[test]
+fn a_late_release_never_clears_a_later_owners_vgpu() {
+    for (model, framework, ty) in [
+        (GpuModel::A100, FakeVgpu::Mdev, "GRID A100-10C"),
+        (GpuModel::H100, FakeVgpu::Vfio, "NVIDIA H100XM-10C"),
+    ] {
+        let (dir, slots, gpu) = world(model, framework);
+        let slot = gpu.with_vgpu(uuid::Uuid::new_v4());
+        let (a, b) = (VmId::new_random(), VmId::new_random());
+        slots.make(&slot, ty, a).unwrap();
+        slots.make(&slot, ty, a).unwrap();
+        assert_eq!(vgpus_on(&dir), 1, "{model:?}: made once");
+        let err = slots.make(&slot, ty, b).unwrap_err();
+        assert!(err.contains(&a.to_string()), "{err}");
+        // B's release of A's vGPU does nothing.
+        slots.release(&slot, b).unwrap();
+        assert_eq!(vgpus_on(&dir), 1);
+        // A restarted agent finds what it made.
+        let state = dir.path().join("state");
+        let again = VgpuSlots::new(open_sysfs(&dir.path().join("sys")).unwrap(), &state);
+        assert_eq!(again.records().unwrap().len(), 1);
+        let launch = again.launch_path(&slot).unwrap();
+        assert_eq!(launch.vgpu(), slot.vgpu());
+        if framework == FakeVgpu::Vfio {
+            assert_ne!(
+                launch.address(),
+                gpu.address(),
+                "the VF is passed, not the GPU"
+            );
+        }
+        again.release(&slot, a).unwrap();
+        assert_eq!(vgpus_on(&dir), 0, "{model:?}: released by its owner");
+        // B gets the same slot; A's late release leaves it.
+        again.make(&slot, ty, b).unwrap();
+        again.release(&slot, a).unwrap();
+        assert_eq!(vgpus_on(&dir), 1, "{model:?}: B's vGPU stays");
+        // The scrub destroys it whoever made it, and checks it is gone.
+        let report = again.scrub(&slot);
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.steps.len(), 2);
+        assert_eq!(vgpus_on(&dir), 0);
+        assert!(again.records().unwrap().is_empty());
+        assert!(again.scrub(&slot).ok, "scrubbing a gone vGPU is done");
+    }
+}
+
+#[test]
+fn a_type_that_does_not_fit_fails_with_the_kernels_words() {
+    let (_dir, slots, gpu) = world(GpuModel::A100, FakeVgpu::Mdev);
+    let vm = VmId::new_random();
+    // GRID A100-20C fits twice; one more is refused by the driver.
+    for _ in 0..2 {
+        slots
+            .make(&gpu.with_vgpu(uuid::Uuid::new_v4()), "GRID A100-20C", vm)
+            .unwrap();
+    }
+    let err = slots
+        .make(&gpu.with_vgpu(uuid::Uuid::new_v4()), "GRID A100-20C", vm)
+        .unwrap_err();
+    assert!(err.contains("available_instances 0"), "{err}");
+    let err = slots
+        .make(&gpu.with_vgpu(uuid::Uuid::new_v4()), "no such type", vm)
+        .unwrap_err();
+    assert!(err.contains("offers no vGPU type"), "{err}");
+    let err = slots.make(&gpu, "GRID A100-20C", vm).unwrap_err();
+    assert!(err.contains("not a vGPU slot"), "{err}");
+}
