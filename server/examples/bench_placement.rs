@@ -3,7 +3,10 @@
 //! timed in-process. Run by `cargo xtask bench placement` (release build).
 //!
 //! Usage: bench_placement --server-bin PATH [--backend sqlite|postgres] [--servers 1250]
-//!        [--gpus 8] [--vms 10000] [--clients 64]
+//!        [--gpus 8] [--vms 10000] [--clients 64] [--vgpu-slots 4]
+//!
+//! With `--vgpu-slots N` every GPU can host N vGPUs of one type, and each VM asks for one
+//! vGPU instead of a whole GPU: the run then includes turning free GPUs into vGPU hosts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -37,6 +40,9 @@ struct Args {
     /// Concurrent API clients.
     #[arg(long, default_value_t = 64)]
     clients: usize,
+    /// Each VM asks for one vGPU of a type every GPU hosts this many times.
+    #[arg(long, value_name = "N")]
+    vgpu_slots: Option<u32>,
     /// Write every creation as `started_ms,latency_ms,status` (CSV) to this file, to see
     /// where in the run the slow ones fall.
     #[arg(long, value_name = "PATH")]
@@ -63,10 +69,29 @@ async fn main() {
         .build()
         .unwrap();
     let op = common::catalog(&http, &base).await;
+    let package = match a.vgpu_slots {
+        None => "gpu-1x",
+        Some(n) => {
+            let variant = json!({"name": "H100_20C", "type": "vgpu", "parent": "H100",
+                                 "vgpu_type": "NVIDIA H100XM-20C", "max_per_gpu": n});
+            post(&http, &format!("{base}/v1/variants"), Some(&op), variant).await;
+            let pkg = json!({"name": "vgpu-1x", "vcpus": 1, "memory_mib": 1024,
+                             "devices": {"H100_20C": 1}});
+            post(&http, &format!("{base}/v1/packages"), Some(&op), pkg).await;
+            "vgpu-1x"
+        }
+    };
 
     // The fleet: every node registers and reports, as an agent would.
     let t = Instant::now();
-    common::fleet(&http, &base, &op, a.servers, a.gpus).await;
+    common::fleet_with(
+        &http,
+        &base,
+        &op,
+        a.servers,
+        common::inventory_with(a.gpus, a.vgpu_slots),
+    )
+    .await;
     println!(
         "fleet: {} servers x {} GPUs registered in {:.1} s",
         a.servers,
@@ -108,7 +133,7 @@ async fn main() {
                     &http,
                     &format!("{base}/v1/vms"),
                     Some(&op),
-                    json!({"alias": format!("b{i}"), "package": "gpu-1x", "image": "bench"}),
+                    json!({"alias": format!("b{i}"), "package": package, "image": "bench"}),
                 )
                 .await;
                 lat.push((started, t.elapsed(), st));
@@ -193,12 +218,26 @@ async fn main() {
         .await
         .unwrap();
     let cap: Value = r.json().await.unwrap();
+    let of = |name: &str| {
+        cap.as_array()
+            .and_then(|c| c.iter().find(|c| c["variant"] == name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let whole = of("H100");
     println!(
         "check: {held} devices assigned, {} distinct; capacity held {} of {}",
         seen.len(),
-        cap[0]["held"],
-        cap[0]["total"]
+        whole["held"],
+        whole["total"]
     );
+    if a.vgpu_slots.is_some() {
+        let v = &of("H100_20C")["vgpu"];
+        println!(
+            "vGPUs: {} in use, {} remaining of {} on {} GPUs hosting them ({} GPUs shared)",
+            v["in_use"], v["remaining_capacity"], v["max_capacity"], v["gpus"], whole["shared"]
+        );
+    }
     assert_eq!(held, placed);
     println!(
         "server peak RSS: {} MiB",

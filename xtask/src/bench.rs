@@ -94,6 +94,9 @@ pub struct Placement {
     /// Concurrent API clients [default: 64]
     #[arg(long, value_name = "C")]
     clients: Option<usize>,
+    /// Each VM asks for one vGPU of a type every GPU hosts N times (not set: a whole GPU)
+    #[arg(long, value_name = "N")]
+    vgpu_slots: Option<usize>,
 }
 
 /// `cargo xtask bench fleet`: flags given are passed on to the example, which holds the
@@ -196,7 +199,8 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .number("--servers", p.servers)
                 .number("--gpus", p.gpus)
                 .number("--vms", p.vms)
-                .number("--clients", p.clients);
+                .number("--clients", p.clients)
+                .number("--vgpu-slots", p.vgpu_slots);
             example("bench_placement", &f.0)
         }
         Bench::Fleet(p) => {

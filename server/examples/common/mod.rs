@@ -23,6 +23,12 @@ pub fn ms(d: Duration) -> String {
 /// A synthetic GPU server: `gpus` H100s split over two NUMA nodes, each behind its own
 /// root port.
 pub fn inventory(gpus: usize) -> Value {
+    inventory_with(gpus, None)
+}
+
+/// [`inventory`] whose GPUs, with `vgpu_slots`, host NVIDIA's `H100XM-20C` through mdev,
+/// that many times each.
+pub fn inventory_with(gpus: usize, vgpu_slots: Option<u32>) -> Value {
     let devices: Vec<Value> = (0..gpus)
         .map(|g| {
             let numa = u32::from(g >= gpus / 2);
@@ -30,7 +36,10 @@ pub fn inventory(gpus: usize) -> Value {
                 "id": format!("/devices/pci0000:{:02x}/0000:{:02x}:01.0/0000:{:02x}:00.0", g * 16, g * 16, g * 16 + 1),
                 "vendor": "10de", "device": "2330", "subvendor": "10de", "subsystem": "16c1",
                 "revision": "a1", "class": "030200", "driver": "nvidia",
-                "numa_node": numa, "iommu_group": g
+                "numa_node": numa, "iommu_group": g,
+                "details": vgpu_slots.map(|n| json!({"vgpu": {"framework": "mdev", "types": [
+                    {"id": "nvidia-563", "name": "NVIDIA H100XM-20C", "framebuffer_mib": 20480,
+                     "max_instances": n, "available": n}]}}))
             })
         })
         .collect();
@@ -182,7 +191,11 @@ pub async fn catalog(http: &reqwest::Client, base: &str) -> String {
 
 /// Every node registers and reports its GPUs, as an agent would.
 pub async fn fleet(http: &reqwest::Client, base: &str, op: &str, servers: usize, gpus: usize) {
-    let inv = inventory(gpus);
+    fleet_with(http, base, op, servers, inventory(gpus)).await;
+}
+
+/// [`fleet`] of nodes that each report `inv`.
+pub async fn fleet_with(http: &reqwest::Client, base: &str, op: &str, servers: usize, inv: Value) {
     let mut joins = Vec::new();
     let sem = Arc::new(tokio::sync::Semaphore::new(16));
     for i in 0..servers {
