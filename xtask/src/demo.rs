@@ -35,6 +35,9 @@ pub struct Args {
     /// Delete .passage-demo/ first (new database, new password)
     #[arg(long)]
     reset: bool,
+    /// Make the GPUs vGPU hosts: `mdev` (with --model a100) or `vfio` (with --model h100)
+    #[arg(long, value_name = "F", value_parser = ["mdev", "vfio"])]
+    vgpu: Option<String>,
 }
 
 /// The models `node-agent fake-sysfs` can fake.
@@ -242,7 +245,8 @@ pub fn run(opts: &Args) -> Result<()> {
                         &opts.gpus.to_string(),
                         "--model",
                         opts.model.name(),
-                    ]),
+                    ])
+                    .args(opts.vgpu.iter().flat_map(|f| ["--vgpu", f.as_str()])),
             )?;
         } else {
             println!(
