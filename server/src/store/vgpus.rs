@@ -69,7 +69,9 @@ type Eligible = (ServerId, DevicePath, i64, u32);
 
 /// Opens up to `gpus` free GPUs of `v`'s parent variant for `v`, on servers heard from
 /// since `alive_after_ms` with room for one VM of `fit`: for `pack`, on the servers with
-/// the fewest such GPUs free (they fill up first), for `spread` the most. Answers those
+/// the fewest such GPUs free (they fill up first), for `spread` the most, one per server
+/// in turn. Only the first `gpus + 8` servers of the free-device index in that order are
+/// read. Answers those
 /// it opened; a GPU taken meanwhile is skipped.
 pub async fn open(
     db: &Db,
@@ -82,20 +84,31 @@ pub async fn open(
     let Some(parent) = v.parent.as_deref().filter(|_| v.is_vgpu() && gpus > 0) else {
         return Ok(Vec::new());
     };
+    // The servers come from the free-device index, in policy order, as many as GPUs are
+    // wanted and a few more (a GPU may not offer the type): the read stays the size of
+    // the request, not of the fleet.
+    let order = match policy {
+        Policy::Pack => "ASC",
+        Policy::Spread => "DESC",
+    };
     let sql = format!(
-        "SELECT d.server_uuid, d.id, d.generation, d.details FROM devices d \
-         JOIN servers s ON s.uuid = d.server_uuid \
-         WHERE d.variant = $1 AND d.parent IS NULL AND {} AND s.last_heartbeat >= $2 \
-         AND s.disabled = 0 AND {}",
-        placeable("d."),
+        "WITH h AS MATERIALIZED (SELECT f.server_uuid AS uuid FROM free_devices f \
+         JOIN servers s ON s.uuid = f.server_uuid \
+         WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0 \
+         AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) \
+         SELECT d.server_uuid, d.id, d.generation, d.details FROM h CROSS JOIN devices d \
+         WHERE d.server_uuid = h.uuid AND d.variant = $1 AND d.parent IS NULL AND {}",
         has_room_sql(fit.alloc, "$3", "$4"),
+        placeable("d."),
     );
     let memory = i64::try_from(fit.memory_mib).unwrap_or(i64::MAX);
+    let servers = i64::try_from(gpus.saturating_add(8)).unwrap_or(i64::MAX);
     let rows: Vec<GpuRow> = crate::on_read!(db, |p| sqlx::query_as(&sql)
         .bind(parent)
         .bind(alive_after_ms)
         .bind(i64::from(fit.vcpus))
         .bind(memory)
+        .bind(servers)
         .fetch_all(p)
         .await)?;
     let mut eligible: Vec<Eligible> = Vec::new();
