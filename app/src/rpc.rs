@@ -332,6 +332,7 @@ pub async fn save_variant(
     #[server(default)] parent: String,
     #[server(default)] vgpu_type: String,
     #[server(default)] max_per_gpu: String,
+    #[server(default)] num_vfs: String,
 ) -> Result<(), PortalError> {
     use passage_model::variant::DeviceType;
     be::check_csrf(&csrf)?;
@@ -354,6 +355,12 @@ pub async fn save_variant(
                 .map_err(|_| invalid("max_per_gpu", "a whole number of vGPUs, 1 or more"))
         })
         .transpose()?;
+    let num_vfs = optional(&num_vfs)
+        .map(|n| {
+            n.parse::<u32>()
+                .map_err(|_| invalid("num_vfs", "a whole number of VFs, 1 or more"))
+        })
+        .transpose()?;
     let variant = Variant {
         name: name.trim().to_string(),
         kind,
@@ -370,6 +377,7 @@ pub async fn save_variant(
         parent: optional(&parent).map(str::to_string),
         vgpu_type: optional(&vgpu_type).map(str::to_string),
         max_per_gpu,
+        num_vfs,
         scrub: existing.and_then(|v| v.scrub),
     };
     match original {

@@ -163,6 +163,13 @@ pub enum Task {
     DeleteDisk {
         vm_uuid: VmId,
     },
+    /// Make the function have `num_vfs` SR-IOV virtual functions (its `sriov_numvfs`),
+    /// taking down those it has first when the count differs. Refused while one of its
+    /// VFs is passed through to a VM.
+    SetVfs {
+        function: DevicePath,
+        num_vfs: u32,
+    },
     /// Clean devices a VM had, each step reported.
     Scrub {
         devices: Vec<DevicePath>,
@@ -214,6 +221,7 @@ impl Task {
             Task::StopVm { .. } => "stop_vm",
             Task::FetchImage { .. } => "fetch_image",
             Task::DeleteDisk { .. } => "delete_disk",
+            Task::SetVfs { .. } => "set_vfs",
             Task::Scrub { .. } => "scrub",
         }
     }

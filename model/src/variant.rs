@@ -17,6 +17,9 @@ pub enum DeviceType {
     Other,
     /// A share of a GPU: one vGPU of one type, on a GPU of its `parent` variant.
     Vgpu,
+    /// An SR-IOV virtual function of a function of its `parent` variant (a NIC's VF):
+    /// each such function is made to have `num_vfs` of them, and each VF is a device.
+    Vf,
 }
 
 impl DeviceType {
@@ -28,6 +31,7 @@ impl DeviceType {
             DeviceType::Fpga => "fpga",
             DeviceType::Other => "other",
             DeviceType::Vgpu => "vgpu",
+            DeviceType::Vf => "vf",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -38,6 +42,7 @@ impl DeviceType {
             "fpga" => DeviceType::Fpga,
             "other" => DeviceType::Other,
             "vgpu" => DeviceType::Vgpu,
+            "vf" => DeviceType::Vf,
             _ => return None,
         })
     }
@@ -49,6 +54,11 @@ impl DeviceType {
 /// A vGPU variant (`"type":"vgpu"`) names no PCI function: it is one vGPU of type
 /// `vgpu_type` on a GPU of its `parent` variant, at most `max_per_gpu` per GPU. Its ids are
 /// its parent's (the server copies them; a body may leave them out).
+///
+/// A VF variant (`"type":"vf"`) is the SR-IOV virtual functions of the functions of its
+/// `parent` variant: each of those gets `num_vfs` VFs (the node writes `sriov_numvfs`),
+/// is no longer given whole, and each VF whose ids match (a VF's own ids, e.g. an i350's
+/// VFs are 8086:1520) is a device of this variant.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Variant {
@@ -74,7 +84,8 @@ pub struct Variant {
     #[serde(default)]
     #[schema(min_items = 1, max_items = 16)]
     pub scrub: Option<Vec<crate::protocol::ScrubAction>>,
-    /// vGPU variants only: the GPU variant whose GPUs host it.
+    /// vGPU and VF variants only: the variant whose GPUs host it, or whose functions
+    /// make its VFs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(max_length = 64)]
     pub parent: Option<String>,
@@ -88,7 +99,15 @@ pub struct Variant {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1, maximum = 4096)]
     pub max_per_gpu: Option<u32>,
+    /// VF variants only: how many VFs each function of the parent variant makes
+    /// (`sriov_numvfs`); at most what the function can (`sriov_totalvfs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1024)]
+    pub num_vfs: Option<u32>,
 }
+
+/// More VFs than one function of any device makes.
+pub const MAX_VFS: u32 = 1024;
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum VariantError {
@@ -140,11 +159,30 @@ impl Variant {
 
     fn validate_vgpu(&self) -> Result<(), VariantError> {
         let bad = |field, m: &str| Err(VariantError::Vgpu(field, m.to_string()));
-        if self.kind != DeviceType::Vgpu {
-            if self.parent.is_some() || self.vgpu_type.is_some() || self.max_per_gpu.is_some() {
+        if self.kind != DeviceType::Vf && self.num_vfs.is_some() {
+            return bad("num_vfs", "num_vfs is for variants of type vf");
+        }
+        if self.kind == DeviceType::Vf {
+            if self.vgpu_type.is_some() || self.max_per_gpu.is_some() {
                 return bad(
                     "type",
-                    "parent, vgpu_type and max_per_gpu are for variants of type vgpu",
+                    "vgpu_type and max_per_gpu are for variants of type vgpu",
+                );
+            }
+            self.validate_parent("a vf variant names the variant whose functions make its VFs")?;
+            match self.num_vfs {
+                Some(n) if (1..=MAX_VFS).contains(&n) => {}
+                _ => return bad("num_vfs", &format!("num_vfs is 1 to {MAX_VFS}")),
+            }
+        }
+        if self.kind != DeviceType::Vgpu {
+            if self.kind != DeviceType::Vf
+                && (self.parent.is_some() || self.vgpu_type.is_some() || self.max_per_gpu.is_some())
+            {
+                return bad(
+                    "type",
+                    "parent is for variants of type vgpu or vf, vgpu_type and max_per_gpu \
+                     for type vgpu",
                 );
             }
             if self.vendor == HexId::unset() {
@@ -161,14 +199,7 @@ impl Variant {
             }
             return Ok(());
         }
-        match &self.parent {
-            None => return bad("parent", "a vgpu variant names its parent GPU variant"),
-            Some(p) if validate_name(p).is_err() => {
-                return bad("parent", "parent is not a variant name");
-            }
-            Some(p) if *p == self.name => return bad("parent", "a variant is not its own parent"),
-            Some(_) => {}
-        }
+        self.validate_parent("a vgpu variant names its parent GPU variant")?;
         match &self.vgpu_type {
             Some(t)
                 if !t.trim().is_empty()
@@ -190,14 +221,30 @@ impl Variant {
         }
     }
 
+    fn validate_parent(&self, missing: &str) -> Result<(), VariantError> {
+        let bad = |m: &str| Err(VariantError::Vgpu("parent", m.to_string()));
+        match &self.parent {
+            None => bad(missing),
+            Some(p) if validate_name(p).is_err() => bad("parent is not a variant name"),
+            Some(p) if *p == self.name => bad("a variant is not its own parent"),
+            Some(_) => Ok(()),
+        }
+    }
+
     pub fn is_vgpu(&self) -> bool {
         self.kind == DeviceType::Vgpu
     }
 
-    /// Whether `d` is one of this variant's devices. A vGPU variant matches no PCI
-    /// function: its devices are slots the control plane makes on its parent's GPUs.
+    pub fn is_vf(&self) -> bool {
+        self.kind == DeviceType::Vf
+    }
+
+    /// Whether `d` has this variant's ids. A vGPU variant matches no PCI function: its
+    /// devices are slots the control plane makes on its parent's GPUs. A VF variant
+    /// matches only VFs, every other variant only functions that are not VFs.
     pub fn matches(&self, d: &PciDevice) -> bool {
         !self.is_vgpu()
+            && self.is_vf() == d.details.as_ref().is_some_and(|x| x.physfn.is_some())
             && self.vendor == d.vendor
             && self.device == d.device
             && self.subvendor.is_none_or(|v| v == d.subvendor)
@@ -240,15 +287,22 @@ fn validate_pipeline(steps: &[crate::protocol::ScrubAction]) -> Result<(), Varia
 /// The variant a device belongs to: the most specific match, ties broken by name so the
 /// answer never depends on the order variants were listed in.
 ///
-/// An SR-IOV virtual function (one with a `physfn`) belongs to none. A VF may carry its
-/// GPU's vendor and device ids (the fake vendor-VFIO tree's do), so a whole-GPU variant
-/// would take each for a GPU of its own, and a GPU and its VFs could go to different VMs.
-/// VFs become assignable as vGPUs or as VF variants of their own, never as whole devices.
-pub fn classify<'a>(variants: &'a [Variant], d: &PciDevice) -> Option<&'a Variant> {
-    if d.details.as_ref().is_some_and(|x| x.physfn.is_some()) {
+/// An SR-IOV virtual function (one with a `physfn`) belongs only to a VF variant whose
+/// parent is `pf_variant`, its physical function's variant. A VF may carry its GPU's
+/// vendor and device ids (the fake vendor-VFIO tree's do), so a whole-GPU variant would
+/// take each for a GPU of its own, and a GPU and its VFs could go to different VMs; and
+/// a VF of a function not made to share (not of a VF variant's parent) is no device.
+pub fn classify<'a>(
+    variants: &'a [Variant],
+    d: &PciDevice,
+    pf_variant: Option<&str>,
+) -> Option<&'a Variant> {
+    let is_vf = d.details.as_ref().is_some_and(|x| x.physfn.is_some());
+    if is_vf && pf_variant.is_none() {
         return None;
     }
-    variants.iter().filter(|v| v.matches(d)).max_by(|a, b| {
+    let fits = |v: &&Variant| v.matches(d) && (!is_vf || v.parent.as_deref() == pf_variant);
+    variants.iter().filter(fits).max_by(|a, b| {
         a.specificity()
             .cmp(&b.specificity())
             .then_with(|| b.name.cmp(&a.name))
@@ -291,6 +345,7 @@ mod tests {
             parent: None,
             vgpu_type: None,
             max_per_gpu: None,
+            num_vfs: None,
         }
     }
 
@@ -312,9 +367,9 @@ mod tests {
         let b = variant("H100_A1", None, Some("a1"));
         let list1 = [a.clone(), b.clone()];
         let list2 = [b, a];
-        assert_eq!(classify(&list1, &d).unwrap().name, "H100_A1");
-        assert_eq!(classify(&list2, &d).unwrap().name, "H100_A1");
-        assert!(classify(&[], &d).is_none());
+        assert_eq!(classify(&list1, &d, None).unwrap().name, "H100_A1");
+        assert_eq!(classify(&list2, &d, None).unwrap().name, "H100_A1");
+        assert!(classify(&[], &d, None).is_none());
     }
 
     #[test]
@@ -327,11 +382,96 @@ mod tests {
         });
         let list = [variant("H100", None, None)];
         assert!(
-            variant("H100", None, None).matches(&vf),
-            "same ids as its GPU"
+            !variant("H100", None, None).matches(&vf),
+            "same ids as its GPU, but a VF"
         );
-        assert!(classify(&list, &vf).is_none());
-        assert_eq!(classify(&list, &pf).unwrap().name, "H100");
+        assert!(classify(&list, &vf, Some("H100")).is_none());
+        assert_eq!(classify(&list, &pf, None).unwrap().name, "H100");
+    }
+
+    #[test]
+    fn a_vf_belongs_to_the_vf_variant_of_its_pfs_variant() {
+        let pf = dev("8086", "1521", "15d9", "1521", "01");
+        let mut vf = dev("8086", "1520", "15d9", "1521", "01");
+        vf.details = Some(crate::pci::PciDetails {
+            physfn: Some("0000:01:00.0".parse().unwrap()),
+            ..Default::default()
+        });
+        let nic = Variant {
+            kind: DeviceType::Nic,
+            vendor: "8086".parse().unwrap(),
+            device: "1521".parse().unwrap(),
+            ..variant("I350", None, None)
+        };
+        let vfs = Variant {
+            kind: DeviceType::Vf,
+            vendor: "8086".parse().unwrap(),
+            device: "1520".parse().unwrap(),
+            parent: Some("I350".into()),
+            num_vfs: Some(4),
+            ..variant("I350_VF", None, None)
+        };
+        assert_eq!(vfs.validate(), Ok(()));
+        let list = [nic.clone(), vfs.clone()];
+        assert_eq!(classify(&list, &pf, None).unwrap().name, "I350");
+        assert_eq!(classify(&list, &vf, Some("I350")).unwrap().name, "I350_VF");
+        // A VF of a function of another variant, or of none, is no device.
+        assert!(classify(&list, &vf, Some("OTHER")).is_none());
+        assert!(classify(&list, &vf, None).is_none());
+        // The VF variant's ids are a VF's: a PF with them is not one.
+        let mut like_vf = vf.clone();
+        like_vf.details = None;
+        assert!(classify(&list, &like_vf, None).is_none());
+        let field = |v: Variant| v.validate().unwrap_err().field();
+        assert_eq!(
+            field(Variant {
+                parent: None,
+                ..vfs.clone()
+            }),
+            "parent"
+        );
+        assert_eq!(
+            field(Variant {
+                num_vfs: None,
+                ..vfs.clone()
+            }),
+            "num_vfs"
+        );
+        assert_eq!(
+            field(Variant {
+                num_vfs: Some(0),
+                ..vfs.clone()
+            }),
+            "num_vfs"
+        );
+        assert_eq!(
+            field(Variant {
+                num_vfs: Some(MAX_VFS + 1),
+                ..vfs.clone()
+            }),
+            "num_vfs"
+        );
+        assert_eq!(
+            field(Variant {
+                max_per_gpu: Some(2),
+                ..vfs.clone()
+            }),
+            "type"
+        );
+        assert_eq!(
+            field(Variant {
+                num_vfs: Some(2),
+                ..nic
+            }),
+            "num_vfs"
+        );
+        assert_eq!(
+            field(Variant {
+                device: HexId::unset(),
+                ..vfs
+            }),
+            "device"
+        );
     }
 
     #[test]

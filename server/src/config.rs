@@ -19,6 +19,10 @@ pub struct Config {
     pub scrub_grace: Duration,
     /// How often background reconcilers run.
     pub reconcile_every: Duration,
+    /// A GPU opened for vGPUs whose slots have all been free this long (opened for a
+    /// request that then went elsewhere, or never came) leaves vGPU mode through its
+    /// scrub, to be given whole again.
+    pub vgpu_idle_close: Duration,
     /// How long a job's lease lasts without renewal: after that another replica (or this
     /// one, restarted) takes the job over.
     pub job_lease: Duration,
@@ -61,6 +65,7 @@ impl Default for Config {
             session_idle: Duration::from_secs(30 * 60),
             scrub_grace: Duration::from_secs(10),
             reconcile_every: Duration::from_secs(2),
+            vgpu_idle_close: Duration::from_secs(600),
             job_lease: Duration::from_secs(30),
             pause_before: None,
             tls: None,

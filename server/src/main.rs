@@ -41,6 +41,10 @@ struct Args {
     /// How long a dirty device may wait before the reconciler scrubs it.
     #[arg(long, default_value_t = 10)]
     scrub_grace_secs: u64,
+    /// How long a GPU opened for vGPUs may host none before it is closed and scrubbed
+    /// whole again.
+    #[arg(long, default_value_t = 600)]
+    vgpu_idle_close_secs: u64,
     /// A job whose runner has not renewed its lease for this long is taken over (by
     /// another replica, or by this server after a restart).
     #[arg(long, default_value_t = 30)]
@@ -139,6 +143,7 @@ async fn serve() -> std::process::ExitCode {
         image_dir: args.image_dir.clone(),
         image_max_bytes: args.image_max_gib.saturating_mul(1024 * 1024 * 1024),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
+        vgpu_idle_close: Duration::from_secs(args.vgpu_idle_close_secs.max(1)),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
         session_idle: Duration::from_secs(args.session_idle_secs.max(1)),
         tls: match (&args.tls_cert, &args.tls_key) {

@@ -6,9 +6,14 @@ use std::process::Command;
 use std::time::Duration;
 
 /// The workspace root (the folder above `xtask/`).
+/// The repository `cargo xtask` was run in. `cargo run` names the package's directory at
+/// run time; the one compiled in is only a fallback, as clones sharing a target directory
+/// share one `xtask` binary and it may have been built in another clone.
 pub fn repo_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
 }
 
 /// The cargo that runs us (`CARGO` is set by `cargo run`), else `cargo` from PATH.

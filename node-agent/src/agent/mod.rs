@@ -429,10 +429,12 @@ impl Agent {
             warn!(task = %env.id, kind = name, error = ?result.error, "task failed");
         }
         // The functions a task rebound go to the server with its result, so the job
-        // waiting for it sees them as they are now, without a whole inventory pass.
+        // waiting for it sees them as they are now, without a whole inventory pass. VFs
+        // made or taken down change the functions themselves: the whole inventory goes
+        // first (`changed_functions` sees that).
         let changes = if matches!(
             env.task,
-            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. }
+            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. } | Task::SetVfs { .. }
         ) {
             self.changed_functions().await?
         } else {

@@ -168,6 +168,12 @@ impl Executor {
                     Err(e) => TaskResult::failure(e.to_string()),
                 }
             }
+            Task::SetVfs { function, num_vfs } => {
+                match crate::host::set_numvfs(self.binder.ops().as_ref(), function, *num_vfs) {
+                    Ok(()) => TaskResult::success(),
+                    Err(e) => TaskResult::failure(e),
+                }
+            }
             Task::Scrub { devices, pipelines } => {
                 if devices.len() > MAX_TASK_DEVICES {
                     return too_many(devices.len());

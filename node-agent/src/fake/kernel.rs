@@ -19,6 +19,7 @@ pub fn native_driver(vendor: u16, device: u16, class: u32) -> Option<&'static st
         (_, _, 0x0403) => Some("snd_hda_intel"),
         (_, _, 0x0604) => Some("pcieport"),
         (0x8086, 0x1521, _) => Some("igb"),
+        (0x8086, 0x1520, _) => Some("igbvf"),
         (_, _, 0x0108) => Some("nvme"),
         (0x8086, _, 0x0c05) => Some("i801_smbus"),
         _ => None,
@@ -290,6 +291,129 @@ impl FakeKernel {
         self.recompute_mdev(gpu)
     }
 
+    /// `sriov_numvfs` written, as Linux's PCI core answers it: a count above
+    /// `sriov_totalvfs` is out of range, a change between two non-zero counts is busy,
+    /// and VFs go only while none is bound to vfio-pci (what igb refuses with EBUSY). VFs
+    /// appear beside the PF at first VF offset 128, stride 2, each in an IOMMU group of
+    /// its own and bound to its VF driver.
+    fn set_numvfs(&self, attr: &Path, value: &str) -> io::Result<()> {
+        let pf = attr
+            .parent()
+            .ok_or_else(|| err(io::ErrorKind::NotFound, "no function".into()))?;
+        let n: u32 = value.trim().parse().map_err(|_| {
+            err(
+                io::ErrorKind::InvalidInput,
+                format!("{:?} is not a count (EINVAL)", value.trim()),
+            )
+        })?;
+        let total: u32 = read_attr(&pf.join("sriov_totalvfs"))?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        let have: u32 = read_attr(attr)?.trim().parse().unwrap_or(0);
+        if n > total {
+            return Err(err(
+                io::ErrorKind::InvalidInput,
+                format!("{n} VFs requested; only {total} supported (ERANGE)"),
+            ));
+        }
+        if n == have {
+            return Ok(());
+        }
+        if have != 0 && n != 0 {
+            return Err(err(
+                io::ErrorKind::ResourceBusy,
+                format!("{have} VFs already enabled; disable them before enabling {n} (EBUSY)"),
+            ));
+        }
+        let parent = pf
+            .parent()
+            .ok_or_else(|| err(io::ErrorKind::NotFound, "no bus".into()))?;
+        if n == 0 {
+            let vfs = Self::virtfns(pf)?;
+            for (_, vf) in &vfs {
+                if bound_driver(vf)?.as_deref() == Some("vfio-pci") {
+                    return Err(err(
+                        io::ErrorKind::ResourceBusy,
+                        format!(
+                            "cannot deallocate SR-IOV virtual functions while they are                              assigned: {} (EBUSY)",
+                            file_name(vf)
+                        ),
+                    ));
+                }
+            }
+            for (i, vf) in vfs {
+                self.remove_function(&vf)?;
+                fs::remove_file(pf.join(format!("virtfn{i}")))?;
+            }
+            return write_existing(
+                attr, "0
+",
+            );
+        }
+        let pf_addr: passage_model::PciAddress = file_name(pf)
+            .parse()
+            .map_err(|e| err(io::ErrorKind::InvalidData, format!("{e}")))?;
+        let ids = super::tree::Ids::read(pf)?.of_vf();
+        let numa: u32 = read_attr(&pf.join("numa_node"))?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        let rid = (u32::from(pf_addr.bus) << 8)
+            | (u32::from(pf_addr.device) << 3)
+            | u32::from(pf_addr.function);
+        let first_group = self.next_iommu_group()?;
+        for i in 0..n {
+            let vf_rid = rid + 128 + 2 * i;
+            if vf_rid >> 8 != u32::from(pf_addr.bus) {
+                return Err(err(
+                    io::ErrorKind::OutOfMemory,
+                    format!("VF {i} would be on another bus (ENOMEM)"),
+                ));
+            }
+            let vf = passage_model::PciAddress {
+                domain: pf_addr.domain,
+                bus: pf_addr.bus,
+                device: ((vf_rid >> 3) & 0x1f) as u8,
+                function: (vf_rid & 7) as u8,
+            };
+            let rel = parent
+                .strip_prefix(&self.root)
+                .map_err(|_| err(io::ErrorKind::InvalidData, "outside the tree".into()))?
+                .join(vf.to_string());
+            super::tree::write_vf(&self.root, &rel, vf, pf_addr, ids, numa, first_group + i)?;
+            symlink(&format!("../{vf}"), &pf.join(format!("virtfn{i}")))?;
+        }
+        write_existing(attr, &format!("{n}\n"))
+    }
+
+    /// A number no IOMMU group of the tree has.
+    fn next_iommu_group(&self) -> io::Result<u32> {
+        let mut next = 0;
+        for e in fs::read_dir(self.root.join("kernel/iommu_groups"))? {
+            if let Ok(g) = e?.file_name().to_string_lossy().parse::<u32>() {
+                next = next.max(g + 1);
+            }
+        }
+        Ok(next)
+    }
+
+    /// A function gone from the tree: its directory, its driver's and the bus's links to
+    /// it, and its IOMMU group.
+    fn remove_function(&self, dir: &Path) -> io::Result<()> {
+        let bdf = file_name(dir);
+        if let Some(d) = bound_driver(dir)? {
+            let _ = fs::remove_file(self.drivers().join(d).join(&bdf));
+        }
+        let _ = fs::remove_file(self.root.join("bus/pci/devices").join(&bdf));
+        if let Some(g) = link_basename(&dir.join("iommu_group"))?
+            && g.parse::<u32>().is_ok()
+        {
+            let _ = fs::remove_dir_all(self.root.join("kernel/iommu_groups").join(g));
+        }
+        fs::remove_dir_all(dir)
+    }
+
     /// The PF of a VF and all the PF's VFs' directories.
     fn vf_family(vf: &Path) -> io::Result<(PathBuf, Vec<PathBuf>)> {
         let parent = vf
@@ -303,6 +427,16 @@ impl FakeKernel {
                     format!("{} is not a VF", vf.display()),
                 )
             })?;
+        let vfs = Self::virtfns(&pf)?.into_iter().map(|(_, v)| v).collect();
+        Ok((pf, vfs))
+    }
+
+    /// A PF's VFs as its `virtfnN` links name them (N and the VF's directory), for
+    /// N below its `sriov_numvfs`.
+    fn virtfns(pf: &Path) -> io::Result<Vec<(usize, PathBuf)>> {
+        let parent = pf
+            .parent()
+            .ok_or_else(|| err(io::ErrorKind::NotFound, "no parent".into()))?;
         let n: usize = read_attr(&pf.join("sriov_numvfs"))?
             .trim()
             .parse()
@@ -310,10 +444,10 @@ impl FakeKernel {
         let mut vfs = Vec::new();
         for i in 0..n {
             if let Some(b) = link_basename(&pf.join(format!("virtfn{i}")))? {
-                vfs.push(parent.join(b));
+                vfs.push((i, parent.join(b)));
             }
         }
-        Ok((pf, vfs))
+        Ok(vfs)
     }
 
     fn vf_set_type(&self, nv: &Path, value: &str) -> io::Result<()> {
@@ -468,6 +602,7 @@ impl SysfsOps for FakeKernel {
             {
                 self.mdev_remove(path.parent().unwrap_or(path), value)
             }
+            ["devices", .., "sriov_numvfs"] => self.set_numvfs(path, value),
             ["devices", .., "nvidia", "current_vgpu_type"] => {
                 self.vf_set_type(path.parent().unwrap_or(path), value)
             }

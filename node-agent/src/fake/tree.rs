@@ -102,8 +102,8 @@ pub struct FakeTree {
     pub gpus: Vec<DevicePath>,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Ids {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ids {
     vendor: u16,
     device: u16,
     subvendor: u16,
@@ -551,6 +551,62 @@ pub fn generate_with(
     Ok(tree)
 }
 
+/// Writes the directory of a VF the fake kernel makes when its physical function's
+/// `sriov_numvfs` is written: at `rel` (beside the PF), in IOMMU group `group` of its
+/// own, bound to the VF driver of its ids if the world has one.
+pub(crate) fn write_vf(
+    root: &Path,
+    rel: &Path,
+    vf: PciAddress,
+    pf: PciAddress,
+    ids: Ids,
+    numa: u32,
+    group: u32,
+) -> io::Result<()> {
+    let mut f = endpoint(vf, ids, numa);
+    f.physfn = Some(pf);
+    let w = Writer {
+        root: root.to_path_buf(),
+        flat: Vec::new(),
+        mig: false,
+    };
+    w.function(rel, &f, group)
+}
+
+impl Ids {
+    /// The ids of a function as its directory's attributes give them.
+    pub(crate) fn read(dir: &Path) -> io::Result<Ids> {
+        let num = |name: &str| -> io::Result<u32> {
+            let text = crate::host::read_attr(&dir.join(name))?;
+            u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}/{name}: {text:?}", dir.display()),
+                )
+            })
+        };
+        let narrow = |v: u32| u16::try_from(v).unwrap_or(u16::MAX);
+        Ok(Ids {
+            vendor: narrow(num("vendor")?),
+            device: narrow(num("device")?),
+            subvendor: narrow(num("subsystem_vendor")?),
+            subsystem: narrow(num("subsystem_device")?),
+            revision: u8::try_from(num("revision")?).unwrap_or(u8::MAX),
+            class: num("class")?,
+        })
+    }
+
+    /// The ids its VFs have: the VF device id of the few devices the fake world knows
+    /// (an i350's VFs are 8086:1520), else the function's own.
+    pub(crate) fn of_vf(self) -> Ids {
+        let device = match (self.vendor, self.device) {
+            (INTEL, 0x1521) => 0x1520,
+            _ => self.device,
+        };
+        Ids { device, ..self }
+    }
+}
+
 struct Writer {
     root: PathBuf,
     flat: Vec<(PathBuf, Func)>,
@@ -563,6 +619,7 @@ const DRIVERS: &[&str] = &[
     "snd_hda_intel",
     "pcieport",
     "igb",
+    "igbvf",
     "nvme",
     "i801_smbus",
     "vfio-pci",

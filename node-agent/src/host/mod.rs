@@ -6,6 +6,7 @@ mod binding;
 mod details;
 mod discover;
 mod resources;
+mod sriov;
 mod vgpu;
 mod vgpu_slots;
 
@@ -13,6 +14,7 @@ pub use binding::{BindError, Binder, BindingRecord, BindingState, VFIO_DRIVER};
 pub use details::{PCI_IDS_VERSION, class_name, device_name, vendor_name};
 pub use discover::{Discoverer, Discovery, DiscoveryError, discover, try_discover};
 pub use resources::{ResourcesError, count_cpu_list, host_resources, mem_total_kib};
+pub use sriov::set_numvfs;
 pub use vgpu::NvidiaSmi;
 pub use vgpu_slots::{VgpuRecord, VgpuSlots, VgpuState};
 

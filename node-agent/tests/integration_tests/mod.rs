@@ -9,4 +9,5 @@ mod pciutils;
 mod qemu;
 mod robustness;
 mod scrub;
+mod sriov;
 mod vgpu_slots;

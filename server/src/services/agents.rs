@@ -117,7 +117,7 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
         h.validate()
             .map_err(|(field, why)| ApiError::invalid(field, why))?;
     }
-    devices::apply_inventory(
+    let applied = devices::apply_inventory(
         &ctx.db,
         server,
         report.host.as_ref(),
@@ -125,6 +125,9 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
         devices::Coverage::Whole,
     )
     .await?;
+    if applied.vf_variants {
+        crate::workflows::sriov::spawn(ctx, server, false);
+    }
     Ok(())
 }
 

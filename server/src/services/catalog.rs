@@ -19,7 +19,8 @@ async fn recompute(ctx: &Ctx) -> ApiResult<()> {
 }
 
 /// A vGPU variant's parent must be a GPU variant that exists; the vGPU variant takes its
-/// ids. A variant that hosts vGPU variants stays a variant of whole devices.
+/// ids. A VF variant's parent must be a variant of whole functions that are not GPUs (a
+/// GPU's VFs are its vGPUs). A variant that is a parent keeps the type its children need.
 async fn resolve_parent(ctx: &Ctx, v: &mut Variant) -> ApiResult<()> {
     use passage_model::variant::DeviceType;
     if let Some(name) = &v.parent {
@@ -33,28 +34,51 @@ async fn resolve_parent(ctx: &Ctx, v: &mut Variant) -> ApiResult<()> {
             }
             Err(e) => return Err(e.into()),
         };
-        if parent.kind != DeviceType::Gpu {
-            return Err(ApiError::invalid(
-                "parent",
-                format!("variant {name:?} is not a GPU variant (type gpu)"),
-            ));
+        if v.is_vf() {
+            if matches!(
+                parent.kind,
+                DeviceType::Gpu | DeviceType::Vgpu | DeviceType::Vf
+            ) {
+                return Err(ApiError::invalid(
+                    "parent",
+                    format!(
+                        "variant {name:?} is of type {}: VF variants are for other devices' \
+                         functions (a GPU's VFs are its vGPUs: use a vgpu variant)",
+                        parent.kind.as_str()
+                    ),
+                ));
+            }
+        } else {
+            if parent.kind != DeviceType::Gpu {
+                return Err(ApiError::invalid(
+                    "parent",
+                    format!("variant {name:?} is not a GPU variant (type gpu)"),
+                ));
+            }
+            v.vendor = parent.vendor;
+            v.device = parent.device;
+            v.subvendor = parent.subvendor;
+            v.subsystem = parent.subsystem;
+            v.revision = parent.revision;
         }
-        v.vendor = parent.vendor;
-        v.device = parent.device;
-        v.subvendor = parent.subvendor;
-        v.subsystem = parent.subsystem;
-        v.revision = parent.revision;
     }
-    if v.kind != DeviceType::Gpu
-        && variants::list(&ctx.db)
-            .await?
-            .iter()
-            .any(|c| c.parent.as_deref() == Some(v.name.as_str()))
-    {
-        return Err(ApiError::conflict(format!(
-            "type: variant {:?} hosts vGPU variants and must stay a GPU variant",
-            v.name
-        )));
+    for child in variants::list(&ctx.db).await? {
+        if child.parent.as_deref() != Some(v.name.as_str()) {
+            continue;
+        }
+        let fits = match child.kind {
+            DeviceType::Vgpu => v.kind == DeviceType::Gpu,
+            _ => !matches!(v.kind, DeviceType::Gpu | DeviceType::Vgpu | DeviceType::Vf),
+        };
+        if !fits {
+            return Err(ApiError::conflict(format!(
+                "type: variant {:?} is the parent of {} variant {:?} and keeps a type \
+                 that can be",
+                v.name,
+                child.kind.as_str(),
+                child.name
+            )));
+        }
     }
     Ok(())
 }
@@ -65,6 +89,9 @@ pub async fn create_variant(ctx: &Ctx, caller: &Caller, mut v: Variant) -> ApiRe
     resolve_parent(ctx, &mut v).await?;
     variants::insert(&ctx.db, &v).await?;
     recompute(ctx).await?;
+    if v.is_vf() {
+        crate::workflows::sriov::spawn_everywhere(ctx, true);
+    }
     Ok(variants::get(&ctx.db, &v.name).await?)
 }
 
@@ -98,8 +125,20 @@ pub async fn put_variant(
              stay until they are gone (max_per_gpu applies to GPUs opened from now on)"
         )));
     }
+    // A function's VFs are made for the count and the parent asked: they stay while a VM
+    // holds one (changing the count destroys every VF of the function).
+    let vf_change = old.num_vfs != v.num_vfs || old.parent != v.parent || old.kind != v.kind;
+    if old.is_vf() && vf_change && variants::busy_devices(&ctx.db, name).await? > 0 {
+        return Err(ApiError::conflict(format!(
+            "num_vfs: VMs hold VFs of variant {name:?} (or they are being cleaned); its \
+             count, parent and type stay until they are free"
+        )));
+    }
     variants::update(&ctx.db, &v).await?;
     recompute(ctx).await?;
+    if old.is_vf() || v.is_vf() {
+        crate::workflows::sriov::spawn_everywhere(ctx, true);
+    }
     Ok(variants::get(&ctx.db, name).await?)
 }
 
@@ -122,8 +161,13 @@ pub async fn list_variants(
 pub async fn delete_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<()> {
     caller.require_operator()?;
     known_shape(name)?;
+    let old = variants::get(&ctx.db, name).await?;
     variants::delete(&ctx.db, name).await?;
-    recompute(ctx).await
+    recompute(ctx).await?;
+    if old.is_vf() {
+        crate::workflows::sriov::spawn_everywhere(ctx, true);
+    }
+    Ok(())
 }
 
 pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> ApiResult<Package> {

@@ -62,6 +62,10 @@ pub struct Services {
     /// tasks after every task it ran, and a heartbeat per poll cost the one SQLite writer a
     /// statement per task for a time only read to the second's tens.
     pub heartbeats: cache::TtlCache<()>,
+    /// Servers whose SR-IOV reconciler (`workflows::sriov`) runs now, each with whether
+    /// it is asked to run again after (and then whether to retry refused counts).
+    pub sriov_busy:
+        std::sync::Mutex<std::collections::HashMap<passage_model::ServerId, Option<bool>>>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -148,6 +152,7 @@ impl Services {
             tokens: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
             heartbeats: cache::TtlCache::default(),
+            sriov_busy: std::sync::Mutex::new(std::collections::HashMap::new()),
         })
     }
 

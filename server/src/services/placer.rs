@@ -302,10 +302,29 @@ pub(super) async fn open_vgpus(
     package: &Package,
     vms: usize,
 ) -> crate::store::StoreResult<usize> {
+    let fit = room::Fit {
+        vcpus: package.vcpus,
+        memory_mib: package.memory_mib,
+        alloc: ctx.cfg.alloc,
+    };
+    let policy = package.placement.unwrap_or(ctx.cfg.placement);
+    open_vgpus_for(ctx, &package.devices, fit, policy, vms, None).await
+}
+
+/// [`open_vgpus`] for `vms` VMs that each ask for `devices`, with room for `fit`; only on
+/// server `only` when given (a VM resized in place, or migrated to a named server).
+pub(super) async fn open_vgpus_for(
+    ctx: &Ctx,
+    devices: &BTreeMap<String, u32>,
+    fit: room::Fit,
+    policy: Policy,
+    vms: usize,
+    only: Option<ServerId>,
+) -> crate::store::StoreResult<usize> {
     use crate::store::{variants, vgpus};
     let mut opened = 0;
     let mut known: Option<Vec<passage_model::Variant>> = None;
-    for (name, &count) in &package.devices {
+    for (name, &count) in devices {
         if known.is_none() {
             let all = variants::list(&ctx.placer_db).await?;
             if !all.iter().any(passage_model::Variant::is_vgpu) {
@@ -319,9 +338,12 @@ pub(super) async fn open_vgpus(
         else {
             continue;
         };
-        let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let need = i64::from(count).saturating_mul(i64::try_from(vms).unwrap_or(i64::MAX));
-        let free = vgpus::free_slots(&ctx.placer_db, name, ctx.alive_after_ms()).await?;
+        let free = match only {
+            // The free slots elsewhere are no use to a VM that stays on its server.
+            Some(server) => vgpus::free_slots_on(&ctx.placer_db, name, server).await?,
+            None => vgpus::free_slots(&ctx.placer_db, name, ctx.alive_after_ms()).await?,
+        };
         let per_gpu = i64::from(v.max_per_gpu.unwrap_or(1).max(1));
         let gpus = match policy {
             Policy::Pack => ((need - free).max(0) + per_gpu - 1) / per_gpu,
@@ -330,11 +352,6 @@ pub(super) async fn open_vgpus(
         if gpus == 0 {
             continue;
         }
-        let fit = room::Fit {
-            vcpus: package.vcpus,
-            memory_mib: package.memory_mib,
-            alloc: ctx.cfg.alloc,
-        };
         let got = vgpus::open(
             &ctx.placer_db,
             v,
@@ -342,6 +359,7 @@ pub(super) async fn open_vgpus(
             policy,
             ctx.alive_after_ms(),
             fit,
+            only,
         )
         .await?;
         tracing::debug!(variant = %name, wanted = gpus, opened = got.len(), "GPUs opened for vGPUs");

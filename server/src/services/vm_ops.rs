@@ -119,6 +119,7 @@ async fn replace(
         .map_or((vm.vcpus, vm.memory_mib), |p| (p.vcpus, p.memory_mib));
     let variants: Vec<String> = want.keys().cloned().collect();
     let mut avoid = Vec::new();
+    let mut opened = false;
     for _ in 0..ATTEMPTS {
         let mut cands = devices::candidates(&ctx.db, &variants, ctx.alive_after_ms()).await?;
         let rooms = room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
@@ -134,18 +135,9 @@ async fn replace(
         };
         cands.retain(|c| fits(c.server_uuid) && !avoid.contains(&c.server_uuid));
         let plan = match migrate_to {
-            None if pinned => {
-                let here = fits(from)
-                    .then(|| plan_in_place(from, &have, &want, &cands))
-                    .flatten();
-                if here.is_none() {
-                    return Err(ApiError::invalid_state(
-                        "the VM's boot disk lives on its node, and that node lacks what the \
-                         new package needs",
-                    ));
-                }
-                here
-            }
+            None if pinned => fits(from)
+                .then(|| plan_in_place(from, &have, &want, &cands))
+                .flatten(),
             None => fits(from)
                 .then(|| plan_in_place(from, &have, &want, &cands))
                 .flatten()
@@ -167,6 +159,34 @@ async fn replace(
             }
         };
         let Some(mut plan) = plan else {
+            // vGPUs the plan lacks may come from GPUs opened for them: on the VM's server
+            // for a resize (it stays there when it can, and must with a boot disk), on
+            // the target of a migration.
+            if !opened {
+                opened = true;
+                let only = match migrate_to {
+                    None => Some(from),
+                    Some(target) => target,
+                };
+                let fit = room::Fit {
+                    vcpus,
+                    memory_mib,
+                    alloc: ctx.cfg.alloc,
+                };
+                let policy = package
+                    .as_ref()
+                    .and_then(|p| p.placement)
+                    .unwrap_or(ctx.cfg.placement);
+                if super::placer::open_vgpus_for(ctx, &want, fit, policy, 1, only).await? > 0 {
+                    continue;
+                }
+            }
+            if pinned && migrate_to.is_none() {
+                return Err(ApiError::invalid_state(
+                    "the VM's boot disk lives on its node, and that node lacks what the new \
+                     package needs",
+                ));
+            }
             return Err(ApiError::new(
                 ErrorCode::InsufficientCapacity,
                 "no running server has the devices this needs free right now",

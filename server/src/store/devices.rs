@@ -99,6 +99,31 @@ pub async fn for_server(db: &Db, server: ServerId) -> StoreResult<Vec<DeviceReco
     .await
 }
 
+/// The variant of each of `ids` on `server` (those that exist): a provision's bind reads
+/// its vGPU slots' types so, not every device of the node with its details.
+pub async fn variants_of(
+    db: &Db,
+    server: ServerId,
+    ids: &[String],
+) -> StoreResult<HashMap<String, Option<String>>> {
+    if ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let sql = format!(
+        "SELECT id, variant FROM devices WHERE server_uuid = $1 AND id IN ({})",
+        page::marks(2, ids.len())
+    );
+    let server_s = server.to_string();
+    let rows: Vec<(String, Option<String>)> = on_read!(db, |p| {
+        let mut q = sqlx::query_as(&sql).bind(&server_s);
+        for id in ids {
+            q = q.bind(id);
+        }
+        q.fetch_all(p).await
+    })?;
+    Ok(rows.into_iter().collect())
+}
+
 /// The devices of several servers at once (one page of the server list): by server, then
 /// by address.
 pub async fn for_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<DeviceRecord>> {
@@ -507,7 +532,7 @@ pub async fn apply_inventory(
     host: Option<&passage_model::protocol::HostResources>,
     report: &[PciDevice],
     coverage: Coverage,
-) -> StoreResult<()> {
+) -> StoreResult<Applied> {
     let now = now_ms();
     let server_s = server.to_string();
     let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
@@ -545,6 +570,7 @@ pub async fn apply_inventory(
         .await?;
         let known: HashMap<&str, &KnownRow> =
             known.iter().map(|k| (k.row.id.as_str(), k)).collect();
+        let shared = shared_functions(known.values().map(|k| &k.row));
         let mut changed = false;
         for d in report {
             let id = d.id.to_string();
@@ -554,7 +580,7 @@ pub async fn apply_inventory(
                 .map(serde_json::to_string)
                 .transpose()
                 .map_err(corrupt)?;
-            let matched = classify(&variants, d).map(|v| v.name.clone());
+            let matched = classify(&variants, d, pf_variant(&shared, d)).map(|v| v.name.clone());
             match known.get(id.as_str()) {
                 None => {
                     changed = true;
@@ -645,6 +671,18 @@ pub async fn apply_inventory(
                 continue;
             }
             changed = true;
+            // A free VF gone with its function's `sriov_numvfs` is no loss: it goes.
+            if k.is_vf() && matches!(k.state.as_str(), "unassigned" | "disabled") {
+                sqlx::query(
+                    "DELETE FROM devices WHERE server_uuid = $1 AND id = $2 \
+                     AND state IN ('unassigned', 'disabled')",
+                )
+                .bind(&server_s)
+                .bind(&k.id)
+                .execute(&mut *tx)
+                .await?;
+                continue;
+            }
             // A missing GPU's vGPU slots are flagged with it: placement skips them.
             sqlx::query(
                 "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
@@ -663,8 +701,51 @@ pub async fn apply_inventory(
         if changed {
             tx.refresh_free(server).await?;
         }
-        Ok(())
+        Ok(Applied {
+            vf_variants: variants.iter().any(|v| v.is_vf()),
+        })
     })
+}
+
+/// What an inventory found beside the devices.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Applied {
+    /// Some variant is a VF variant: the node's functions may need their VFs made or
+    /// taken down (`workflows::sriov`).
+    pub vf_variants: bool,
+}
+
+impl DeviceRow {
+    fn is_vf(&self) -> bool {
+        self.details
+            .as_deref()
+            .and_then(|j| serde_json::from_str::<passage_model::PciDetails>(j).ok())
+            .is_some_and(|d| d.physfn.is_some())
+    }
+}
+
+/// The functions in state `shared` (hosting vGPUs or VFs), by address, with their
+/// variants: a VF is a device only while its function is shared.
+fn shared_functions<'a>(
+    rows: impl Iterator<Item = &'a DeviceRow>,
+) -> HashMap<passage_model::PciAddress, Option<String>> {
+    rows.filter(|r| r.state == "shared")
+        .filter_map(|r| {
+            let path: DevicePath = r.id.parse().ok()?;
+            path.vgpu()
+                .is_none()
+                .then(|| (path.address(), r.variant.clone()))
+        })
+        .collect()
+}
+
+/// The variant of `d`'s physical function when `d` is a VF of a shared function.
+fn pf_variant<'a>(
+    shared: &'a HashMap<passage_model::PciAddress, Option<String>>,
+    d: &PciDevice,
+) -> Option<&'a str> {
+    let pf = d.details.as_ref()?.physfn?;
+    shared.get(&pf)?.as_deref()
 }
 
 /// Re-derives every free device's variant after the variants changed. On Postgres every
@@ -672,27 +753,50 @@ pub async fn apply_inventory(
 /// the variants: an inventory still open when the variants changed is waited for and
 /// its devices recounted here.
 pub async fn recompute_variants(db: &Db) -> StoreResult<u64> {
-    let lock = matches!(db, Db::Postgres(_))
-        .then_some("SELECT 1 FROM servers ORDER BY uuid FOR NO KEY UPDATE");
+    recompute_variants_on(db, None).await
+}
+
+/// [`recompute_variants`] for one server's devices, or every server's.
+pub async fn recompute_variants_on(db: &Db, server: Option<ServerId>) -> StoreResult<u64> {
+    let server_s = server.map(|s| s.to_string());
+    let lock = matches!(db, Db::Postgres(_)).then_some(
+        "SELECT 1 FROM servers WHERE ($1 IS NULL OR uuid = $1) ORDER BY uuid \
+         FOR NO KEY UPDATE",
+    );
     in_tx!(db, |tx| {
         if let Some(lock) = lock {
-            let _: Vec<(i32,)> = sqlx::query_as(lock).fetch_all(&mut *tx).await?;
+            let _: Vec<(i32,)> = sqlx::query_as(lock)
+                .bind(&server_s)
+                .fetch_all(&mut *tx)
+                .await?;
         }
         let variants: Vec<super::variants::VariantRow> = sqlx::query_as(super::variants::LIST_ALL)
             .fetch_all(&mut *tx)
             .await?;
         let variants = super::variants::views(variants)?;
-        let free: Vec<DeviceRow> = sqlx::query_as(&format!(
-            "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled') \
-             AND parent IS NULL"
+        let rows: Vec<DeviceRow> = sqlx::query_as(&format!(
+            "SELECT {COLS} FROM devices WHERE state IN ('unassigned', 'disabled', 'shared') \
+             AND parent IS NULL AND ($1 IS NULL OR server_uuid = $1)"
         ))
+        .bind(&server_s)
         .fetch_all(&mut *tx)
         .await?;
+        let mut shared: HashMap<String, HashMap<passage_model::PciAddress, Option<String>>> =
+            HashMap::new();
+        for r in &rows {
+            shared
+                .entry(r.server_uuid.clone())
+                .or_default()
+                .extend(shared_functions(std::iter::once(r)));
+        }
+        let free: Vec<DeviceRow> = rows.into_iter().filter(|r| r.state != "shared").collect();
         let mut changes = Vec::new();
         for r in records(free)? {
-            let v = classify(&variants, &r.pci).map(|v| v.name.clone());
+            let server_key = r.server_uuid.to_string();
+            let pf = shared.get(&server_key).and_then(|m| pf_variant(m, &r.pci));
+            let v = classify(&variants, &r.pci, pf).map(|v| v.name.clone());
             if v != r.variant {
-                changes.push((r.server_uuid.to_string(), r.pci.id.to_string(), v));
+                changes.push((server_key, r.pci.id.to_string(), v));
             }
         }
         let servers: std::collections::BTreeSet<String> =
@@ -744,6 +848,54 @@ pub async fn dirty_before(
     rows.into_iter()
         .map(|(s, id)| Ok((parse_uuid(&s, "server")?, id)))
         .collect()
+}
+
+/// Servers where SR-IOV functions may need their VFs made or taken down: those with a
+/// function of a VF variant's parent, and those with a shared function that hosts no
+/// vGPU slot (`workflows::sriov` sorts out which).
+pub async fn sriov_servers(db: &Db) -> StoreResult<Vec<ServerId>> {
+    let rows: Vec<(String,)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT server_uuid FROM devices WHERE parent IS NULL AND variant IN \
+         (SELECT parent FROM variants WHERE kind = 'vf') \
+         UNION SELECT d.server_uuid FROM devices d WHERE d.parent IS NULL \
+         AND d.state = 'shared' AND NOT EXISTS (SELECT 1 FROM devices s \
+         WHERE s.server_uuid = d.server_uuid AND s.parent = d.id)"
+    )
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(s,)| parse_uuid(&s, "server"))
+        .collect()
+}
+
+/// The taint of a function whose node refused the VFs asked of it starts so.
+pub const SRIOV_TAINT: &str = "sriov: ";
+
+/// Keeps the node's refusal to make a function's VFs as the function's taint (`why`
+/// starts with [`SRIOV_TAINT`]), or clears such a taint (`None`). Another taint (a health
+/// finding, an operator's) is never replaced nor cleared here.
+pub async fn sriov_refused(
+    db: &Db,
+    server: ServerId,
+    id: &str,
+    why: Option<&str>,
+) -> StoreResult<()> {
+    in_tx!(db, |tx| {
+        sqlx::query(
+            "UPDATE devices SET taint = $3, generation = generation + 1, updated_at = $4 \
+             WHERE server_uuid = $1 AND id = $2 AND CAST($3 AS TEXT) IS DISTINCT FROM taint \
+             AND (taint IS NULL OR taint LIKE $5)",
+        )
+        .bind(server.to_string())
+        .bind(id)
+        .bind(why)
+        .bind(now_ms())
+        .bind(format!("{SRIOV_TAINT}%"))
+        .execute(&mut *tx)
+        .await?;
+        tx.refresh_free(server).await?;
+        Ok(())
+    })
 }
 
 /// Clears a device's taint; false if it had none.

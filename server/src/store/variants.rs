@@ -19,6 +19,7 @@ pub(crate) struct VariantRow {
     parent: Option<String>,
     vgpu_type: Option<String>,
     max_per_gpu: Option<i64>,
+    num_vfs: Option<i64>,
 }
 
 impl VariantRow {
@@ -50,6 +51,11 @@ impl VariantRow {
                 .map(u32::try_from)
                 .transpose()
                 .map_err(corrupt)?,
+            num_vfs: self
+                .num_vfs
+                .map(u32::try_from)
+                .transpose()
+                .map_err(corrupt)?,
             scrub: self
                 .scrub
                 .as_deref()
@@ -62,7 +68,7 @@ impl VariantRow {
 }
 
 const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub, \
-    parent, vgpu_type, max_per_gpu";
+    parent, vgpu_type, max_per_gpu, num_vfs";
 
 /// A page, newest first, and the total.
 pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
@@ -87,7 +93,8 @@ pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>
 /// Every variant, read inside a transaction that classifies devices (`LIST_ALL`'s rows
 /// through [`views`]).
 pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, \
-     revision, description, scrub, parent, vgpu_type, max_per_gpu FROM variants ORDER BY name";
+     revision, description, scrub, parent, vgpu_type, max_per_gpu, num_vfs FROM variants \
+     ORDER BY name";
 
 pub(crate) fn views(rows: Vec<VariantRow>) -> StoreResult<Vec<Variant>> {
     rows.into_iter().map(VariantRow::into_view).collect()
@@ -116,7 +123,7 @@ pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
 pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(&format!(
         "INSERT INTO variants ({COLS}, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $9)"
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $14, $9)"
     ))
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -131,6 +138,7 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(&v.parent)
     .bind(&v.vgpu_type)
     .bind(v.max_per_gpu.map(i64::from))
+    .bind(v.num_vfs.map(i64::from))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))
@@ -142,7 +150,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
          subsystem = $6, revision = $7, description = $8, scrub = $9, parent = $10, \
-         vgpu_type = $11, max_per_gpu = $12 WHERE name = $1"
+         vgpu_type = $11, max_per_gpu = $12, num_vfs = $13 WHERE name = $1"
     )
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -156,6 +164,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(&v.parent)
     .bind(&v.vgpu_type)
     .bind(v.max_per_gpu.map(i64::from))
+    .bind(v.num_vfs.map(i64::from))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
@@ -165,7 +174,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     Ok(())
 }
 
-/// Refused while a package asks for the variant, a vGPU variant names it as parent, or
+/// Refused while a package asks for the variant, a vGPU or VF variant names it as parent, or
 /// a device of it is anywhere but `unassigned`/`disabled` (for a vGPU variant: while any
 /// GPU hosts its slots): each would lose track of what a VM holds or of a GPU's mode.
 pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
@@ -177,16 +186,10 @@ pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
     .await)?;
     if let Some(child) = child {
         return Err(StoreError::Conflict(format!(
-            "vGPU variant {child:?} is hosted on variant {name:?}"
+            "variant {child:?} names variant {name:?} as its parent"
         )));
     }
-    let busy: i64 = on_read!(db, |p| sqlx::query_scalar(
-        "SELECT COUNT(*) FROM devices WHERE variant = $1 \
-         AND (state NOT IN ('unassigned', 'disabled') OR parent IS NOT NULL)"
-    )
-    .bind(name)
-    .fetch_one(p)
-    .await)?;
+    let busy = busy_devices(db, name).await?;
     if busy > 0 {
         return Err(StoreError::Conflict(format!(
             "{busy} device(s) of variant {name:?} are in use or being cleaned"
@@ -208,6 +211,17 @@ pub async fn delete(db: &Db, name: &str) -> StoreResult<()> {
         return Err(StoreError::NotFound("variant"));
     }
     Ok(())
+}
+
+/// Devices of `name` held, dirty or being cleaned, and vGPU slots of it in any state.
+pub async fn busy_devices(db: &Db, name: &str) -> StoreResult<i64> {
+    Ok(on_read!(db, |p| sqlx::query_scalar(
+        "SELECT COUNT(*) FROM devices WHERE variant = $1 \
+         AND (state NOT IN ('unassigned', 'disabled') OR parent IS NOT NULL)"
+    )
+    .bind(name)
+    .fetch_one(p)
+    .await)?)
 }
 
 /// vGPU slots of `name` that exist (on GPUs hosting it now).

@@ -63,7 +63,7 @@ pub fn slots_max(v: &Variant, details: Option<&PciDetails>) -> u32 {
     t.max_instances.map_or(per_gpu, |m| m.min(per_gpu))
 }
 
-type GpuRow = (String, String, i64, Option<String>);
+type GpuRow = (String, String, i64, Option<String>, Option<String>);
 /// A free GPU that offers the type: its server, path, generation and slots.
 type Eligible = (ServerId, DevicePath, i64, u32);
 
@@ -80,6 +80,7 @@ pub async fn open(
     policy: Policy,
     alive_after_ms: i64,
     fit: Fit,
+    only: Option<ServerId>,
 ) -> StoreResult<Vec<Opened>> {
     let Some(parent) = v.parent.as_deref().filter(|_| v.is_vgpu() && gpus > 0) else {
         return Ok(Vec::new());
@@ -95,9 +96,10 @@ pub async fn open(
         "WITH h AS MATERIALIZED (SELECT f.server_uuid AS uuid FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
          WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0 \
+         AND ($6 IS NULL OR f.server_uuid = $6) \
          AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) \
-         SELECT d.server_uuid, d.id, d.generation, d.details FROM h CROSS JOIN devices d \
-         WHERE d.server_uuid = h.uuid AND d.variant = $1 AND d.parent IS NULL AND {}",
+         SELECT d.server_uuid, d.id, d.generation, d.details, d.variant \
+         FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.parent IS NULL AND {}",
         has_room_sql(fit.alloc, "$3", "$4"),
         placeable("d."),
     );
@@ -109,10 +111,17 @@ pub async fn open(
         .bind(i64::from(fit.vcpus))
         .bind(memory)
         .bind(servers)
+        .bind(only.map(|s| s.to_string()))
         .fetch_all(p)
         .await)?;
     let mut eligible: Vec<Eligible> = Vec::new();
-    for (server, id, generation, details) in rows {
+    for (server, id, generation, details, variant) in rows {
+        // The variant is checked here, not in the statement: with it there, Postgres
+        // walked the variant's index once per suggested server (150,000 rows a batch on
+        // a fresh fleet) instead of each server's few devices by key.
+        if variant.as_deref() != Some(parent) {
+            continue;
+        }
         let details: Option<PciDetails> = details
             .as_deref()
             .and_then(|j| serde_json::from_str(j).ok());
@@ -163,63 +172,109 @@ pub async fn open(
     let name = v.name.clone();
     let vgpu_type = v.vgpu_type.clone().unwrap_or_default();
     let now = now_ms();
+    // A batch opens many GPUs at once: each statement below writes all of them (in
+    // chunks), not one GPU or one slot at a time, so the one SQLite writer runs a handful
+    // of statements per batch instead of six per GPU.
+    let reason = |n: u32| format!("hosts {n} vGPU(s) of type {vgpu_type:?} (variant {name})");
     in_tx!(db, |tx| {
-        let mut opened = Vec::new();
-        for (server, gpu, generation, slots) in &eligible {
-            let server_s = server.to_string();
-            let gpu_s = gpu.to_string();
-            let n = sqlx::query(
-                "UPDATE devices SET state = $3, generation = generation + 1, updated_at = $4 \
-                 WHERE server_uuid = $1 AND id = $2 AND generation = $5 AND parent IS NULL \
-                 AND state = 'unassigned' AND missing = 0 AND taint IS NULL",
-            )
-            .bind(&server_s)
-            .bind(&gpu_s)
-            .bind(to.as_str())
-            .bind(now)
-            .bind(generation)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n != 1 {
-                continue;
+        let mut won: std::collections::HashSet<(String, String)> = std::collections::HashSet::new();
+        for chunk in eligible.chunks(CHUNK) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| {
+                    format!(
+                        "(${}, ${}, CAST(${} AS BIGINT))",
+                        3 * i + 3,
+                        3 * i + 4,
+                        3 * i + 5
+                    )
+                })
+                .collect();
+            let sql = format!(
+                "UPDATE devices SET state = $1, generation = generation + 1, updated_at = $2 \
+                 FROM (VALUES {}) AS v WHERE devices.server_uuid = v.column1 \
+                 AND devices.id = v.column2 AND devices.generation = v.column3 \
+                 AND devices.parent IS NULL AND devices.state = 'unassigned' \
+                 AND devices.missing = 0 AND devices.taint IS NULL \
+                 RETURNING server_uuid, id",
+                rows.join(", ")
+            );
+            let mut q = sqlx::query_as::<_, (String, String)>(&sql)
+                .bind(to.as_str())
+                .bind(now);
+            for (server, gpu, generation, _) in chunk {
+                q = q
+                    .bind(server.to_string())
+                    .bind(gpu.to_string())
+                    .bind(*generation);
             }
-            for _ in 0..*slots {
-                let slot = gpu.with_vgpu(uuid::Uuid::new_v4());
-                sqlx::query(
-                    "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
-                     subsystem, revision, class, driver, numa_node, iommu_group, variant, \
-                     state, used_by, generation, missing, taint, updated_at, details, parent) \
-                     SELECT server_uuid, $3, bdf, vendor, device, subvendor, subsystem, \
-                     revision, class, NULL, numa_node, iommu_group, $4, 'unassigned', NULL, 0, \
-                     0, NULL, $5, NULL, id FROM devices WHERE server_uuid = $1 AND id = $2",
-                )
-                .bind(&server_s)
-                .bind(&gpu_s)
-                .bind(slot.to_string())
-                .bind(&name)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            }
-            sqlx::query(
-                "INSERT INTO device_events (server_uuid, device, from_state, to_state, \
-                 reason, at) VALUES ($1, $2, 'unassigned', $3, $4, $5)",
-            )
-            .bind(&server_s)
-            .bind(&gpu_s)
-            .bind(to.as_str())
-            .bind(format!(
-                "hosts {slots} vGPU(s) of type {vgpu_type:?} (variant {name})"
-            ))
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            opened.push(Opened {
+            won.extend(q.fetch_all(&mut *tx).await?);
+        }
+        let opened: Vec<Opened> = eligible
+            .iter()
+            .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
+            .map(|(server, gpu, _, slots)| Opened {
                 server: *server,
                 gpu: gpu.clone(),
                 slots: *slots,
-            });
+            })
+            .collect();
+        let slots: Vec<(String, String, String)> = opened
+            .iter()
+            .flat_map(|o| {
+                (0..o.slots).map(|_| {
+                    (
+                        o.server.to_string(),
+                        o.gpu.to_string(),
+                        o.gpu.with_vgpu(uuid::Uuid::new_v4()).to_string(),
+                    )
+                })
+            })
+            .collect();
+        for chunk in slots.chunks(CHUNK) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| format!("(${}, ${}, ${})", 3 * i + 3, 3 * i + 4, 3 * i + 5))
+                .collect();
+            let sql = format!(
+                "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
+                 subsystem, revision, class, driver, numa_node, iommu_group, variant, \
+                 state, used_by, generation, missing, taint, updated_at, details, parent) \
+                 SELECT d.server_uuid, v.column3, d.bdf, d.vendor, d.device, d.subvendor, \
+                 d.subsystem, d.revision, d.class, NULL, d.numa_node, d.iommu_group, $1, \
+                 'unassigned', NULL, 0, 0, NULL, $2, NULL, d.id \
+                 FROM (VALUES {}) AS v JOIN devices d \
+                 ON d.server_uuid = v.column1 AND d.id = v.column2",
+                rows.join(", ")
+            );
+            let mut q = sqlx::query(&sql).bind(&name).bind(now);
+            for (server, gpu, slot) in chunk {
+                q = q.bind(server).bind(gpu).bind(slot);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        for chunk in opened.chunks(CHUNK) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| {
+                    format!(
+                        "(${}, ${}, 'unassigned', $1, ${}, $2)",
+                        3 * i + 3,
+                        3 * i + 4,
+                        3 * i + 5
+                    )
+                })
+                .collect();
+            let sql = format!(
+                "INSERT INTO device_events (server_uuid, device, from_state, to_state, \
+                 reason, at) VALUES {}",
+                rows.join(", ")
+            );
+            let mut q = sqlx::query(&sql).bind(to.as_str()).bind(now);
+            for o in chunk {
+                q = q
+                    .bind(o.server.to_string())
+                    .bind(o.gpu.to_string())
+                    .bind(reason(o.slots));
+            }
+            q.execute(&mut *tx).await?;
         }
         let mut servers: Vec<ServerId> = opened.iter().map(|o| o.server).collect();
         servers.sort();
@@ -230,6 +285,10 @@ pub async fn open(
         Ok(opened)
     })
 }
+
+/// Rows per multi-row statement when opening GPUs: 3 values each, far below SQLite's
+/// limit on a statement's values.
+const CHUNK: usize = 500;
 
 /// Closes those of `gpus` (ids on `server`) whose vGPU slots are all free: the slots go
 /// and the GPU turns `dirty` (`Unshare`), to be scrubbed whole. On Postgres the server's
@@ -287,6 +346,31 @@ pub async fn close_idle(db: &Db, server: ServerId, gpus: &[String]) -> StoreResu
     })
 }
 
+/// GPUs hosting vGPUs whose slots are all free and untouched since `before_ms`, on
+/// servers heard from since `alive_after_ms` (an offline node cannot scrub): (server,
+/// GPU id), to be closed.
+pub async fn idle_hosts(
+    db: &Db,
+    before_ms: i64,
+    alive_after_ms: i64,
+) -> StoreResult<Vec<(ServerId, String)>> {
+    let rows: Vec<(String, String)> = crate::on_read!(db, |p| sqlx::query_as(
+        "SELECT d.server_uuid, d.parent FROM devices d \
+         JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.parent IS NOT NULL AND s.last_heartbeat >= $2 \
+         GROUP BY d.server_uuid, d.parent \
+         HAVING SUM(CASE WHEN d.state = 'unassigned' THEN 0 ELSE 1 END) = 0 \
+         AND MAX(d.updated_at) < $1"
+    )
+    .bind(before_ms)
+    .bind(alive_after_ms)
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(s, g)| Ok((parse_uuid(&s, "server")?, g)))
+        .collect()
+}
+
 /// The GPUs hosting these slot ids (those of `ids` that are vGPU slots), each once.
 pub fn parents_of(ids: &[String]) -> Vec<String> {
     let mut out: Vec<String> = ids
@@ -298,6 +382,19 @@ pub fn parents_of(ids: &[String]) -> Vec<String> {
     out.sort();
     out.dedup();
     out
+}
+
+/// Free vGPU slots of `variant` on `server`, from the free-device index.
+pub async fn free_slots_on(db: &Db, variant: &str, server: ServerId) -> StoreResult<i64> {
+    let n: Option<i64> = crate::on_read!(db, |p| sqlx::query_scalar(
+        "SELECT CAST(SUM(free) AS BIGINT) FROM free_devices \
+         WHERE variant = $1 AND server_uuid = $2"
+    )
+    .bind(variant)
+    .bind(server.to_string())
+    .fetch_one(p)
+    .await)?;
+    Ok(n.unwrap_or(0))
 }
 
 /// Free vGPU slots of `variant` on servers heard from since `alive_after_ms`, from the

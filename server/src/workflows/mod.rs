@@ -26,6 +26,7 @@ pub mod provision;
 pub mod reconcile;
 mod runner;
 pub mod scrub;
+pub mod sriov;
 
 pub use error::StepError;
 pub use runner::{resume_all, run, spawn, unwind};

@@ -39,20 +39,21 @@ pub(super) async fn vgpu_types(
     if devices.iter().all(|d| d.vgpu().is_none()) {
         return Ok(out);
     }
+    let slots: Vec<String> = devices
+        .iter()
+        .filter(|d| d.vgpu().is_some())
+        .map(ToString::to_string)
+        .collect();
     let variants = crate::store::variants::list(&ctx.jobs_db).await?;
-    for d in devices::for_server(&ctx.jobs_db, server).await? {
-        if d.pci.id.vgpu().is_none() || !devices.contains(&d.pci.id) {
-            continue;
-        }
-        let t = d
-            .variant
-            .as_ref()
+    let of = devices::variants_of(&ctx.jobs_db, server, &slots).await?;
+    for slot in slots {
+        let t = of
+            .get(&slot)
+            .and_then(Option::as_ref)
             .and_then(|name| variants.iter().find(|v| &v.name == name))
             .and_then(|v| v.vgpu_type.clone())
-            .ok_or_else(|| {
-                StepError::Broken(format!("vGPU slot {} has no vGPU variant", d.pci.id))
-            })?;
-        out.insert(d.pci.id.to_string(), t);
+            .ok_or_else(|| StepError::Broken(format!("vGPU slot {slot} has no vGPU variant")))?;
+        out.insert(slot, t);
     }
     Ok(out)
 }

@@ -14,6 +14,7 @@ mod room;
 mod sagas;
 mod schema;
 mod security;
+mod sriov;
 mod store;
 mod tls;
 mod vgpus;

@@ -935,14 +935,14 @@ async fn a_gpu_hosts_vgpus_until_its_last_is_scrubbed(b: Backend) {
     let alloc = Allocation::default();
     // The node says GRID A100-10C (by name: its id is nvidia-475) fits 4 times: fewer
     // than the variant's 8.
-    let opened = vgpus::open(&db, &v, 2, Policy::Pack, 0, fit(1, alloc))
+    let opened = vgpus::open(&db, &v, 2, Policy::Pack, 0, fit(1, alloc), None)
         .await
         .unwrap();
     assert_eq!(opened.len(), 1, "one GPU to open");
     assert_eq!(opened[0].slots, 4);
     let gpu = opened[0].gpu.to_string();
     assert!(
-        vgpus::open(&db, &v, 1, Policy::Pack, 0, fit(1, alloc))
+        vgpus::open(&db, &v, 1, Policy::Pack, 0, fit(1, alloc), None)
             .await
             .unwrap()
             .is_empty(),

@@ -440,3 +440,154 @@ both!(
     vgpus_made_run_and_go_on_a_node_on,
     vgpus_made_run_and_go_on_a_node
 );
+
+/// A server with `gpus` H100s on one node whose real agent loop makes vendor-VFIO vGPUs
+/// over the fake kernel, and the test image.
+async fn agent_world(
+    b: Backend,
+    cfg: passage_server::config::Config,
+    gpus: u32,
+) -> (TestServer, crate::common::Node) {
+    let mut s = TestServer::start(b, cfg).await;
+    let opts = FakeOptions {
+        vgpu: Some(FakeVgpu::Vfio),
+        ..FakeOptions::default()
+    };
+    let node = s
+        .add_node_from(gpus, node_agent::fake::GpuModel::H100, &opts)
+        .await;
+    s.image().await;
+    (s, node)
+}
+
+/// A GPU opened for a request that then could not be placed (its other device was
+/// nowhere) hosts no vGPU; once none of its slots has been used for `vgpu_idle_close`, it
+/// is closed, scrubbed through the real agent loop, and given whole again.
+async fn an_idle_vgpu_host_goes_back_whole(b: Backend) {
+    use passage_model::api::{Job, JobState};
+    let cfg = passage_server::config::Config {
+        vgpu_idle_close: std::time::Duration::from_secs(3),
+        ..fast_config()
+    };
+    let (s, node) = agent_world(b, cfg, 1).await;
+    catalog(&s, "pack").await;
+    let _: Variant = s
+        .post(
+            "/v1/variants",
+            &json!({"name": "NOPE", "type": "fpga", "vendor": "dead", "device": "beef"}),
+        )
+        .await
+        .ok(201);
+    let _: Package = s
+        .post(
+            "/v1/packages",
+            &json!({"name": "vgpu-and-nope", "vcpus": 1, "memory_mib": 1024, "disk_gib": 10,
+                    "devices": {"H100_10C": 1, "NOPE": 1}}),
+        )
+        .await
+        .ok(201);
+    let (_, tenant) = s.tenant("t").await;
+    let r = s
+        .with(&tenant)
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "x", "package": "vgpu-and-nope"}),
+        )
+        .await;
+    r.fails(409, ErrorCode::InsufficientCapacity);
+    let gpu_states = || async {
+        let states = s.device_states(node.uuid).await;
+        let gpus: Vec<DeviceState> = states
+            .iter()
+            .filter(|(id, _, _)| id.vgpu().is_none())
+            .filter(|(id, _, _)| {
+                // The GPUs, not the node's other devices.
+                node_agent::host::device_dir(&node.sysfs, id)
+                    .join("sriov_totalvfs")
+                    .exists()
+                    && std::fs::read_to_string(
+                        node_agent::host::device_dir(&node.sysfs, id).join("class"),
+                    )
+                    .is_ok_and(|c| c.starts_with("0x03"))
+            })
+            .map(|(_, st, _)| *st)
+            .collect();
+        let slots = states
+            .iter()
+            .filter(|(id, _, _)| id.vgpu().is_some())
+            .count();
+        (gpus, slots)
+    };
+    let (gpus, slots) = gpu_states().await;
+    // Opened for the request, unused: 4 free slots, for 3 s.
+    assert_eq!((gpus, slots), (vec![DeviceState::Shared], 4));
+    let whole = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+        let (gpus, slots) = gpu_states().await;
+        (gpus == [DeviceState::Unassigned] && slots == 0).then_some(())
+    })
+    .await;
+    assert!(whole.is_some(), "{:?}", gpu_states().await);
+    let vm = create(&s, &tenant, "gpu-1x", "w").await;
+    let job: Job = s.wait_job(vm.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+}
+both!(
+    an_idle_vgpu_host_goes_back_whole_on,
+    an_idle_vgpu_host_goes_back_whole
+);
+
+/// A stopped VM resized from a whole GPU to a vGPU package gets its vGPU on its own
+/// server (its boot disk lives there), from a GPU opened for it; its whole GPU is
+/// scrubbed and free again, and the VM starts with the vGPU.
+async fn a_vm_resized_to_a_vgpu_gets_one_on_its_server(b: Backend) {
+    use passage_model::api::{Job, JobState, VmState};
+    let (s, node) = agent_world(b, fast_config(), 2).await;
+    let vgpu_package = catalog(&s, "pack").await;
+    let (_, tenant) = s.tenant("t").await;
+    let vm = create(&s, &tenant, "gpu-1x", "grow").await;
+    let job: Job = s.wait_job(vm.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let whole = vm.assigned_devices[0].clone();
+    let act = |what: &'static str, body: serde_json::Value| {
+        let c = s.with(&tenant);
+        let path = format!("/v1/vms/{}/{what}", vm.uuid);
+        async move { c.post::<Vm>(&path, &body).await.ok(202) }
+    };
+    let stopped = act("stop", json!({})).await;
+    s.wait_job(stopped.job_uuid.unwrap()).await;
+    let resized = act("resize", json!({"package": vgpu_package})).await;
+    let job: Job = s.wait_job(resized.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let v: Vm = s
+        .with(&tenant)
+        .get(&format!("/v1/vms/{}", vm.uuid))
+        .await
+        .ok(200);
+    assert_eq!(v.server_uuid, Some(node.uuid));
+    assert_eq!(v.assigned_devices.len(), 1, "{v:?}");
+    let slot = &v.assigned_devices[0];
+    assert!(slot.vgpu().is_some(), "{slot}");
+    assert_ne!(slot.gpu(), whole, "the other GPU was opened");
+    let freed = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+        let states = s.device_states(node.uuid).await;
+        states
+            .iter()
+            .any(|(id, st, _)| *id == whole && *st == DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await;
+    assert!(freed.is_some(), "{:?}", s.device_states(node.uuid).await);
+    let started = act("start", json!({})).await;
+    let job: Job = s.wait_job(started.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let v: Vm = s
+        .with(&tenant)
+        .get(&format!("/v1/vms/{}", vm.uuid))
+        .await
+        .ok(200);
+    assert_eq!(v.state, VmState::Running);
+}
+both!(
+    a_vm_resized_to_a_vgpu_gets_one_on_its_server_on,
+    a_vm_resized_to_a_vgpu_gets_one_on_its_server
+);

@@ -51,12 +51,17 @@ pub fn VariantsPage() -> impl IntoView {
                                         b.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "*".into())
                                     ),
                                 };
+                                let kind = match (v.kind.as_str(), &v.parent) {
+                                    ("vf", Some(p)) => format!("vf of {p} ({} per function)", v.num_vfs.unwrap_or(0)),
+                                    (k, Some(p)) => format!("{k} of {p}"),
+                                    (k, None) => k.to_string(),
+                                };
                                 let hidden = name.clone();
                                 let label = format!("Delete {name}");
                                 view! {
                                     <tr data-variant=name.clone()>
                                         <th scope="row">{name.clone()}</th>
-                                        <td>{v.kind.as_str()}</td>
+                                        <td>{kind}</td>
                                         <td><code>{format!("{}:{}", v.vendor, v.device)}</code></td>
                                         <td><code>{sub}</code></td>
                                         <td data-testid="matches">{r.matches} " devices"</td>
@@ -98,6 +103,7 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
     let parent = text(|v| v.parent.clone());
     let vgpu_type = text(|v| v.vgpu_type.clone());
     let max_per_gpu = text(|v| v.max_per_gpu.map(|n| n.to_string()));
+    let num_vfs = text(|v| v.num_vfs.map(|n| n.to_string()));
     let kind = existing.as_ref().map(|v| v.kind.as_str()).unwrap_or("gpu");
     let field = move |id: &'static str, label: &'static str, value: String, hint: &'static str| {
         view! {
@@ -119,7 +125,7 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
                 <div class="field">
                     <label for="v-kind">"Type"</label>
                     <select id="v-kind" name="kind">
-                        {["gpu", "fpga", "nic", "nvme", "other", "vgpu"].into_iter().map(|k| view! {
+                        {["gpu", "fpga", "nic", "nvme", "other", "vgpu", "vf"].into_iter().map(|k| view! {
                             <option value=k selected=kind == k>{k}</option>
                         }).collect_view()}
                     </select>
@@ -131,10 +137,11 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
                 {field("subsystem", "Subsystem id (optional)", subsystem, "any")}
                 {field("description", "Description", description, "")}
                 <fieldset>
-                    <legend>"vGPU (type vgpu only: ids come from the parent)"</legend>
-                    {field("parent", "Parent GPU variant", parent, "NVIDIA_H100")}
-                    {field("vgpu_type", "vGPU type (id or name)", vgpu_type, "NVIDIA H100XM-10C")}
-                    {field("max_per_gpu", "vGPUs per GPU", max_per_gpu, "4")}
+                    <legend>"Shares of a device (types vgpu and vf)"</legend>
+                    {field("parent", "Parent variant (vgpu: its GPUs host them; vf: its functions make them)", parent, "NVIDIA_H100")}
+                    {field("vgpu_type", "vGPU type, id or name (vgpu; ids come from the parent)", vgpu_type, "NVIDIA H100XM-10C")}
+                    {field("max_per_gpu", "vGPUs per GPU (vgpu)", max_per_gpu, "4")}
+                    {field("num_vfs", "VFs per function (vf; ids are the VF's own)", num_vfs, "4")}
                 </fieldset>
                 <FormStatus result=result ok="Saved."/>
                 <button type="submit">{if editing { "Save variant" } else { "Create variant" }}</button>
