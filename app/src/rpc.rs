@@ -333,6 +333,7 @@ pub async fn save_variant(
     #[server(default)] vgpu_type: String,
     #[server(default)] max_per_gpu: String,
     #[server(default)] num_vfs: String,
+    #[server(default)] mix: Option<String>,
 ) -> Result<(), PortalError> {
     use passage_model::variant::DeviceType;
     be::check_csrf(&csrf)?;
@@ -378,6 +379,7 @@ pub async fn save_variant(
         vgpu_type: optional(&vgpu_type).map(str::to_string),
         max_per_gpu,
         num_vfs,
+        mix: mix.is_some(),
         scrub: existing.and_then(|v| v.scrub),
     };
     match original {

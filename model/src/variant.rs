@@ -104,6 +104,13 @@ pub struct Variant {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1, maximum = 1024)]
     pub num_vfs: Option<u32>,
+    /// vGPU variants only: its vGPUs may share a GPU with those of other variants of the
+    /// same parent that say so too (MIG-backed types on a GPU in MIG mode, or time-sliced
+    /// types in NVIDIA's mixed-size mode). A vGPU of it then takes `1/n` of the GPU,
+    /// where `n` is how many of its type one GPU hosts. Without it, a GPU hosts one
+    /// variant at a time.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mix: bool,
 }
 
 /// More VFs than one function of any device makes.
@@ -159,6 +166,9 @@ impl Variant {
 
     fn validate_vgpu(&self) -> Result<(), VariantError> {
         let bad = |field, m: &str| Err(VariantError::Vgpu(field, m.to_string()));
+        if self.kind != DeviceType::Vgpu && self.mix {
+            return bad("mix", "mix is for variants of type vgpu");
+        }
         if self.kind != DeviceType::Vf && self.num_vfs.is_some() {
             return bad("num_vfs", "num_vfs is for variants of type vf");
         }
@@ -346,6 +356,7 @@ mod tests {
             vgpu_type: None,
             max_per_gpu: None,
             num_vfs: None,
+            mix: false,
         }
     }
 
@@ -461,9 +472,17 @@ mod tests {
         assert_eq!(
             field(Variant {
                 num_vfs: Some(2),
-                ..nic
+                ..nic.clone()
             }),
             "num_vfs"
+        );
+        assert_eq!(field(Variant { mix: true, ..nic }), "mix");
+        assert_eq!(
+            field(Variant {
+                mix: true,
+                ..vfs.clone()
+            }),
+            "mix"
         );
         assert_eq!(
             field(Variant {

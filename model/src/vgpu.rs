@@ -95,6 +95,36 @@ fn bad(msg: String) -> PciParseError {
     PciParseError::Details(msg)
 }
 
+/// What NVIDIA's type names say: `[NVIDIA |GRID ]<board>-<slices>-<GB><series>` is
+/// MIG-backed, `<board>-<GB><series>` time-sliced (series A, B, C or Q). Returns
+/// (framebuffer MiB, MIG-backed); a name not of either form says nothing.
+pub fn type_from_name(name: &str) -> (Option<u64>, Option<bool>) {
+    let last = name.rsplit(' ').next().unwrap_or(name);
+    let parts: Vec<&str> = last.split('-').collect();
+    let profile = |p: &str| {
+        let series = p.chars().last()?;
+        if !matches!(series, 'A' | 'B' | 'C' | 'Q') {
+            return None;
+        }
+        let gb: u64 = p[..p.len() - 1].parse().ok()?;
+        let mib = gb.checked_mul(1024)?;
+        (1..=MAX_FRAMEBUFFER_MIB).contains(&mib).then_some(mib)
+    };
+    match parts.as_slice() {
+        [_board, slices, p] if slices.parse::<u8>().is_ok_and(|s| (1..=8).contains(&s)) => {
+            match profile(p) {
+                Some(fb) => (Some(fb), Some(true)),
+                None => (None, None),
+            }
+        }
+        [_board, p] => match profile(p) {
+            Some(fb) => (Some(fb), Some(false)),
+            None => (None, None),
+        },
+        _ => (None, None),
+    }
+}
+
 /// A driver's type id: `nvidia-222`, `557`.
 pub fn validate_type_id(id: &str) -> Result<(), PciParseError> {
     let ok = !id.is_empty()

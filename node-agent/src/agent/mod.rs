@@ -555,7 +555,15 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
                 }
                 Err(e) => error!(error = %e, "could not read the saved bindings"),
             }
-            Ok(tasks::Executor::new(binder, hv).with_scrub_env(scrub_env))
+            // MIG mode changes through the same nvidia-smi the scrub runs, when one is
+            // configured.
+            let smi = scrub
+                .nvidia_smi
+                .clone()
+                .map_or(crate::host::NvidiaSmi::Auto, crate::host::NvidiaSmi::Path);
+            Ok(tasks::Executor::new(binder, hv)
+                .with_scrub_env(scrub_env)
+                .with_nvidia_smi(smi))
         })
     };
     let mut executor = setup.await.map_err(blocking_err)??;

@@ -79,6 +79,12 @@ impl Executor {
         }
     }
 
+    /// The nvidia-smi that changes a GPU's MIG mode for a vGPU type that needs it.
+    pub fn with_nvidia_smi(mut self, smi: crate::host::NvidiaSmi) -> Self {
+        self.vgpus = self.vgpus.with_nvidia_smi(smi);
+        self
+    }
+
     pub fn with_scrub_env(mut self, env: ScrubEnv) -> Self {
         self.scrub_env = env;
         self

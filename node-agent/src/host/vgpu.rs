@@ -20,7 +20,7 @@ use passage_model::PciAddress;
 use passage_model::pci::MAX_NAME_LEN;
 use passage_model::vgpu::{
     MAX_FRAMEBUFFER_MIB, MAX_INSTANCES, MAX_VFS, MAX_VGPU_TYPES, MAX_VGPUS, Vgpu, VgpuFramework,
-    VgpuHost, VgpuType, validate_type_id, validate_vgpu_id,
+    VgpuHost, VgpuType, type_from_name, validate_type_id, validate_vgpu_id,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -70,36 +70,6 @@ fn parse_size_mib(v: &str) -> Option<u64> {
         _ => return None,
     };
     (1..=MAX_FRAMEBUFFER_MIB).contains(&mib).then_some(mib)
-}
-
-/// What NVIDIA's type names say: `[NVIDIA |GRID ]<board>-<slices>-<GB><series>` is
-/// MIG-backed, `<board>-<GB><series>` time-sliced (series A, B, C or Q). Returns
-/// (framebuffer MiB, MIG-backed); a name not of either form says nothing.
-pub(crate) fn type_from_name(name: &str) -> (Option<u64>, Option<bool>) {
-    let last = name.rsplit(' ').next().unwrap_or(name);
-    let parts: Vec<&str> = last.split('-').collect();
-    let profile = |p: &str| {
-        let series = p.chars().last()?;
-        if !matches!(series, 'A' | 'B' | 'C' | 'Q') {
-            return None;
-        }
-        let gb: u64 = p[..p.len() - 1].parse().ok()?;
-        let mib = gb.checked_mul(1024)?;
-        (1..=MAX_FRAMEBUFFER_MIB).contains(&mib).then_some(mib)
-    };
-    match parts.as_slice() {
-        [_board, slices, p] if slices.parse::<u8>().is_ok_and(|s| (1..=8).contains(&s)) => {
-            match profile(p) {
-                Some(fb) => (Some(fb), Some(true)),
-                None => (None, None),
-            }
-        }
-        [_board, p] => match profile(p) {
-            Some(fb) => (Some(fb), Some(false)),
-            None => (None, None),
-        },
-        _ => (None, None),
-    }
 }
 
 /// `nvidia/creatable_vgpu_types`: a header `ID    : vGPU Name`, then `557   : NVIDIA
@@ -446,6 +416,41 @@ impl NvidiaSmi {
                     .find(|p| p.is_file())
             }),
         }
+    }
+
+    /// Turns MIG mode of the GPU at `gpu` on or off (`nvidia-smi -i BUS_ID -mig 1|0`); the
+    /// error carries nvidia-smi's words (it refuses a GPU in use).
+    pub(crate) fn set_mig(&self, root: &Path, gpu: PciAddress, on: bool) -> Result<(), String> {
+        let smi = self
+            .program(root)
+            .ok_or_else(|| "nvidia-smi is not installed: MIG mode cannot change".to_string())?;
+        let id = format!(
+            "{:08X}:{:02X}:{:02X}.{:X}",
+            gpu.domain, gpu.bus, gpu.device, gpu.function
+        );
+        let args = ["-i", id.as_str(), "-mig", if on { "1" } else { "0" }];
+        match crate::scrub::process::run_capturing(&smi, &args, NVIDIA_SMI_TIMEOUT) {
+            Ok((f, _)) if f.status.success() => Ok(()),
+            Ok((f, out)) => {
+                let words = if f.stderr.trim().is_empty() {
+                    out.trim()
+                } else {
+                    f.stderr.trim()
+                };
+                Err(format!(
+                    "nvidia-smi {}: {}: {words}",
+                    args.join(" "),
+                    f.status
+                ))
+            }
+            Err(e) => Err(format!("nvidia-smi {}: {e:?}", args.join(" "))),
+        }
+    }
+
+    /// The MIG mode of the GPU at `gpu`; `None` when nvidia-smi cannot tell.
+    pub(crate) fn mig_mode(&self, root: &Path, gpu: PciAddress) -> Option<bool> {
+        let mut notes = Vec::new();
+        self.mig_modes(root, &mut notes).get(&gpu).copied()
     }
 
     /// Each GPU's MIG mode, by address; empty (with a note) when it cannot be read.

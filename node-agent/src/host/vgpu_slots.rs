@@ -13,7 +13,7 @@
 //! after another.
 
 use super::{SysfsOps, device_dir, link_basename, read_attr};
-use crate::host::vgpu::{parse_creatable, parse_current};
+use crate::host::vgpu::{NvidiaSmi, parse_creatable, parse_current};
 use crate::state::{read_json, write_json};
 use passage_model::protocol::{ScrubReport, ScrubStep};
 use passage_model::{DevicePath, VmId};
@@ -43,6 +43,8 @@ pub type VgpuState = BTreeMap<String, VgpuRecord>;
 pub struct VgpuSlots {
     ops: Arc<dyn SysfsOps>,
     state_path: PathBuf,
+    /// Changes a GPU's MIG mode when the type asked for needs the other one.
+    nvidia_smi: NvidiaSmi,
     // Serialises read-modify-write of the record file between concurrent tasks.
     lock: Mutex<()>,
 }
@@ -58,8 +60,14 @@ impl VgpuSlots {
         VgpuSlots {
             ops,
             state_path: state_dir.join(STATE_FILE),
+            nvidia_smi: NvidiaSmi::Auto,
             lock: Mutex::new(()),
         }
+    }
+
+    pub fn with_nvidia_smi(mut self, smi: NvidiaSmi) -> Self {
+        self.nvidia_smi = smi;
+        self
     }
 
     fn root(&self) -> &Path {
@@ -106,6 +114,7 @@ impl VgpuSlots {
         if !gpu_dir.is_dir() {
             return Err(format!("no GPU at {}", slot.gpu()));
         }
+        self.mig_mode_for(slot, &gpu_dir, want)?;
         let record = if gpu_dir.join("mdev_supported_types").is_dir() {
             self.make_mdev(&gpu_dir, &id, want, vm)?
         } else {
@@ -118,6 +127,61 @@ impl VgpuSlots {
         };
         state.insert(id, record);
         self.save(&state)
+    }
+
+    /// Puts the GPU in the MIG mode the type `want` needs (MIG-backed types exist only
+    /// with MIG mode on, time-sliced ones only with it off) when its mode is known and
+    /// differs. nvidia-smi refuses while the GPU hosts a vGPU; its words are the error.
+    fn mig_mode_for(&self, slot: &DevicePath, gpu_dir: &Path, want: &str) -> Result<(), String> {
+        let Some(needs) = self.type_needs_mig(gpu_dir, want) else {
+            return Ok(());
+        };
+        let gpu = slot.gpu().address();
+        match self.nvidia_smi.mig_mode(self.root(), gpu) {
+            Some(on) if on != needs => {
+                self.nvidia_smi
+                    .set_mig(self.root(), gpu, needs)
+                    .map_err(|e| {
+                        format!(
+                            "vGPU type {want:?} needs MIG mode {}: {e}",
+                            if needs { "on" } else { "off" }
+                        )
+                    })?;
+                tracing::info!(%gpu, mig = needs, vgpu_type = want, "MIG mode changed for a vGPU type");
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `want` (a type id or name) is MIG-backed: by its name, or by the name the
+    /// GPU lists for the id (mdev lists every type; a vendor-VFIO VF only those it can
+    /// make now).
+    fn type_needs_mig(&self, gpu_dir: &Path, want: &str) -> Option<bool> {
+        if let Some(m) = passage_model::vgpu::type_from_name(want).1 {
+            return Some(m);
+        }
+        let mdev = gpu_dir.join("mdev_supported_types").join(want);
+        if passage_model::vgpu::validate_type_id(want).is_ok() && mdev.is_dir() {
+            let name = read_attr(&mdev.join("name")).ok()?;
+            return passage_model::vgpu::type_from_name(name.trim()).1;
+        }
+        let entries = fs::read_dir(gpu_dir).ok()?;
+        for e in entries.flatten().take(passage_model::vgpu::MAX_VFS) {
+            if !e.file_name().to_string_lossy().starts_with("virtfn") {
+                continue;
+            }
+            let Ok(Some(vf)) = link_basename(&e.path()) else {
+                continue;
+            };
+            let nv = self.vf_dir(gpu_dir, &vf).join("nvidia");
+            let creatable = read_attr(&nv.join("creatable_vgpu_types")).unwrap_or_default();
+            let (types, _) = parse_creatable(&creatable);
+            if let Some((_, name)) = types.iter().find(|(id, _)| id == want) {
+                return passage_model::vgpu::type_from_name(name).1;
+            }
+        }
+        None
     }
 
     fn make_mdev(

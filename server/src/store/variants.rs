@@ -20,6 +20,7 @@ pub(crate) struct VariantRow {
     vgpu_type: Option<String>,
     max_per_gpu: Option<i64>,
     num_vfs: Option<i64>,
+    mix: i64,
 }
 
 impl VariantRow {
@@ -56,6 +57,7 @@ impl VariantRow {
                 .map(u32::try_from)
                 .transpose()
                 .map_err(corrupt)?,
+            mix: self.mix != 0,
             scrub: self
                 .scrub
                 .as_deref()
@@ -68,7 +70,7 @@ impl VariantRow {
 }
 
 const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub, \
-    parent, vgpu_type, max_per_gpu, num_vfs";
+    parent, vgpu_type, max_per_gpu, num_vfs, mix";
 
 /// A page, newest first, and the total.
 pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
@@ -93,7 +95,7 @@ pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>
 /// Every variant, read inside a transaction that classifies devices (`LIST_ALL`'s rows
 /// through [`views`]).
 pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, \
-     revision, description, scrub, parent, vgpu_type, max_per_gpu, num_vfs FROM variants \
+     revision, description, scrub, parent, vgpu_type, max_per_gpu, num_vfs, mix FROM variants \
      ORDER BY name";
 
 pub(crate) fn views(rows: Vec<VariantRow>) -> StoreResult<Vec<Variant>> {
@@ -123,7 +125,7 @@ pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
 pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(&format!(
         "INSERT INTO variants ({COLS}, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $14, $9)"
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $14, $15, $9)"
     ))
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -139,6 +141,7 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(&v.vgpu_type)
     .bind(v.max_per_gpu.map(i64::from))
     .bind(v.num_vfs.map(i64::from))
+    .bind(i64::from(v.mix))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))
@@ -150,7 +153,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
          subsystem = $6, revision = $7, description = $8, scrub = $9, parent = $10, \
-         vgpu_type = $11, max_per_gpu = $12, num_vfs = $13 WHERE name = $1"
+         vgpu_type = $11, max_per_gpu = $12, num_vfs = $13, mix = $14 WHERE name = $1"
     )
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -165,6 +168,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(&v.vgpu_type)
     .bind(v.max_per_gpu.map(i64::from))
     .bind(v.num_vfs.map(i64::from))
+    .bind(i64::from(v.mix))
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;

@@ -15,7 +15,7 @@ use super::{Db, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::in_tx;
 use crate::placement::Policy;
 use crate::store::reserve::devices::placeable;
-use passage_model::vgpu::{VgpuHost, VgpuType};
+use passage_model::vgpu::{VgpuHost, VgpuType, type_from_name};
 use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDetails, ServerId, Variant};
 use std::collections::HashMap;
 
@@ -35,37 +35,81 @@ pub fn find_type<'a>(host: &'a VgpuHost, want: &str) -> Option<&'a VgpuType> {
         .or_else(|| host.types.iter().find(|t| t.name == want))
 }
 
+/// Whether the type `v` asks for is MIG-backed: as the node lists it on the GPU, else
+/// as NVIDIA's name for it says (a vendor-VFIO GPU lists only the types of its current
+/// mode); `None` when neither tells.
+pub fn wants_mig(v: &Variant, host: Option<&VgpuHost>) -> Option<bool> {
+    let want = v.vgpu_type.as_deref()?;
+    host.and_then(|h| find_type(h, want))
+        .and_then(|t| t.mig_backed)
+        .or_else(|| type_from_name(want).1)
+}
+
+/// The GPU offers `v`'s type once its MIG mode changes: the mode is known, the type
+/// needs the other one, and no vGPU exists on it (the driver changes the mode of an idle
+/// GPU only). The node makes the change when it makes the first vGPU.
+fn after_mig_switch(v: &Variant, host: &VgpuHost) -> bool {
+    host.vgpus.is_empty()
+        && matches!((host.mig_mode, wants_mig(v, Some(host))), (Some(m), Some(w)) if m != w)
+}
+
 /// How many slots of `v` a free GPU with these details gets: the variant's
 /// `max_per_gpu`, or fewer when the node says the type fits fewer times; `None` when the
-/// node does not offer the type on it now (no vGPU support, another mode, MIG off).
+/// node does not offer the type on it now nor after a MIG mode change (no vGPU support,
+/// another mode it cannot leave).
 pub fn slots_on(v: &Variant, details: Option<&PciDetails>) -> Option<u32> {
     let host = details?.vgpu.as_ref()?;
-    let t = find_type(host, v.vgpu_type.as_deref()?)?;
+    let want = v.vgpu_type.as_deref()?;
+    let per_gpu = v.max_per_gpu?;
+    let listed = find_type(host, want);
+    if after_mig_switch(v, host) {
+        let max = listed.and_then(|t| t.max_instances).unwrap_or(per_gpu);
+        return Some(per_gpu.min(max)).filter(|n| *n > 0);
+    }
+    let t = listed?;
     if t.available == 0 {
         return None;
     }
     let fits = t.max_instances.unwrap_or(t.available).min(t.available);
-    Some(v.max_per_gpu?.min(fits)).filter(|n| *n > 0)
+    Some(per_gpu.min(fits)).filter(|n| *n > 0)
 }
 
 /// How many slots of `v` a GPU with these details hosts at most (whatever it does now):
 /// the variant's `max_per_gpu`, or the node's count for the type when lower; 0 when the
-/// node does not list the type for it.
+/// node does not list the type for it and no MIG mode change would make it.
 pub fn slots_max(v: &Variant, details: Option<&PciDetails>) -> u32 {
-    let Some(t) = details
-        .and_then(|d| d.vgpu.as_ref())
-        .zip(v.vgpu_type.as_deref())
-        .and_then(|(host, want)| find_type(host, want))
-    else {
+    let per_gpu = v.max_per_gpu.unwrap_or(0);
+    let Some(host) = details.and_then(|d| d.vgpu.as_ref()) else {
         return 0;
     };
-    let per_gpu = v.max_per_gpu.unwrap_or(0);
-    t.max_instances.map_or(per_gpu, |m| m.min(per_gpu))
+    match v
+        .vgpu_type
+        .as_deref()
+        .and_then(|want| find_type(host, want))
+    {
+        Some(t) => t.max_instances.map_or(per_gpu, |m| m.min(per_gpu)),
+        None if after_mig_switch(v, host) => per_gpu,
+        None => 0,
+    }
+}
+
+/// A whole GPU, in the units [`share_of`] counts: divisible by every count from 1 to 16.
+pub const WHOLE_GPU: u64 = 720_720;
+
+/// What one vGPU of `v` takes of a GPU with these details when types mix on it: `1/n`
+/// of [`WHOLE_GPU`] (rounded up), where `n` is how many of the type the GPU hosts alone.
+pub fn share_of(v: &Variant, details: Option<&PciDetails>) -> u64 {
+    let n = match slots_max(v, details) {
+        0 => v.max_per_gpu.unwrap_or(1),
+        n => n,
+    };
+    WHOLE_GPU.div_ceil(u64::from(n.max(1)))
 }
 
 type GpuRow = (String, String, i64, Option<String>, Option<String>);
-/// A free GPU that offers the type: its server, path, generation and slots.
-type Eligible = (ServerId, DevicePath, i64, u32);
+/// A GPU that can host the type: its server, path, generation, the slots it gets, and
+/// whether it already hosts vGPUs of other variants that mix (a join) or is whole.
+type Eligible = (ServerId, DevicePath, i64, u32, bool);
 
 /// Opens up to `gpus` free GPUs of `v`'s parent variant for `v`, on servers heard from
 /// since `alive_after_ms` with room for one VM of `fit`: for `pack`, on the servers with
@@ -131,6 +175,7 @@ pub async fn open(
                 id.parse().map_err(corrupt)?,
                 generation,
                 n,
+                false,
             ));
         }
     }
@@ -163,6 +208,24 @@ pub async fn open(
             keyed.into_iter().map(|(_, _, e)| e).collect()
         };
     }
+    let mut reclaim: HashMap<(ServerId, DevicePath), Vec<String>> = HashMap::new();
+    if v.mix {
+        // Mixing variants fill GPUs already hosting them first when packing (CloudStack's
+        // depth-first), and only once whole GPUs run out when spreading.
+        let mut found = joinable(db, v, parent, alive_after_ms, fit, only).await?;
+        found.sort_by_key(|j| match policy {
+            Policy::Pack => (j.room, j.gpu.0, j.gpu.1.clone()),
+            Policy::Spread => (u64::MAX - j.room, j.gpu.0, j.gpu.1.clone()),
+        });
+        let joins = found.into_iter().map(|j| {
+            reclaim.insert((j.gpu.0, j.gpu.1.clone()), j.reclaim);
+            j.gpu
+        });
+        eligible = match policy {
+            Policy::Pack => joins.chain(eligible).collect(),
+            Policy::Spread => eligible.into_iter().chain(joins).collect(),
+        };
+    }
     eligible.truncate(gpus);
     if eligible.is_empty() {
         return Ok(Vec::new());
@@ -176,9 +239,13 @@ pub async fn open(
     // chunks), not one GPU or one slot at a time, so the one SQLite writer runs a handful
     // of statements per batch instead of six per GPU.
     let reason = |n: u32| format!("hosts {n} vGPU(s) of type {vgpu_type:?} (variant {name})");
+    let (joins, whole): (Vec<Eligible>, Vec<Eligible>) =
+        eligible.iter().cloned().partition(|e| e.4);
     in_tx!(db, |tx| {
         let mut won: std::collections::HashSet<(String, String)> = std::collections::HashSet::new();
-        for chunk in eligible.chunks(CHUNK) {
+        // Servers whose free slots changed though no GPU of theirs was opened.
+        let mut touched: Vec<ServerId> = Vec::new();
+        for chunk in whole.chunks(CHUNK) {
             let rows: Vec<String> = (0..chunk.len())
                 .map(|i| {
                     format!(
@@ -201,7 +268,7 @@ pub async fn open(
             let mut q = sqlx::query_as::<_, (String, String)>(&sql)
                 .bind(to.as_str())
                 .bind(now);
-            for (server, gpu, generation, _) in chunk {
+            for (server, gpu, generation, ..) in chunk {
                 q = q
                     .bind(server.to_string())
                     .bind(gpu.to_string())
@@ -209,10 +276,52 @@ pub async fn open(
             }
             won.extend(q.fetch_all(&mut *tx).await?);
         }
+        // A join is conditional on the GPU's generation as read: an opening or closing
+        // meanwhile (each bumps it) changed the slots its room was counted from.
+        for (server, gpu, generation, ..) in &joins {
+            let hit: Option<(String, String)> = sqlx::query_as(
+                "UPDATE devices SET generation = generation + 1, updated_at = $1 \
+                 WHERE server_uuid = $2 AND id = $3 AND generation = $4 \
+                 AND parent IS NULL AND state = 'shared' AND missing = 0 AND taint IS NULL \
+                 RETURNING server_uuid, id",
+            )
+            .bind(now)
+            .bind(server.to_string())
+            .bind(gpu.to_string())
+            .bind(*generation)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if hit.is_none() {
+                continue;
+            }
+            // The free slots of other variants it takes back: one taken meanwhile leaves
+            // too little room, and the GPU gets no new slot this time.
+            let ids = reclaim
+                .get(&(*server, gpu.clone()))
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            let mut gone = 0;
+            for slot in ids {
+                gone += sqlx::query(
+                    "DELETE FROM devices WHERE server_uuid = $1 AND id = $2 \
+                     AND parent IS NOT NULL AND state = 'unassigned'",
+                )
+                .bind(server.to_string())
+                .bind(slot)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            }
+            if gone == ids.len() as u64 {
+                won.extend(hit);
+            } else {
+                touched.push(*server);
+            }
+        }
         let opened: Vec<Opened> = eligible
             .iter()
             .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
-            .map(|(server, gpu, _, slots)| Opened {
+            .map(|(server, gpu, _, slots, _)| Opened {
                 server: *server,
                 gpu: gpu.clone(),
                 slots: *slots,
@@ -255,10 +364,11 @@ pub async fn open(
             let rows: Vec<String> = (0..chunk.len())
                 .map(|i| {
                     format!(
-                        "(${}, ${}, 'unassigned', $1, ${}, $2)",
-                        3 * i + 3,
-                        3 * i + 4,
-                        3 * i + 5
+                        "(${}, ${}, ${}, $1, ${}, $2)",
+                        4 * i + 3,
+                        4 * i + 4,
+                        4 * i + 5,
+                        4 * i + 6
                     )
                 })
                 .collect();
@@ -269,14 +379,20 @@ pub async fn open(
             );
             let mut q = sqlx::query(&sql).bind(to.as_str()).bind(now);
             for o in chunk {
+                let joined = joins.iter().any(|j| j.0 == o.server && j.1 == o.gpu);
                 q = q
                     .bind(o.server.to_string())
                     .bind(o.gpu.to_string())
-                    .bind(reason(o.slots));
+                    .bind(if joined { "shared" } else { "unassigned" })
+                    .bind(if joined {
+                        format!("also {}", reason(o.slots))
+                    } else {
+                        reason(o.slots)
+                    });
             }
             q.execute(&mut *tx).await?;
         }
-        let mut servers: Vec<ServerId> = opened.iter().map(|o| o.server).collect();
+        let mut servers: Vec<ServerId> = opened.iter().map(|o| o.server).chain(touched).collect();
         servers.sort();
         servers.dedup();
         for s in servers {
@@ -286,8 +402,138 @@ pub async fn open(
     })
 }
 
-/// Rows per multi-row statement when opening GPUs: 3 values each, far below SQLite's
-/// limit on a statement's values.
+/// A GPU that a mixing variant can join, as [`joinable`] finds it.
+struct Join {
+    gpu: Eligible,
+    /// Its room now, in [`WHOLE_GPU`] units, counting free slots of other variants as
+    /// room (a join takes them back).
+    room: u64,
+    /// Free slots of other variants it deletes to make that room, largest first.
+    reclaim: Vec<String>,
+}
+
+type SlotRow = (String, String, i64, Option<String>, String, String, String);
+
+/// GPUs of `parent` already hosting vGPUs, all of variants that mix (as `v` does) and need
+/// the same MIG mode, with room for at least one more of `v` once the free slots of the
+/// other variants are taken back, on servers heard from since `alive_after_ms` with room
+/// for one VM of `fit`.
+async fn joinable(
+    db: &Db,
+    v: &Variant,
+    parent: &str,
+    alive_after_ms: i64,
+    fit: Fit,
+    only: Option<ServerId>,
+) -> StoreResult<Vec<Join>> {
+    let sql = format!(
+        "SELECT g.server_uuid, g.id, g.generation, g.details, x.id, x.variant, x.state \
+         FROM devices g JOIN servers s ON s.uuid = g.server_uuid \
+         JOIN devices x ON x.server_uuid = g.server_uuid AND x.parent = g.id \
+         WHERE g.variant = $1 AND g.state = 'shared' AND g.parent IS NULL \
+         AND g.missing = 0 AND g.taint IS NULL \
+         AND s.last_heartbeat >= $2 AND s.disabled = 0 \
+         AND ($5 IS NULL OR g.server_uuid = $5) AND {} \
+         ORDER BY g.server_uuid, g.id",
+        has_room_sql(fit.alloc, "$3", "$4"),
+    );
+    let memory = i64::try_from(fit.memory_mib).unwrap_or(i64::MAX);
+    let rows: Vec<SlotRow> = crate::on_read!(db, |p| sqlx::query_as(&sql)
+        .bind(parent)
+        .bind(alive_after_ms)
+        .bind(i64::from(fit.vcpus))
+        .bind(memory)
+        .bind(only.map(|s| s.to_string()))
+        .fetch_all(p)
+        .await)?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let all = super::variants::list(db).await?;
+    let by_name: HashMap<&str, &Variant> = all.iter().map(|u| (u.name.as_str(), u)).collect();
+    // Per GPU: (server, id), its generation, details, and its slots (id, variant, free).
+    type Slots = Vec<(String, String, bool)>;
+    type Gpu = ((String, String), i64, Option<String>, Slots);
+    let mut gpus: Vec<Gpu> = Vec::new();
+    for (server, id, generation, details, slot, variant, state) in rows {
+        let key = (server, id);
+        let entry = (slot, variant, state == "unassigned");
+        match gpus.last_mut() {
+            Some(g) if g.0 == key => g.3.push(entry),
+            _ => gpus.push((key, generation, details, vec![entry])),
+        }
+    }
+    let mut out = Vec::new();
+    'gpus: for ((server, id), generation, details, slots) in gpus {
+        let details: Option<PciDetails> = details
+            .as_deref()
+            .and_then(|j| serde_json::from_str(j).ok());
+        let host = details.as_ref().and_then(|d| d.vgpu.as_ref());
+        let mig = wants_mig(v, host);
+        let mut used: u64 = 0;
+        let mut mine: u32 = 0;
+        // (share, slot) of the free slots of other variants.
+        let mut others_free: Vec<(u64, String)> = Vec::new();
+        for (slot, name, free) in slots {
+            let Some(u) = by_name.get(name.as_str()) else {
+                continue 'gpus;
+            };
+            let same_mode = match (mig, wants_mig(u, host)) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            };
+            if !u.mix || u.parent.as_deref() != Some(parent) || !same_mode {
+                continue 'gpus;
+            }
+            let share = share_of(u, details.as_ref());
+            if u.name == v.name {
+                mine += 1;
+                used = used.saturating_add(share);
+            } else if free {
+                others_free.push((share, slot));
+            } else {
+                used = used.saturating_add(share);
+            }
+        }
+        let room = WHOLE_GPU.saturating_sub(used);
+        let one = share_of(v, details.as_ref());
+        let n = u32::try_from(room / one)
+            .unwrap_or(u32::MAX)
+            .min(v.max_per_gpu.unwrap_or(0).saturating_sub(mine));
+        if n == 0 {
+            continue;
+        }
+        // Take back only as many free slots of the others as the new ones need.
+        let mut left = WHOLE_GPU
+            .saturating_sub(used)
+            .saturating_sub(others_free.iter().map(|(s, _)| *s).sum::<u64>());
+        let need = one.saturating_mul(u64::from(n));
+        others_free.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        let mut reclaim = Vec::new();
+        for (share, slot) in others_free {
+            if left >= need {
+                break;
+            }
+            left = left.saturating_add(share);
+            reclaim.push(slot);
+        }
+        out.push(Join {
+            gpu: (
+                parse_uuid(&server, "server")?,
+                id.parse().map_err(corrupt)?,
+                generation,
+                n,
+                true,
+            ),
+            room,
+            reclaim,
+        });
+    }
+    Ok(out)
+}
+
+/// Rows per multi-row statement when opening GPUs: 3 or 4 values each, far below
+/// SQLite's limit on a statement's values.
 const CHUNK: usize = 500;
 
 /// Closes those of `gpus` (ids on `server`) whose vGPU slots are all free: the slots go

@@ -591,3 +591,249 @@ both!(
     a_vm_resized_to_a_vgpu_gets_one_on_its_server_on,
     a_vm_resized_to_a_vgpu_gets_one_on_its_server
 );
+
+/// MIG mode of each GPU of `node`, by the node's `nvidia-smi` (the fake tree's stand-in).
+fn mig_modes(node: &crate::common::Node) -> Vec<(String, bool)> {
+    let out = std::process::Command::new(node.sysfs.join(node_agent::fake::FAKE_NVIDIA_SMI))
+        .args([
+            "--query-gpu=pci.bus_id,mig.mode.current",
+            "--format=csv,noheader",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once(", "))
+        .map(|(id, m)| (id.to_string(), m == "Enabled"))
+        .collect()
+}
+
+fn mig_on(node: &crate::common::Node, gpu: &DevicePath) -> bool {
+    let a = gpu.address();
+    let id = format!(
+        "{:08X}:{:02X}:{:02X}.{:X}",
+        a.domain, a.bus, a.device, a.function
+    );
+    let modes = mig_modes(node);
+    modes
+        .iter()
+        .find(|(g, _)| *g == id)
+        .unwrap_or_else(|| panic!("{id} in {modes:?}"))
+        .1
+}
+
+/// MIG-backed types that mix, through the real agent loop over the fake kernel: the
+/// first vGPU of one turns its GPU's MIG mode on (the node runs nvidia-smi); a vGPU of
+/// another MIG-backed type then joins that GPU (pack), taking back free slots of the
+/// first so the two never claim more than the GPU; a time-sliced type, which does not
+/// mix, gets the other GPU, whose MIG mode stays off. Destroyed, every vGPU goes.
+async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
+    use passage_model::api::{Job, JobState};
+    let (s, node) = agent_world(b, fast_config(), 2).await;
+    s.h100_catalog(1).await;
+    for (name, vgpu_type, max, mix) in [
+        ("H100_1G", "NVIDIA H100XM-1-10C", 7, true),
+        ("H100_2G", "NVIDIA H100XM-2-20C", 3, true),
+        ("H100_10C", "NVIDIA H100XM-10C", 4, false),
+    ] {
+        let v: Variant = s
+            .post(
+                "/v1/variants",
+                &json!({"name": name, "type": "vgpu", "parent": "NVIDIA_H100",
+                        "vgpu_type": vgpu_type, "max_per_gpu": max, "mix": mix}),
+            )
+            .await
+            .ok(201);
+        assert_eq!(v.mix, mix);
+        let _: Package = s
+            .post(
+                "/v1/packages",
+                &json!({"name": name.to_lowercase(), "vcpus": 1, "memory_mib": 1024,
+                        "disk_gib": 10, "devices": {name: 1}, "placement": "pack"}),
+            )
+            .await
+            .ok(201);
+    }
+    assert!(
+        mig_modes(&node).iter().all(|(_, on)| !on),
+        "MIG is off at first"
+    );
+    let (_, tenant) = s.tenant("t").await;
+    let mut vms = Vec::new();
+    for (package, alias) in [("h100_1g", "a"), ("h100_2g", "b"), ("h100_10c", "c")] {
+        let vm = create(&s, &tenant, package, alias).await;
+        let job: Job = s.wait_job(vm.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{package}: {job:?}");
+        vms.push(vm);
+    }
+    let gpu_of = |vm: &Vm| vm.assigned_devices[0].gpu();
+    let (mig_gpu, other) = (gpu_of(&vms[0]), gpu_of(&vms[2]));
+    assert_eq!(gpu_of(&vms[1]), mig_gpu, "the 2G joins the 1G's GPU");
+    assert_ne!(other, mig_gpu, "the time-sliced type does not mix");
+    assert!(mig_on(&node, &mig_gpu));
+    assert!(!mig_on(&node, &other));
+    // On the MIG GPU: 1/7 each of the 1G slots, 1/3 each of the 2G: two of each fit
+    // (one held and one free of each); five free 1G slots were taken back.
+    let srv = s.server(node.uuid).await;
+    let mut on_mig: Vec<(String, DeviceState)> = srv
+        .assignable_devices
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|d| d.id.vgpu().is_some() && d.id.gpu() == mig_gpu)
+        .map(|d| (d.variant, d.state))
+        .collect();
+    on_mig.sort_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then(format!("{:?}", a.1).cmp(&format!("{:?}", b.1)))
+    });
+    let count = |v: &str, st: DeviceState| on_mig.iter().filter(|x| x.0 == v && x.1 == st).count();
+    assert_eq!(
+        (
+            count("H100_1G", DeviceState::Used),
+            count("H100_1G", DeviceState::Unassigned),
+            count("H100_2G", DeviceState::Used),
+            count("H100_2G", DeviceState::Unassigned),
+        ),
+        (1, 1, 1, 1),
+        "{on_mig:?}"
+    );
+    // The node made them: one VF of the MIG GPU is each type.
+    let dir = node_agent::host::device_dir(&node.sysfs, &mig_gpu);
+    let mut types: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type")).ok())
+        .map(|t| t.trim().to_string())
+        .filter(|t| t != "0")
+        .collect();
+    types.sort();
+    assert_eq!(types, ["557", "558"]);
+    for vm in &vms {
+        let r = s
+            .with(&tenant)
+            .delete::<Vm>(&format!("/v1/vms/{}", vm.uuid))
+            .await;
+        let job: Job = s.wait_job(r.ok(202).job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    }
+    let none_left = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+        let left = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
+            .filter_map(|e| std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type")).ok())
+            .filter(|t| t.trim() != "0")
+            .count();
+        (left == 0).then_some(())
+    })
+    .await;
+    assert!(none_left.is_some(), "every vGPU of the MIG GPU is gone");
+}
+both!(
+    mig_types_switch_the_gpu_and_mix_on,
+    mig_types_switch_the_gpu_and_mix
+);
+
+/// 64 creations of two MIG-backed types that mix (1/7 and 1/3 of a GPU each) race for
+/// one GPU already hosting one of them: whatever wins, the slots on it, held or free, never claim more than the whole
+/// GPU, and every creation that lost was told there is no capacity.
+async fn mixing_types_race_for_one_gpu(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let (server, _, _) = vgpu_node(&s, 1).await;
+    s.h100_catalog(1).await;
+    for (name, vgpu_type, max) in [
+        ("H100_1G", "NVIDIA H100XM-1-10C", 7),
+        ("H100_2G", "NVIDIA H100XM-2-20C", 3),
+    ] {
+        let _: Variant = s
+            .post(
+                "/v1/variants",
+                &json!({"name": name, "type": "vgpu", "parent": "NVIDIA_H100",
+                        "vgpu_type": vgpu_type, "max_per_gpu": max, "mix": true}),
+            )
+            .await
+            .ok(201);
+        let _: Package = s
+            .post(
+                "/v1/packages",
+                &json!({"name": name.to_lowercase(), "vcpus": 1, "memory_mib": 1024,
+                        "disk_gib": 10, "devices": {name: 1}, "placement": "pack"}),
+            )
+            .await
+            .ok(201);
+    }
+    let (_, tenant) = s.tenant("racer").await;
+    // The GPU hosts 1G slots first, one held: the 2G racers join it by taking free 1G
+    // slots back while the 1G racers reserve those same slots.
+    let first = create(&s, &tenant, "h100_1g", "first").await;
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let package = if i % 2 == 0 { "h100_1g" } else { "h100_2g" };
+            let body = json!({"image": "test-image", "alias": format!("race-{i}"),
+                              "package": package});
+            tokio::spawn(async move { (package, c.post::<Vm>("/v1/vms", &body).await) })
+        })
+        .collect();
+    let mut won: Vec<(&str, Vm)> = vec![("h100_1g", first)];
+    for c in calls {
+        let (package, r) = c.await.unwrap();
+        match r.status {
+            202 => won.push((package, r.ok(202))),
+            _ => {
+                r.fails(409, ErrorCode::InsufficientCapacity);
+            }
+        }
+    }
+    assert!(!won.is_empty());
+    let srv = s.server(server).await;
+    let slots: Vec<(String, DeviceState, Option<VmId>)> = srv
+        .assignable_devices
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|d| d.id.vgpu().is_some())
+        .map(|d| (d.variant, d.state, d.used_by))
+        .collect();
+    let n = |v: &str, held: bool| {
+        slots
+            .iter()
+            .filter(|(x, st, _)| x == v && (!held || *st == DeviceState::Provisioning))
+            .count()
+    };
+    // In sevenths and thirds of the GPU: 3 per 1G, 7 per 2G, 21 the whole GPU.
+    let claimed = 3 * n("H100_1G", false) + 7 * n("H100_2G", false);
+    assert!(
+        claimed <= 21,
+        "the slots claim {claimed}/21 of the GPU: {slots:?}"
+    );
+    let held = 3 * n("H100_1G", true) + 7 * n("H100_2G", true);
+    assert_eq!(
+        n("H100_1G", true) + n("H100_2G", true),
+        won.len(),
+        "{slots:?}"
+    );
+    assert!(held <= 21);
+    for (package, vm) in &won {
+        let variant = if *package == "h100_1g" {
+            "H100_1G"
+        } else {
+            "H100_2G"
+        };
+        let slot = slots
+            .iter()
+            .find(|(_, _, u)| *u == Some(vm.uuid))
+            .expect("each winner holds a slot");
+        assert_eq!(slot.0, variant);
+    }
+    assert_eq!(
+        gpus_in(&s.device_states(server).await, DeviceState::Shared).len(),
+        1
+    );
+}
+both!(
+    mixing_types_race_for_one_gpu_on,
+    mixing_types_race_for_one_gpu
+);

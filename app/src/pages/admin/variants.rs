@@ -53,6 +53,7 @@ pub fn VariantsPage() -> impl IntoView {
                                 };
                                 let kind = match (v.kind.as_str(), &v.parent) {
                                     ("vf", Some(p)) => format!("vf of {p} ({} per function)", v.num_vfs.unwrap_or(0)),
+                                    ("vgpu", Some(p)) if v.mix => format!("vgpu of {p} (mixes)"),
                                     (k, Some(p)) => format!("{k} of {p}"),
                                     (k, None) => k.to_string(),
                                 };
@@ -104,6 +105,7 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
     let vgpu_type = text(|v| v.vgpu_type.clone());
     let max_per_gpu = text(|v| v.max_per_gpu.map(|n| n.to_string()));
     let num_vfs = text(|v| v.num_vfs.map(|n| n.to_string()));
+    let mix = existing.as_ref().is_some_and(|v| v.mix);
     let kind = existing.as_ref().map(|v| v.kind.as_str()).unwrap_or("gpu");
     let field = move |id: &'static str, label: &'static str, value: String, hint: &'static str| {
         view! {
@@ -141,6 +143,12 @@ fn VariantForm(action: ServerAction<SaveVariant>, existing: Option<Variant>) -> 
                     {field("parent", "Parent variant (vgpu: its GPUs host them; vf: its functions make them)", parent, "NVIDIA_H100")}
                     {field("vgpu_type", "vGPU type, id or name (vgpu; ids come from the parent)", vgpu_type, "NVIDIA H100XM-10C")}
                     {field("max_per_gpu", "vGPUs per GPU (vgpu)", max_per_gpu, "4")}
+                    <div class="field check">
+                        <input id="v-mix" name="mix" type="checkbox" checked=mix
+                            aria-describedby="mix-error"/>
+                        <label for="v-mix">"Mixes: shares a GPU with other vGPU variants that mix (vgpu; MIG-backed types)"</label>
+                        <FieldError result=result field="mix"/>
+                    </div>
                     {field("num_vfs", "VFs per function (vf; ids are the VF's own)", num_vfs, "4")}
                 </fieldset>
                 <FormStatus result=result ok="Saved."/>
