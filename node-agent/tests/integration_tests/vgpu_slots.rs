@@ -109,3 +109,51 @@ fn a_type_that_does_not_fit_fails_with_the_kernels_words() {
     let err = slots.make(&gpu, "GRID A100-20C", vm).unwrap_err();
     assert!(err.contains("not a vGPU slot"), "{err}");
 }
+
+/// MIG mode of the world's GPU, as the node's discovery reads it (through the tree's
+/// nvidia-smi stand-in).
+fn mig_mode(dir: &tempfile::TempDir) -> Option<bool> {
+    node_agent::host::discover(&dir.path().join("sys"))
+        .devices
+        .iter()
+        .find_map(|d| d.details.as_ref()?.vgpu.as_ref()?.mig_mode)
+}
+
+/// Both frameworks: a MIG-backed type on a GPU with MIG mode off turns it on first (by
+/// its name, or by the id mdev lists it under); a time-sliced type then cannot turn it
+/// off while the MIG vGPU exists, and says so in nvidia-smi's words; once that vGPU is
+/// gone it can.
+#[test]
+fn a_vgpu_type_gets_the_mig_mode_it_needs() {
+    for (model, framework, mig_type, sliced) in [
+        (
+            GpuModel::A100,
+            FakeVgpu::Mdev,
+            "nvidia-468",
+            "GRID A100-10C",
+        ),
+        (
+            GpuModel::H100,
+            FakeVgpu::Vfio,
+            "NVIDIA H100XM-1-10C",
+            "NVIDIA H100XM-10C",
+        ),
+    ] {
+        let (dir, slots, gpu) = world(model, framework);
+        assert_eq!(mig_mode(&dir), Some(false), "{model:?}");
+        let (a, b) = (VmId::new_random(), VmId::new_random());
+        let mig_slot = gpu.with_vgpu(uuid::Uuid::new_v4());
+        slots.make(&mig_slot, mig_type, a).unwrap();
+        assert_eq!(mig_mode(&dir), Some(true), "{model:?}");
+        assert_eq!(vgpus_on(&dir), 1);
+        let sliced_slot = gpu.with_vgpu(uuid::Uuid::new_v4());
+        let err = slots.make(&sliced_slot, sliced, b).unwrap_err();
+        assert!(err.contains("needs MIG mode off"), "{model:?}: {err}");
+        assert!(err.contains("In use by another client"), "{model:?}: {err}");
+        assert_eq!(mig_mode(&dir), Some(true));
+        slots.release(&mig_slot, a).unwrap();
+        slots.make(&sliced_slot, sliced, b).unwrap();
+        assert_eq!(mig_mode(&dir), Some(false), "{model:?}");
+        assert_eq!(vgpus_on(&dir), 1);
+    }
+}
