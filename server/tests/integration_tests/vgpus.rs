@@ -377,15 +377,8 @@ async fn vgpus_made_run_and_go_on_a_node(b: Backend) {
             let slot = &vm.assigned_devices[0];
             match framework {
                 FakeVgpu::Mdev => mdevs.join(slot.vgpu().unwrap().to_string()).exists(),
-                FakeVgpu::Vfio => {
-                    let gpu = node_agent::host::device_dir(&node.sysfs, &slot.gpu());
-                    // Some VF of the GPU carries a type.
-                    std::fs::read_dir(&gpu).unwrap().flatten().any(|e| {
-                        e.file_name().to_string_lossy().starts_with("virtfn")
-                            && std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type"))
-                                .is_ok_and(|t| t.trim() != "0")
-                    })
-                }
+                // Some VF of the GPU carries a type.
+                FakeVgpu::Vfio => !vf_types(&node, &slot.gpu()).is_empty(),
             }
         };
         for vm in &vms {
@@ -624,20 +617,17 @@ fn mig_on(node: &crate::common::Node, gpu: &DevicePath) -> bool {
         .1
 }
 
-/// MIG-backed types that mix, through the real agent loop over the fake kernel: the
-/// first vGPU of one turns its GPU's MIG mode on (the node runs nvidia-smi); a vGPU of
-/// another MIG-backed type then joins that GPU (pack), taking back free slots of the
-/// first so the two never claim more than the GPU; a time-sliced type, which does not
-/// mix, gets the other GPU, whose MIG mode stays off. Destroyed, every vGPU goes.
-async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
-    use passage_model::api::{Job, JobState};
-    let (s, node) = agent_world(b, fast_config(), 2).await;
+/// `NVIDIA_H100` and the mixing MIG-backed `H100_1G` (7 per GPU) and `H100_2G` (3), with
+/// the time-sliced `H100_10C` (4, no mixing) when `sliced`; a pack package of one of each,
+/// named in lower case.
+async fn mig_catalog(s: &TestServer, sliced: bool) {
     s.h100_catalog(1).await;
-    for (name, vgpu_type, max, mix) in [
+    let types = [
         ("H100_1G", "NVIDIA H100XM-1-10C", 7, true),
         ("H100_2G", "NVIDIA H100XM-2-20C", 3, true),
         ("H100_10C", "NVIDIA H100XM-10C", 4, false),
-    ] {
+    ];
+    for (name, vgpu_type, max, mix) in types.into_iter().filter(|t| sliced || t.3) {
         let v: Variant = s
             .post(
                 "/v1/variants",
@@ -656,6 +646,32 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
             .await
             .ok(201);
     }
+}
+
+/// The vGPU type ids the VFs of the vendor-VFIO `gpu` carry now, sorted.
+fn vf_types(node: &crate::common::Node, gpu: &DevicePath) -> Vec<String> {
+    let dir = node_agent::host::device_dir(&node.sysfs, gpu);
+    let mut types: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type")).ok())
+        .map(|t| t.trim().to_string())
+        .filter(|t| t != "0")
+        .collect();
+    types.sort();
+    types
+}
+
+/// MIG-backed types that mix, through the real agent loop over the fake kernel: the
+/// first vGPU of one turns its GPU's MIG mode on (the node runs nvidia-smi); a vGPU of
+/// another MIG-backed type then joins that GPU (pack), taking back free slots of the
+/// first so the two never claim more than the GPU; a time-sliced type, which does not
+/// mix, gets the other GPU, whose MIG mode stays off. Destroyed, every vGPU goes.
+async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
+    use passage_model::api::{Job, JobState};
+    let (s, node) = agent_world(b, fast_config(), 2).await;
+    mig_catalog(&s, true).await;
     assert!(
         mig_modes(&node).iter().all(|(_, on)| !on),
         "MIG is off at first"
@@ -677,17 +693,13 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     // On the MIG GPU: 1/7 each of the 1G slots, 1/3 each of the 2G: two of each fit
     // (one held and one free of each); five free 1G slots were taken back.
     let srv = s.server(node.uuid).await;
-    let mut on_mig: Vec<(String, DeviceState)> = srv
+    let on_mig: Vec<(String, DeviceState)> = srv
         .assignable_devices
         .unwrap_or_default()
         .into_iter()
         .filter(|d| d.id.vgpu().is_some() && d.id.gpu() == mig_gpu)
         .map(|d| (d.variant, d.state))
         .collect();
-    on_mig.sort_by(|a, b| {
-        a.0.cmp(&b.0)
-            .then(format!("{:?}", a.1).cmp(&format!("{:?}", b.1)))
-    });
     let count = |v: &str, st: DeviceState| on_mig.iter().filter(|x| x.0 == v && x.1 == st).count();
     assert_eq!(
         (
@@ -700,17 +712,7 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
         "{on_mig:?}"
     );
     // The node made them: one VF of the MIG GPU is each type.
-    let dir = node_agent::host::device_dir(&node.sysfs, &mig_gpu);
-    let mut types: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
-        .filter_map(|e| std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type")).ok())
-        .map(|t| t.trim().to_string())
-        .filter(|t| t != "0")
-        .collect();
-    types.sort();
-    assert_eq!(types, ["557", "558"]);
+    assert_eq!(vf_types(&node, &mig_gpu), ["557", "558"]);
     for vm in &vms {
         let r = s
             .with(&tenant)
@@ -720,14 +722,7 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
         assert_eq!(job.state, JobState::Succeeded, "{job:?}");
     }
     let none_left = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
-        let left = std::fs::read_dir(&dir)
-            .unwrap()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
-            .filter_map(|e| std::fs::read_to_string(e.path().join("nvidia/current_vgpu_type")).ok())
-            .filter(|t| t.trim() != "0")
-            .count();
-        (left == 0).then_some(())
+        vf_types(&node, &mig_gpu).is_empty().then_some(())
     })
     .await;
     assert!(none_left.is_some(), "every vGPU of the MIG GPU is gone");
@@ -738,33 +733,13 @@ both!(
 );
 
 /// 64 creations of two MIG-backed types that mix (1/7 and 1/3 of a GPU each) race for
-/// one GPU already hosting one of them: whatever wins, the slots on it, held or free, never claim more than the whole
-/// GPU, and every creation that lost was told there is no capacity.
+/// one GPU already hosting one of them: whatever wins, the slots on it, held or free,
+/// never claim more than the whole GPU, and every creation that lost was told there is
+/// no capacity.
 async fn mixing_types_race_for_one_gpu(b: Backend) {
     let s = TestServer::start(b, fast_config()).await;
     let (server, _, _) = vgpu_node(&s, 1).await;
-    s.h100_catalog(1).await;
-    for (name, vgpu_type, max) in [
-        ("H100_1G", "NVIDIA H100XM-1-10C", 7),
-        ("H100_2G", "NVIDIA H100XM-2-20C", 3),
-    ] {
-        let _: Variant = s
-            .post(
-                "/v1/variants",
-                &json!({"name": name, "type": "vgpu", "parent": "NVIDIA_H100",
-                        "vgpu_type": vgpu_type, "max_per_gpu": max, "mix": true}),
-            )
-            .await
-            .ok(201);
-        let _: Package = s
-            .post(
-                "/v1/packages",
-                &json!({"name": name.to_lowercase(), "vcpus": 1, "memory_mib": 1024,
-                        "disk_gib": 10, "devices": {name: 1}, "placement": "pack"}),
-            )
-            .await
-            .ok(201);
-    }
+    mig_catalog(&s, false).await;
     let (_, tenant) = s.tenant("racer").await;
     // The GPU hosts 1G slots first, one held: the 2G racers join it by taking free 1G
     // slots back while the 1G racers reserve those same slots.
