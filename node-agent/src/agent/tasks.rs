@@ -189,10 +189,20 @@ impl Executor {
                     .iter()
                     .map(|d| {
                         if d.vgpu().is_some() {
-                            self.vgpus.scrub(d)
-                        } else {
-                            scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env)
+                            return self.vgpus.scrub(d);
                         }
+                        let mig = self.vgpus.mig_off(d);
+                        if let Some(step) = mig.as_ref().filter(|s| !s.ok) {
+                            return passage_model::protocol::ScrubReport {
+                                device: d.clone(),
+                                ok: false,
+                                steps: vec![step.clone()],
+                            };
+                        }
+                        let mut report =
+                            scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env);
+                        report.steps.splice(0..0, mig);
+                        report
                     })
                     .collect();
                 let failed: Vec<String> = reports

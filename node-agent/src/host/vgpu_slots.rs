@@ -118,15 +118,50 @@ impl VgpuSlots {
         let record = if gpu_dir.join("mdev_supported_types").is_dir() {
             self.make_mdev(&gpu_dir, &id, want, vm)?
         } else {
-            let taken: Vec<&str> = state
+            let taken: Vec<String> = state
                 .iter()
                 .filter(|(k, _)| **k != id)
-                .filter_map(|(_, r)| r.vf.as_deref())
+                .filter_map(|(_, r)| r.vf.clone())
                 .collect();
-            self.make_vf(&gpu_dir, want, vm, &taken)?
+            self.make_vf(&gpu_dir, want, vm, &taken, &mut state, &id)?
         };
         state.insert(id, record);
         self.save(&state)
+    }
+
+    /// Turns MIG mode off on a whole NVIDIA GPU being scrubbed, when it is on: a GPU that
+    /// hosted MIG-backed vGPUs, or whose tenant turned MIG on from inside its VM, goes to
+    /// the next tenant as a whole GPU again. Runs before the pipeline (a mode change takes
+    /// effect at the GPU's next reset). `None`: nothing to do (not an NVIDIA GPU, MIG
+    /// mode off, or no nvidia-smi to tell).
+    pub fn mig_off(&self, dev: &DevicePath) -> Option<ScrubStep> {
+        if dev.vgpu().is_some() {
+            return None;
+        }
+        let dir = device_dir(self.root(), dev);
+        let vendor = read_attr(&dir.join("vendor")).ok()?;
+        if !vendor.trim().eq_ignore_ascii_case("0x10de") {
+            return None;
+        }
+        let gpu = dev.address();
+        if self.nvidia_smi.mig_mode(self.root(), gpu) != Some(true) {
+            return None;
+        }
+        let started = Instant::now();
+        let done = self.nvidia_smi.set_mig(self.root(), gpu, false);
+        if done.is_ok() {
+            tracing::info!(%gpu, "MIG mode turned off by the scrub");
+        }
+        Some(ScrubStep {
+            name: "mig_off".into(),
+            ok: done.is_ok(),
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            detail: Some(
+                done.err()
+                    .unwrap_or_else(|| "MIG mode was on: turned off".into()),
+            ),
+            skipped: false,
+        })
     }
 
     /// Puts the GPU in the MIG mode the type `want` needs (MIG-backed types exist only
@@ -217,12 +252,18 @@ impl VgpuSlots {
         })
     }
 
+    /// Makes a free VF of the GPU the vGPU. The record is saved before the VF gets its
+    /// type: a crash between the two leaves a record of a VF without a vGPU (harmless: its
+    /// release and scrub find nothing to clear), never a typed VF that no record names,
+    /// which no scrub could find (its slot's UUID is nowhere in sysfs).
     fn make_vf(
         &self,
         gpu_dir: &Path,
         want: &str,
         vm: VmId,
-        taken: &[&str],
+        taken: &[String],
+        state: &mut VgpuState,
+        id: &str,
     ) -> Result<VgpuRecord, String> {
         let mut vfs: Vec<(u32, String)> = Vec::new();
         let entries = fs::read_dir(gpu_dir).map_err(|e| format!("{}: {e}", gpu_dir.display()))?;
@@ -249,8 +290,9 @@ impl VgpuSlots {
             "no free virtual function of {} offers {want:?}",
             gpu_dir.display()
         );
+        let before = state.get(id).cloned();
         for (_, vf) in vfs {
-            if taken.contains(&vf.as_str()) {
+            if taken.contains(&vf) {
                 continue;
             }
             let nv = self.vf_dir(gpu_dir, &vf).join("nvidia");
@@ -266,17 +308,23 @@ impl VgpuSlots {
             else {
                 continue;
             };
+            let record = VgpuRecord {
+                vm,
+                type_id: type_id.clone(),
+                vf: Some(vf.clone()),
+            };
+            state.insert(id.to_string(), record.clone());
+            self.save(state)?;
             match self.ops.write_attr(&nv.join("current_vgpu_type"), type_id) {
-                Ok(()) => {
-                    return Ok(VgpuRecord {
-                        vm,
-                        type_id: type_id.clone(),
-                        vf: Some(vf),
-                    });
-                }
+                Ok(()) => return Ok(record),
                 Err(e) => last_err = format!("making {vf} a vGPU of type {type_id}: {e}"),
             }
         }
+        match before {
+            Some(r) => state.insert(id.to_string(), r),
+            None => state.remove(id),
+        };
+        self.save(state)?;
         Err(last_err)
     }
 

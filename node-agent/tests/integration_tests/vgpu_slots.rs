@@ -157,3 +157,60 @@ fn a_vgpu_type_gets_the_mig_mode_it_needs() {
         assert_eq!(vgpus_on(&dir), 1);
     }
 }
+
+/// A GPU left in MIG mode by its MIG-backed vGPUs goes back to the next tenant whole with
+/// MIG mode off: its whole-GPU scrub turns the mode off before the pipeline (and says
+/// so); a GPU whose mode is off gets no such step.
+#[test]
+fn the_whole_gpu_scrub_turns_mig_mode_off() {
+    use node_agent::agent::Executor;
+    use node_agent::host::Binder;
+    use node_agent::hypervisor::SimHypervisor;
+    use passage_model::protocol::Task;
+    use std::sync::Arc;
+    for (model, framework, mig_type) in [
+        (GpuModel::A100, FakeVgpu::Mdev, "nvidia-468"),
+        (GpuModel::H100, FakeVgpu::Vfio, "NVIDIA H100XM-1-10C"),
+    ] {
+        let (dir, slots, gpu) = world(model, framework);
+        let root = dir.path().join("sys");
+        let state = dir.path().join("state");
+        let binder = Binder::new(open_sysfs(&root).unwrap(), &state);
+        let hv = Arc::new(SimHypervisor::open(&state, None).unwrap());
+        let exec = Executor::new(binder, hv);
+        let scrub = |exec: &Executor| {
+            let r = exec.execute(&Task::Scrub {
+                devices: vec![gpu.clone()],
+                pipelines: Default::default(),
+            });
+            assert!(r.ok, "{model:?}: {:?}", r.error);
+            r.scrub_reports.into_iter().next().unwrap()
+        };
+        let clean = scrub(&exec);
+        assert!(
+            clean.steps.iter().all(|s| s.name != "mig_off"),
+            "{model:?}: MIG off already: {:?}",
+            clean.steps
+        );
+
+        let vm = VmId::new_random();
+        let slot = gpu.with_vgpu(uuid::Uuid::new_v4());
+        slots.make(&slot, mig_type, vm).unwrap();
+        assert_eq!(mig_mode(&dir), Some(true), "{model:?}");
+        slots.release(&slot, vm).unwrap();
+        let gone = slots.scrub(&slot);
+        assert!(gone.ok, "{model:?}: {gone:?}");
+        assert_eq!(
+            mig_mode(&dir),
+            Some(true),
+            "{model:?}: the slot's scrub leaves the mode"
+        );
+
+        let whole = scrub(&exec);
+        let first = whole.steps.first().unwrap();
+        assert_eq!(first.name, "mig_off", "{model:?}: {:?}", whole.steps);
+        assert!(first.ok, "{model:?}: {first:?}");
+        assert!(whole.steps.len() > 1, "the pipeline ran after it");
+        assert_eq!(mig_mode(&dir), Some(false), "{model:?}");
+    }
+}

@@ -812,9 +812,11 @@ pub async fn recompute_variants_on(db: &Db, server: Option<ServerId>) -> StoreRe
             .execute(&mut *tx)
             .await?;
         }
-        for server in &servers {
-            tx.refresh_free(parse_uuid(server, "server")?).await?;
-        }
+        let servers = servers
+            .iter()
+            .map(|s| parse_uuid(s, "server"))
+            .collect::<StoreResult<Vec<ServerId>>>()?;
+        tx.refresh_free_many(&servers).await?;
         Ok(changes.len() as u64)
     })
 }

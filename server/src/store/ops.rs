@@ -332,6 +332,17 @@ pub async fn vgpu_capacity(
             s.remaining_capacity += u64::from(slots_on(v, details.as_ref()).unwrap_or(0));
         }
     }
+    if v.mix {
+        // A shared GPU that a mixing variant can join has room for more of it, counting
+        // the free slots of the others there as room (a join takes them back).
+        for j in super::vgpus::joinable(db, v, &parent, alive_after_ms, None, None).await? {
+            let (server, .., n, _) = j.gpu;
+            if let Some(s) = servers.iter_mut().find(|s| s.server_uuid == server) {
+                s.max_capacity += u64::from(n);
+                s.remaining_capacity += u64::from(n);
+            }
+        }
+    }
     servers.retain(|s| s.max_capacity > 0 || s.in_use > 0);
     Ok(VgpuCapacity {
         parent,

@@ -9,7 +9,7 @@
 //! runs before it is whole again.
 
 use super::devices::DeviceTx;
-use super::reserve::free_index::FreeIndexTx;
+use super::reserve::free_index::{FreeIndexTx, Taken};
 use super::room::{Fit, has_room_sql};
 use super::{Db, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::in_tx;
@@ -116,7 +116,9 @@ type Eligible = (ServerId, DevicePath, i64, u32, bool);
 /// the fewest such GPUs free (they fill up first), for `spread` the most, one per server
 /// in turn. Only the first `gpus + 8` servers of the free-device index in that order are
 /// read. Answers those
-/// it opened; a GPU taken meanwhile is skipped.
+/// it opened; a GPU taken meanwhile is skipped. When every GPU it found was taken or
+/// changed meanwhile (a concurrent opening, another joiner), it reads again, up to
+/// [`OPEN_ATTEMPTS`] times: a loser of that race still gets a GPU while one has room.
 pub async fn open(
     db: &Db,
     v: &Variant,
@@ -126,22 +128,49 @@ pub async fn open(
     fit: Fit,
     only: Option<ServerId>,
 ) -> StoreResult<Vec<Opened>> {
+    for _ in 0..OPEN_ATTEMPTS {
+        let (opened, found) = open_once(db, v, gpus, policy, alive_after_ms, fit, only).await?;
+        if !opened.is_empty() || found == 0 {
+            return Ok(opened);
+        }
+    }
+    Ok(Vec::new())
+}
+
+/// Readings of the fleet one [`open`] makes at most.
+const OPEN_ATTEMPTS: usize = 4;
+
+/// One try of [`open`]: the GPUs opened, and how many it tried (0: none could host the
+/// type, and another read would find none either).
+async fn open_once(
+    db: &Db,
+    v: &Variant,
+    gpus: usize,
+    policy: Policy,
+    alive_after_ms: i64,
+    fit: Fit,
+    only: Option<ServerId>,
+) -> StoreResult<(Vec<Opened>, usize)> {
     let Some(parent) = v.parent.as_deref().filter(|_| v.is_vgpu() && gpus > 0) else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), 0));
     };
     // The servers come from the free-device index, in policy order, as many as GPUs are
     // wanted and a few more (a GPU may not offer the type): the read stays the size of
-    // the request, not of the fleet.
+    // the request, not of the fleet. Pack takes GPUs from as few servers as it can, so it
+    // stops at the server where the free GPUs counted so far reach that number ($7):
+    // the devices of two or three servers, not of twenty, for a batch's sixteen GPUs.
     let order = match policy {
         Policy::Pack => "ASC",
         Policy::Spread => "DESC",
     };
     let sql = format!(
-        "WITH h AS MATERIALIZED (SELECT f.server_uuid AS uuid FROM free_devices f \
+        "WITH h AS MATERIALIZED (SELECT uuid FROM (SELECT f.server_uuid AS uuid, \
+         SUM(f.free) OVER (ORDER BY f.free {order}, f.server_uuid ROWS UNBOUNDED PRECEDING) \
+         - f.free AS before FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
          WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0 \
          AND ($6 IS NULL OR f.server_uuid = $6) \
-         AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) \
+         AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) w WHERE w.before < $7) \
          SELECT d.server_uuid, d.id, d.generation, d.details, d.variant \
          FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.parent IS NULL AND {}",
         has_room_sql(fit.alloc, "$3", "$4"),
@@ -149,6 +178,10 @@ pub async fn open(
     );
     let memory = i64::try_from(fit.memory_mib).unwrap_or(i64::MAX);
     let servers = i64::try_from(gpus.saturating_add(8)).unwrap_or(i64::MAX);
+    let enough = match policy {
+        Policy::Pack => servers,
+        Policy::Spread => i64::MAX,
+    };
     let rows: Vec<GpuRow> = crate::on_read!(db, |p| sqlx::query_as(&sql)
         .bind(parent)
         .bind(alive_after_ms)
@@ -156,6 +189,7 @@ pub async fn open(
         .bind(memory)
         .bind(servers)
         .bind(only.map(|s| s.to_string()))
+        .bind(enough)
         .fetch_all(p)
         .await)?;
     let mut eligible: Vec<Eligible> = Vec::new();
@@ -212,7 +246,7 @@ pub async fn open(
     if v.mix {
         // Mixing variants fill GPUs already hosting them first when packing (CloudStack's
         // depth-first), and only once whole GPUs run out when spreading.
-        let mut found = joinable(db, v, parent, alive_after_ms, fit, only).await?;
+        let mut found = joinable(db, v, parent, alive_after_ms, Some(fit), only).await?;
         found.sort_by_key(|j| match policy {
             Policy::Pack => (j.room, j.gpu.0, j.gpu.1.clone()),
             Policy::Spread => (u64::MAX - j.room, j.gpu.0, j.gpu.1.clone()),
@@ -228,8 +262,9 @@ pub async fn open(
     }
     eligible.truncate(gpus);
     if eligible.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), 0));
     }
+    let found = eligible.len();
     let to = passage_model::transition(DeviceState::Unassigned, DeviceEvent::Share)
         .map_err(|e| corrupt(e.to_string()))?;
     let name = v.name.clone();
@@ -241,10 +276,22 @@ pub async fn open(
     let reason = |n: u32| format!("hosts {n} vGPU(s) of type {vgpu_type:?} (variant {name})");
     let (joins, whole): (Vec<Eligible>, Vec<Eligible>) =
         eligible.iter().cloned().partition(|e| e.4);
+    let postgres = db.backend() == "postgres";
     in_tx!(db, |tx| {
+        if postgres {
+            // An opening need not wait for the disk: it only turns free GPUs into free
+            // slots. A reservation of those slots commits durably after it, and Postgres
+            // flushes the WAL in order, so no held slot can outlive its opening; an
+            // opening lost in a crash leaves its GPUs whole, as if never opened. The
+            // flush it skips is a second one per placement batch beside the batch's own.
+            sqlx::query("SET LOCAL synchronous_commit = off")
+                .execute(&mut *tx)
+                .await?;
+        }
         let mut won: std::collections::HashSet<(String, String)> = std::collections::HashSet::new();
-        // Servers whose free slots changed though no GPU of theirs was opened.
-        let mut touched: Vec<ServerId> = Vec::new();
+        // What the free-device index gains and loses, by (server, variant): every device
+        // counted here was placeable when a conditional statement below changed it.
+        let mut free: Taken = Taken::new();
         for chunk in whole.chunks(CHUNK) {
             let rows: Vec<String> = (0..chunk.len())
                 .map(|i| {
@@ -302,20 +349,24 @@ pub async fn open(
                 .unwrap_or_default();
             let mut gone = 0;
             for slot in ids {
-                gone += sqlx::query(
+                let variant: Option<Option<String>> = sqlx::query_scalar(&format!(
                     "DELETE FROM devices WHERE server_uuid = $1 AND id = $2 \
-                     AND parent IS NOT NULL AND state = 'unassigned'",
-                )
+                     AND parent IS NOT NULL AND {} RETURNING variant",
+                    placeable("")
+                ))
                 .bind(server.to_string())
                 .bind(slot)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+                .fetch_optional(&mut *tx)
+                .await?;
+                if let Some(variant) = variant {
+                    gone += 1;
+                    if let Some(variant) = variant {
+                        *free.entry((server.to_string(), variant)).or_default() -= 1;
+                    }
+                }
             }
-            if gone == ids.len() as u64 {
+            if gone == ids.len() {
                 won.extend(hit);
-            } else {
-                touched.push(*server);
             }
         }
         let opened: Vec<Opened> = eligible
@@ -392,19 +443,25 @@ pub async fn open(
             }
             q.execute(&mut *tx).await?;
         }
-        let mut servers: Vec<ServerId> = opened.iter().map(|o| o.server).chain(touched).collect();
-        servers.sort();
-        servers.dedup();
-        for s in servers {
-            tx.refresh_free(s).await?;
+        for o in &opened {
+            *free
+                .entry((o.server.to_string(), name.clone()))
+                .or_default() += i64::from(o.slots);
+            if !joins.iter().any(|j| j.0 == o.server && j.1 == o.gpu) {
+                *free
+                    .entry((o.server.to_string(), parent.to_string()))
+                    .or_default() -= 1;
+            }
         }
-        Ok(opened)
+        tx.add_free(&free).await?;
+        Ok((opened, found))
     })
 }
 
 /// A GPU that a mixing variant can join, as [`joinable`] finds it.
-struct Join {
-    gpu: Eligible,
+pub(crate) struct Join {
+    /// Its server, path, generation, the slots a join adds (`n`), and `true`.
+    pub(crate) gpu: Eligible,
     /// Its room now, in [`WHOLE_GPU`] units, counting free slots of other variants as
     /// room (a join takes them back).
     room: u64,
@@ -417,15 +474,25 @@ type SlotRow = (String, String, i64, Option<String>, String, String, String);
 /// GPUs of `parent` already hosting vGPUs, all of variants that mix (as `v` does) and need
 /// the same MIG mode, with room for at least one more of `v` once the free slots of the
 /// other variants are taken back, on servers heard from since `alive_after_ms` with room
-/// for one VM of `fit`.
-async fn joinable(
+/// for one VM of `fit` (any room, for `None`: what the capacity view counts).
+pub(crate) async fn joinable(
     db: &Db,
     v: &Variant,
     parent: &str,
     alive_after_ms: i64,
-    fit: Fit,
+    fit: Option<Fit>,
     only: Option<ServerId>,
 ) -> StoreResult<Vec<Join>> {
+    let room = match fit {
+        Some(fit) => has_room_sql(fit.alloc, "$3", "$4"),
+        // The same parameters, bound to 0, so that the statement's shape does not change.
+        None => "$3 >= 0 AND $4 >= 0".to_string(),
+    };
+    let fit = fit.unwrap_or(Fit {
+        vcpus: 0,
+        memory_mib: 0,
+        alloc: Default::default(),
+    });
     let sql = format!(
         "SELECT g.server_uuid, g.id, g.generation, g.details, x.id, x.variant, x.state \
          FROM devices g JOIN servers s ON s.uuid = g.server_uuid \
@@ -433,9 +500,8 @@ async fn joinable(
          WHERE g.variant = $1 AND g.state = 'shared' AND g.parent IS NULL \
          AND g.missing = 0 AND g.taint IS NULL \
          AND s.last_heartbeat >= $2 AND s.disabled = 0 \
-         AND ($5 IS NULL OR g.server_uuid = $5) AND {} \
+         AND ($5 IS NULL OR g.server_uuid = $5) AND {room} \
          ORDER BY g.server_uuid, g.id",
-        has_room_sql(fit.alloc, "$3", "$4"),
     );
     let memory = i64::try_from(fit.memory_mib).unwrap_or(i64::MAX);
     let rows: Vec<SlotRow> = crate::on_read!(db, |p| sqlx::query_as(&sql)
@@ -644,12 +710,14 @@ pub async fn free_slots_on(db: &Db, variant: &str, server: ServerId) -> StoreRes
 }
 
 /// Free vGPU slots of `variant` on servers heard from since `alive_after_ms`, from the
-/// free-device index.
+/// free-device index. Asked once per placement batch: `free > 0` lets Postgres read only
+/// the servers with free slots through the index on `(variant, free)`, not every server
+/// that ever hosted the type.
 pub async fn free_slots(db: &Db, variant: &str, alive_after_ms: i64) -> StoreResult<i64> {
     let n: Option<i64> = crate::on_read!(db, |p| sqlx::query_scalar(
         "SELECT CAST(SUM(f.free) AS BIGINT) FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
-         WHERE f.variant = $1 AND s.last_heartbeat >= $2 AND s.disabled = 0"
+         WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0"
     )
     .bind(variant)
     .bind(alive_after_ms)

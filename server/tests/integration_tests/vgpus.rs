@@ -230,6 +230,7 @@ async fn race_for_the_last_vgpu_slot(b: Backend) {
         ),
         (4, 0, 4, 1)
     );
+    assert_free_index_exact(&s).await;
     // The slots keep the type they were made for.
     s.put::<Variant>(
         "/v1/variants/H100_10C",
@@ -648,6 +649,29 @@ async fn mig_catalog(s: &TestServer, sliced: bool) {
     }
 }
 
+/// The free-device index, which openings and joins keep by adding and subtracting, as
+/// a recount of the devices would make it (rows of 0 left out).
+async fn assert_free_index_exact(s: &TestServer) {
+    use passage_server::store::Db;
+    let kept = "SELECT server_uuid, variant, CAST(free AS BIGINT) FROM free_devices \
+                WHERE free <> 0 ORDER BY 1, 2";
+    let counted = "SELECT server_uuid, variant, CAST(COUNT(*) AS BIGINT) FROM devices \
+                   WHERE variant IS NOT NULL AND state = 'unassigned' AND missing = 0 \
+                   AND taint IS NULL GROUP BY server_uuid, variant ORDER BY 1, 2";
+    type Rows = Vec<(String, String, i64)>;
+    let (kept, counted): (Rows, Rows) = match &s.ctx.db {
+        Db::Sqlite { read, .. } => (
+            sqlx::query_as(kept).fetch_all(read).await.unwrap(),
+            sqlx::query_as(counted).fetch_all(read).await.unwrap(),
+        ),
+        Db::Postgres(p) => (
+            sqlx::query_as(kept).fetch_all(p).await.unwrap(),
+            sqlx::query_as(counted).fetch_all(p).await.unwrap(),
+        ),
+    };
+    assert_eq!(kept, counted, "the free-device index against a recount");
+}
+
 /// The vGPU type ids the VFs of the vendor-VFIO `gpu` carry now, sorted.
 fn vf_types(node: &crate::common::Node, gpu: &DevicePath) -> Vec<String> {
     let dir = node_agent::host::device_dir(&node.sysfs, gpu);
@@ -670,7 +694,11 @@ fn vf_types(node: &crate::common::Node, gpu: &DevicePath) -> Vec<String> {
 /// mix, gets the other GPU, whose MIG mode stays off. Destroyed, every vGPU goes.
 async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     use passage_model::api::{Job, JobState};
-    let (s, node) = agent_world(b, fast_config(), 2).await;
+    let cfg = passage_server::config::Config {
+        vgpu_idle_close: std::time::Duration::from_secs(2),
+        ..fast_config()
+    };
+    let (s, node) = agent_world(b, cfg, 2).await;
     mig_catalog(&s, true).await;
     assert!(
         mig_modes(&node).iter().all(|(_, on)| !on),
@@ -690,6 +718,21 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     assert_ne!(other, mig_gpu, "the time-sliced type does not mix");
     assert!(mig_on(&node, &mig_gpu));
     assert!(!mig_on(&node, &other));
+    // The capacity view counts what a join would add: one more 2G does not fit beside
+    // the two 1G and two 2G slots (17/21 of the GPU held or the 2G's own), while two
+    // more 1G do, once the free 2G slot is taken back (13/21 held).
+    let all: Vec<Capacity> = s.get("/v1/capacity").await.ok(200);
+    let cap = |name: &str| {
+        let c = all
+            .iter()
+            .find(|c| c.variant == name)
+            .and_then(|c| c.vgpu.as_ref())
+            .unwrap_or_else(|| panic!("{name}'s capacity"));
+        (c.max_capacity, c.remaining_capacity, c.in_use)
+    };
+    assert_eq!(cap("H100_1G"), (4, 3, 1), "1G: 2 slots + 2 joinable");
+    assert_free_index_exact(&s).await;
+    assert_eq!(cap("H100_2G"), (2, 1, 1), "2G: its 2 slots, none joinable");
     // On the MIG GPU: 1/7 each of the 1G slots, 1/3 each of the 2G: two of each fit
     // (one held and one free of each); five free 1G slots were taken back.
     let srv = s.server(node.uuid).await;
@@ -726,6 +769,18 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     })
     .await;
     assert!(none_left.is_some(), "every vGPU of the MIG GPU is gone");
+    // Idle, the GPU closes and is scrubbed whole: its scrub turns MIG mode off, so the
+    // next tenant of the whole GPU gets it as any other.
+    let whole = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+        let states = s.device_states(node.uuid).await;
+        states
+            .iter()
+            .any(|(id, st, _)| *id == mig_gpu && *st == DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await;
+    assert!(whole.is_some(), "the MIG GPU went back whole");
+    assert!(!mig_on(&node, &mig_gpu), "its scrub turned MIG mode off");
 }
 both!(
     mig_types_switch_the_gpu_and_mix_on,
@@ -807,6 +862,7 @@ async fn mixing_types_race_for_one_gpu(b: Backend) {
         gpus_in(&s.device_states(server).await, DeviceState::Shared).len(),
         1
     );
+    assert_free_index_exact(&s).await;
 }
 both!(
     mixing_types_race_for_one_gpu_on,
