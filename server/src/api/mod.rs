@@ -3,6 +3,7 @@
 pub mod agent;
 pub mod audit;
 pub mod extract;
+pub mod file_stream;
 pub mod hardening;
 pub mod links;
 pub mod metrics;

@@ -680,41 +680,4 @@ pub fn file_response(file: std::fs::File, len: u64) -> Response {
     r
 }
 
-/// Bytes per read of a file sent as a body.
-const FILE_CHUNK: u64 = 1 << 20;
-
-/// `count` bytes of `file` from its current position, as a body. One blocking thread
-/// reads the whole of it in 1 MiB reads, a few reads ahead of the socket: through
-/// `tokio::fs` every read is a trip to the blocking pool and back, which cost the
-/// server as much CPU as the copies themselves in a 2 GiB image's download.
-pub fn file_body(file: std::fs::File, count: u64) -> axum::body::Body {
-    use std::io::Read;
-    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<axum::body::Bytes>>(4);
-    tokio::task::spawn_blocking(move || {
-        let mut file = file;
-        let mut left = count;
-        while left > 0 {
-            let want = left.min(FILE_CHUNK);
-            let mut buf = Vec::with_capacity(want as usize);
-            let chunk = match (&mut file).take(want).read_to_end(&mut buf) {
-                Ok(0) => Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the file is shorter than it was",
-                )),
-                Ok(n) => {
-                    left -= n as u64;
-                    Ok(axum::body::Bytes::from(buf))
-                }
-                Err(e) => Err(e),
-            };
-            let failed = chunk.is_err();
-            // A closed channel: the client went away.
-            if tx.blocking_send(chunk).is_err() || failed {
-                return;
-            }
-        }
-    });
-    axum::body::Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    }))
-}
+pub use super::file_stream::file_body;
