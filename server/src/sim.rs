@@ -23,8 +23,42 @@ pub struct SimSpec {
     pub ca_cert: Option<PathBuf>,
 }
 
+/// Nice value of the simulated nodes' threads: above the server's (0), so that the
+/// server's own work (answering the API, running jobs) gets the CPU first.
+const SIM_NICE: i32 = 10;
+
+/// The runtime the simulated nodes run on, apart from the server's. A simulated node
+/// stands for a machine of its own; in one process with the server, a thousand of them
+/// polling and answering tasks on the server's runtime took the CPU the API needed, and
+/// tokio has no priorities. On threads of their own, at a lower priority
+/// ([`SIM_NICE`]), they get what the server leaves. Made once, kept for the process.
+fn sim_runtime() -> anyhow::Result<&'static tokio::runtime::Runtime> {
+    static RT: std::sync::Mutex<Option<&'static tokio::runtime::Runtime>> =
+        std::sync::Mutex::new(None);
+    let mut made = RT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(rt) = *made {
+        return Ok(rt);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("sim-node")
+        .on_thread_start(|| {
+            // On Linux a nice value belongs to the thread that sets it.
+            if let Err(e) = rustix::process::setpriority_process(None, SIM_NICE) {
+                tracing::debug!(error = %e, "could not lower a simulated node thread's priority");
+            }
+        })
+        .build()?;
+    // Never dropped: a runtime may not be dropped from async code, and the nodes run
+    // until the process ends.
+    let rt: &'static tokio::runtime::Runtime = Box::leak(Box::new(rt));
+    *made = Some(rt);
+    Ok(rt)
+}
+
 /// Starts the simulated nodes; they register (or reconnect) on their own.
 pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<()> {
+    let rt = sim_runtime()?;
     for i in 0..spec.servers {
         let node_dir = spec.dir.join(format!("node-{i}"));
         let sysfs = node_dir.join("sysfs");
@@ -53,7 +87,7 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             hostname: format!("sim-{i}"),
             ca_cert: spec.ca_cert.clone(),
         };
-        tokio::spawn(async move {
+        rt.spawn(async move {
             if let Err(e) = node_agent::agent::run(cfg).await {
                 tracing::error!(node = i, error = %e, "simulated node stopped");
             }

@@ -134,8 +134,8 @@ impl Services {
         let cfg_limits = cfg.login_limits.clone();
         let job_concurrency = cfg.job_concurrency.max(1);
         Arc::new(Services {
-            placer_db: db.lane(PLACER_CONNECTIONS),
-            audit_db: db.lane(AUDIT_CONNECTIONS),
+            placer_db: db.lane(PLACER_CONNECTIONS).first_in_line(),
+            audit_db: db.lane(AUDIT_CONNECTIONS).first_in_line(),
             jobs_db: db.lane_with(JOB_CONNECTIONS, crate::store::Commit::Relaxed),
             db,
             cfg,

@@ -33,6 +33,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::SqliteSynchronous;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +90,9 @@ pub enum Db {
     Sqlite {
         write: SqlitePool,
         read: SqlitePool,
+        /// The turn to write that ordinary writers take before they queue for the one
+        /// writer connection (see [`Db::first_in_line`]); `None`: this handle skips it.
+        turn: Option<Arc<tokio::sync::Semaphore>>,
     },
     Postgres(PgPool),
 }
@@ -98,7 +102,8 @@ pub enum Db {
 macro_rules! on_write {
     ($db:expr, |$c:ident| $body:expr) => {
         match $db {
-            $crate::store::Db::Sqlite { write, .. } => {
+            $crate::store::Db::Sqlite { write, turn, .. } => {
+                let _turn = $crate::store::wait_turn(turn).await;
                 let $c = write;
                 $body
             }
@@ -133,7 +138,8 @@ macro_rules! on_read {
 macro_rules! in_tx {
     ($db:expr, |$tx:ident| $body:expr) => {
         match $db {
-            $crate::store::Db::Sqlite { write, .. } => {
+            $crate::store::Db::Sqlite { write, turn, .. } => {
+                let _turn = $crate::store::wait_turn(turn).await;
                 let mut $tx = write.begin().await?;
                 let r: $crate::store::StoreResult<_> = async { $body }.await;
                 match r {
@@ -194,7 +200,11 @@ impl Db {
                 .acquire_timeout(Duration::from_secs(60))
                 .connect_with(base.read_only(true))
                 .await?;
-            Ok(Db::Sqlite { write, read })
+            Ok(Db::Sqlite {
+                write,
+                read,
+                turn: Some(Arc::new(tokio::sync::Semaphore::new(1))),
+            })
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let opts = PgConnectOptions::from_str(url)?;
             let pool = PgPoolOptions::new()
@@ -246,6 +256,24 @@ impl Db {
         }
     }
 
+    /// This handle's writes on SQLite go ahead of the others': they queue for the one
+    /// writer connection directly, while every other handle's writes first take a turn
+    /// (one at a time) and only then queue there. So a write through this handle waits
+    /// for at most the write in progress and one other, however many job steps and node
+    /// reports are waiting, instead of behind all of them (the pool serves its waiters in
+    /// order). For the placer's batches and the audit records that API answers wait for.
+    /// On Postgres, where writers do not queue for one connection, the same handle.
+    pub fn first_in_line(&self) -> Db {
+        match self {
+            Db::Sqlite { write, read, .. } => Db::Sqlite {
+                write: write.clone(),
+                read: read.clone(),
+                turn: None,
+            },
+            Db::Postgres(_) => self.clone(),
+        }
+    }
+
     pub fn backend(&self) -> &'static str {
         match self {
             Db::Sqlite { .. } => "sqlite",
@@ -255,12 +283,23 @@ impl Db {
 
     pub async fn close(&self) {
         match self {
-            Db::Sqlite { write, read } => {
+            Db::Sqlite { write, read, .. } => {
                 read.close().await;
                 write.close().await;
             }
             Db::Postgres(p) => p.close().await,
         }
+    }
+}
+
+/// Waits for a turn to write, where the handle takes one (see [`Db::first_in_line`]).
+#[doc(hidden)]
+pub async fn wait_turn(
+    turn: &Option<Arc<tokio::sync::Semaphore>>,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    match turn {
+        Some(t) => t.clone().acquire_owned().await.ok(),
+        None => None,
     }
 }
 

@@ -1049,3 +1049,54 @@ both!(
     a_gpu_hosts_vgpus_until_its_last_is_scrubbed_on,
     a_gpu_hosts_vgpus_until_its_last_is_scrubbed
 );
+
+/// On SQLite every write queues for the one writer connection. The placer's handle
+/// (`first_in_line`) goes ahead of the others: with twenty writers of the ordinary handle
+/// waiting, each holding the writer for a while, a write through it waits for the one in
+/// progress and at most one more, where the pool alone would serve it last.
+#[tokio::test]
+async fn a_first_in_line_write_goes_ahead_of_queued_writers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let tdb = TestDb::new(Backend::Sqlite).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    passage_server::on_write!(&db, |p| sqlx::query("CREATE TABLE queued (who TEXT)")
+        .execute(p)
+        .await
+        .map(|_| ()))
+    .unwrap();
+    let done = Arc::new(AtomicUsize::new(0));
+    async fn write(db: Db, who: String, done: Arc<AtomicUsize>) -> usize {
+        passage_server::on_write!(&db, |p| {
+            let mut tx = p.begin().await.unwrap();
+            sqlx::query("INSERT INTO queued (who) VALUES ($1)")
+                .bind(&who)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            // Holds the writer a while, as a job step's transaction does.
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            tx.commit().await.unwrap();
+        });
+        done.fetch_add(1, Ordering::SeqCst)
+    }
+    let queued: Vec<_> = (0..20)
+        .map(|i| tokio::spawn(write(db.clone(), format!("job-{i}"), done.clone())))
+        .collect();
+    // Let them all queue (the first few are done by then).
+    tokio::time::sleep(std::time::Duration::from_millis(40)).await;
+    let before = done.load(Ordering::SeqCst);
+    assert!(
+        before < 10,
+        "the writers did not queue: {before} done already"
+    );
+    let placer = write(db.first_in_line(), "placer".into(), done.clone()).await;
+    for q in queued {
+        q.await.unwrap();
+    }
+    assert!(
+        placer <= before + 2,
+        "the first-in-line write finished {}th, after {before} done before it asked",
+        placer + 1
+    );
+}
