@@ -27,6 +27,9 @@ pub struct SimSpec {
 /// server's own work (answering the API, running jobs) gets the CPU first.
 const SIM_NICE: i32 = 10;
 
+/// Threads for the simulated nodes' blocking work at most.
+const SIM_BLOCKING_THREADS: usize = 16;
+
 /// The runtime the simulated nodes run on, apart from the server's. A simulated node
 /// stands for a machine of its own; in one process with the server, a thousand of them
 /// polling and answering tasks on the server's runtime took the CPU the API needed, and
@@ -42,6 +45,10 @@ fn sim_runtime() -> anyhow::Result<&'static tokio::runtime::Runtime> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("sim-node")
+        // Their blocking work is short (a simulated node's sysfs writes and state files):
+        // a few threads serve a thousand nodes, where tokio's default of 512 would each
+        // keep an allocator heap of its own.
+        .max_blocking_threads(SIM_BLOCKING_THREADS)
         .on_thread_start(|| {
             // On Linux a nice value belongs to the thread that sets it.
             if let Err(e) = rustix::process::setpriority_process(None, SIM_NICE) {
