@@ -84,7 +84,7 @@ impl HashingSink {
 /// Bytes a direct write is aligned to: the logical block size of every disk in use
 /// (512 or 4096). Where a disk needs more, its first direct write fails with `EINVAL` and
 /// the file is written through the page cache instead.
-const ALIGN: usize = 4096;
+pub const ALIGN: usize = 4096;
 
 /// Bytes gathered per direct write.
 const DIRECT_CHUNK: usize = 4 << 20;
@@ -221,7 +221,8 @@ impl FileWriter {
     }
 }
 
-fn set_direct(file: &std::fs::File, on: bool) -> io::Result<()> {
+/// Turns `O_DIRECT` on or off for an open file (the server's direct reads use it too).
+pub fn set_direct(file: &std::fs::File, on: bool) -> io::Result<()> {
     let flags = rustix::fs::fcntl_getfl(file)?;
     let flags = if on {
         flags | rustix::fs::OFlags::DIRECT

@@ -5,20 +5,19 @@
 //! so the cache rarely serves an image twice, while filling it costs this process the
 //! pages it allocates and fills. Measured on this project's 2-CPU VMs with `dd` over a
 //! cold 2 GiB file: 0.7–3.4 s of system CPU through the cache, 0.1–0.2 s with `O_DIRECT`;
-//! and in `cargo xtask bench images`, the rounds where the server spent over 1.1 s of CPU
-//! sending 2 GiB were those whose download missed 0.8 × `cp`. Streaming images through
-//! the cache would also push the database's pages out of it.
+//! and in `cargo xtask bench images`, the rounds where the server spent 1.1–1.9 s of CPU
+//! sending 2 GiB downloaded at 0.62–0.82 × `cp`, those where it spent under 0.9 s at
+//! 0.87–0.94 ×. Streaming images through the cache would also push the database's pages
+//! out of it.
 
 use axum::body::Bytes;
+// The alignment `O_DIRECT` asks of offsets, lengths and buffers: as for an upload's writes.
+use node_agent::images::sink::{ALIGN, set_direct};
 use std::io;
 use std::sync::mpsc;
 
 /// Bytes per read: a multiple of [`ALIGN`].
 const FILE_CHUNK: usize = 1 << 20;
-
-/// What `O_DIRECT` asks of offsets, lengths and buffers on the file systems a server's
-/// image directory lives on.
-const ALIGN: usize = 4096;
 
 /// Reads in flight ahead of the socket.
 const AHEAD: usize = 4;
@@ -62,17 +61,6 @@ impl Drop for Chunk {
 
 fn aligned_start(mem: &[u8]) -> usize {
     mem.as_ptr().align_offset(ALIGN).min(ALIGN)
-}
-
-fn set_direct(file: &std::fs::File, on: bool) -> io::Result<()> {
-    let flags = rustix::fs::fcntl_getfl(file)?;
-    let flags = if on {
-        flags | rustix::fs::OFlags::DIRECT
-    } else {
-        flags - rustix::fs::OFlags::DIRECT
-    };
-    rustix::fs::fcntl_setfl(file, flags)?;
-    Ok(())
 }
 
 /// Reads `count` bytes from the file's position and sends them in chunks, until done,
