@@ -62,11 +62,29 @@ async fn create(s: &TestServer, token: &str, package: &str, alias: &str) -> Vm {
 }
 
 async fn vgpu_capacity(s: &TestServer) -> VgpuCapacity {
+    capacity_of(s, "H100_10C").await
+}
+
+/// The vGPU capacity of the variant `name`, from `/v1/capacity`.
+async fn capacity_of(s: &TestServer, name: &str) -> VgpuCapacity {
     let all: Vec<Capacity> = s.get("/v1/capacity").await.ok(200);
     all.into_iter()
-        .find(|c| c.variant == "H100_10C")
+        .find(|c| c.variant == name)
         .and_then(|c| c.vgpu)
-        .expect("the vGPU variant's capacity")
+        .unwrap_or_else(|| panic!("{name}'s capacity"))
+}
+
+/// Waits (up to 30 s) for `gpu` of `node` to be free whole again; whether it was.
+async fn back_whole(s: &TestServer, node: ServerId, gpu: &DevicePath) -> bool {
+    crate::common::wait_for(std::time::Duration::from_secs(30), || async {
+        let states = s.device_states(node).await;
+        states
+            .iter()
+            .any(|(id, st, _)| id == gpu && *st == DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await
+    .is_some()
 }
 
 type States = Vec<(DevicePath, DeviceState, Option<VmId>)>;
@@ -562,15 +580,11 @@ async fn a_vm_resized_to_a_vgpu_gets_one_on_its_server(b: Backend) {
     let slot = &v.assigned_devices[0];
     assert!(slot.vgpu().is_some(), "{slot}");
     assert_ne!(slot.gpu(), whole, "the other GPU was opened");
-    let freed = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
-        let states = s.device_states(node.uuid).await;
-        states
-            .iter()
-            .any(|(id, st, _)| *id == whole && *st == DeviceState::Unassigned)
-            .then_some(())
-    })
-    .await;
-    assert!(freed.is_some(), "{:?}", s.device_states(node.uuid).await);
+    assert!(
+        back_whole(&s, node.uuid, &whole).await,
+        "{:?}",
+        s.device_states(node.uuid).await
+    );
     let started = act("start", json!({})).await;
     let job: Job = s.wait_job(started.job_uuid.unwrap()).await;
     assert_eq!(job.state, JobState::Succeeded, "{job:?}");
@@ -721,18 +735,20 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     // The capacity view counts what a join would add: one more 2G does not fit beside
     // the two 1G and two 2G slots (17/21 of the GPU held or the 2G's own), while two
     // more 1G do, once the free 2G slot is taken back (13/21 held).
-    let all: Vec<Capacity> = s.get("/v1/capacity").await.ok(200);
-    let cap = |name: &str| {
-        let c = all
-            .iter()
-            .find(|c| c.variant == name)
-            .and_then(|c| c.vgpu.as_ref())
-            .unwrap_or_else(|| panic!("{name}'s capacity"));
-        (c.max_capacity, c.remaining_capacity, c.in_use)
+    let cap = |name: &'static str| {
+        let s = &s;
+        async move {
+            let c = capacity_of(s, name).await;
+            (c.max_capacity, c.remaining_capacity, c.in_use)
+        }
     };
-    assert_eq!(cap("H100_1G"), (4, 3, 1), "1G: 2 slots + 2 joinable");
+    assert_eq!(cap("H100_1G").await, (4, 3, 1), "1G: 2 slots + 2 joinable");
     assert_free_index_exact(&s).await;
-    assert_eq!(cap("H100_2G"), (2, 1, 1), "2G: its 2 slots, none joinable");
+    assert_eq!(
+        cap("H100_2G").await,
+        (2, 1, 1),
+        "2G: its 2 slots, none joinable"
+    );
     // On the MIG GPU: 1/7 each of the 1G slots, 1/3 each of the 2G: two of each fit
     // (one held and one free of each); five free 1G slots were taken back.
     let srv = s.server(node.uuid).await;
@@ -771,15 +787,10 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
     assert!(none_left.is_some(), "every vGPU of the MIG GPU is gone");
     // Idle, the GPU closes and is scrubbed whole: its scrub turns MIG mode off, so the
     // next tenant of the whole GPU gets it as any other.
-    let whole = crate::common::wait_for(std::time::Duration::from_secs(30), || async {
-        let states = s.device_states(node.uuid).await;
-        states
-            .iter()
-            .any(|(id, st, _)| *id == mig_gpu && *st == DeviceState::Unassigned)
-            .then_some(())
-    })
-    .await;
-    assert!(whole.is_some(), "the MIG GPU went back whole");
+    assert!(
+        back_whole(&s, node.uuid, &mig_gpu).await,
+        "the MIG GPU went back whole"
+    );
     assert!(!mig_on(&node, &mig_gpu), "its scrub turned MIG mode off");
 }
 both!(
