@@ -10,6 +10,7 @@ pub mod fuzzing;
 pub mod ids;
 pub mod images;
 pub mod jobs;
+pub mod keys;
 pub mod pci;
 pub mod protocol;
 mod redact;

@@ -56,6 +56,15 @@ const FIRST_PACKAGE: &[(&str, Option<&str>)] = &[
     ("memory_mib", None),
 ];
 const DEVICE_SERVER: &[(&str, &str)] = &[("uuid", "$response.body#/0/server_uuid")];
+/// A key of the account named in the request's path.
+const ACCOUNT_KEY: &[(&str, &str)] = &[
+    ("uuid", "$request.path.uuid"),
+    ("name", "$response.body#/name"),
+];
+const FIRST_ACCOUNT_KEY: &[(&str, &str)] = &[
+    ("uuid", "$request.path.uuid"),
+    ("name", "$response.body#/0/name"),
+];
 
 /// Every link the document states. `logout`, `delete_token` and `revoke_credential` are not
 /// targets: following them would cut off the caller or its nodes.
@@ -85,6 +94,26 @@ pub const LINKS: &[Link] = &[
     link("create_account", "201", "update_account", UUID),
     link("create_account", "201", "delete_account", UUID),
     link("list_accounts", "200", "get_account", FIRST_UUID),
+    // SSH keys: the caller's own, and any account's.
+    link("create_key", "201", "get_key", NAME),
+    link("create_key", "201", "delete_key", NAME),
+    link("list_keys", "200", "get_key", FIRST_NAME),
+    link("create_account", "201", "list_account_keys", UUID),
+    link("create_account", "201", "create_account_key", UUID),
+    link("list_accounts", "200", "list_account_keys", FIRST_UUID),
+    link("create_account_key", "201", "get_account_key", ACCOUNT_KEY),
+    link(
+        "create_account_key",
+        "201",
+        "delete_account_key",
+        ACCOUNT_KEY,
+    ),
+    link(
+        "list_account_keys",
+        "200",
+        "get_account_key",
+        FIRST_ACCOUNT_KEY,
+    ),
     // Variants and packages.
     link("create_variant", "201", "get_variant", NAME),
     link("create_variant", "201", "put_variant", NAME),

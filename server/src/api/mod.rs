@@ -42,6 +42,10 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         ))
         .routes(routes!(v1::list_tokens, v1::create_token))
         .routes(routes!(v1::delete_token))
+        .routes(routes!(v1::list_keys, v1::create_key))
+        .routes(routes!(v1::get_key, v1::delete_key))
+        .routes(routes!(v1::list_account_keys, v1::create_account_key))
+        .routes(routes!(v1::get_account_key, v1::delete_account_key))
         .routes(routes!(v1::list_variants, v1::create_variant))
         .routes(routes!(
             v1::get_variant,

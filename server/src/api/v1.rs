@@ -11,7 +11,7 @@ use super::params::{
 use crate::error::{ApiError, ApiResult, ErrorResponses};
 use crate::listing::{Cursor, DeviceKey, Page, TimeKey};
 use crate::services::auth::{self, Caller};
-use crate::services::{Ctx, accounts, catalog, images, ops, servers, vms};
+use crate::services::{Ctx, accounts, catalog, images, keys, ops, servers, vms};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -30,6 +30,7 @@ use passage_model::api::{
 #[allow(unused_imports)]
 use passage_model::images::Image;
 use passage_model::images::{CreateImage, Sha256, UpdateImage};
+use passage_model::keys::{CreateSshKey, SshKey};
 use passage_model::{AccountId, ApiErrorBody, ImageId, JobId, PackageId, ServerId, Variant, VmId};
 use serde::Serialize;
 
@@ -448,6 +449,100 @@ pub async fn delete_token(
 ) -> ApiResult<StatusCode> {
     let uuid: uuid::Uuid = id(&raw, "token")?;
     auth::delete_api_token(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- SSH keys ----
+
+const KEY_NAME: &str = "The key's name (URL-encoded)";
+
+#[utoipa::path(get, path = "/keys", tag = "keys", params(Paging), responses((status = 200, description = "The caller's SSH keys, newest first", body = [SshKey], headers(("x-resource-count" = i64, description = "How many keys the account has"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_keys(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let (limit, offset) = page.bounds()?;
+    let me = caller.account.uuid;
+    let (items, total) = keys::list(&ctx, &caller, me, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+#[utoipa::path(post, path = "/keys", tag = "keys", request_body = CreateSshKey, responses((status = 201, description = "Added", body = SshKey), (status = 409, description = "A key of that name, the same key, or too many keys", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+pub async fn create_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateSshKey>,
+) -> ApiResult<Response> {
+    let me = caller.account.uuid;
+    let k = keys::create(&ctx, &caller, me, req).await?;
+    Ok((StatusCode::CREATED, Json(k)).into_response())
+}
+
+#[utoipa::path(get, path = "/keys/{name}", tag = "keys", params(("name" = String, Path, description = KEY_NAME)), responses((status = 200, description = "The key", body = SshKey), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult<Response> {
+    let me = caller.account.uuid;
+    Ok(Json(keys::get(&ctx, &caller, me, &name).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/keys/{name}", tag = "keys", params(("name" = String, Path, description = KEY_NAME)), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    let me = caller.account.uuid;
+    keys::delete(&ctx, &caller, me, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/accounts/{uuid}/keys", tag = "keys", params(("uuid" = String, Path, format = Uuid, description = "The account's uuid"), Paging), responses((status = 200, description = "The account's SSH keys, newest first (operators and readers; anyone for their own)", body = [SshKey], headers(("x-resource-count" = i64, description = "How many keys the account has"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_account_keys(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let account: AccountId = id(&raw, "account")?;
+    let (limit, offset) = page.bounds()?;
+    let (items, total) = keys::list(&ctx, &caller, account, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+#[utoipa::path(post, path = "/accounts/{uuid}/keys", tag = "keys", params(("uuid" = String, Path, format = Uuid, description = "The account's uuid")), request_body = CreateSshKey, responses((status = 201, description = "Added (operators; anyone to their own account)", body = SshKey), (status = 409, description = "A key of that name, the same key, or too many keys", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+pub async fn create_account_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<CreateSshKey>,
+) -> ApiResult<Response> {
+    let account: AccountId = id(&raw, "account")?;
+    let k = keys::create(&ctx, &caller, account, req).await?;
+    Ok((StatusCode::CREATED, Json(k)).into_response())
+}
+
+#[utoipa::path(get, path = "/accounts/{uuid}/keys/{name}", tag = "keys", params(("uuid" = String, Path, format = Uuid, description = "The account's uuid"), ("name" = String, Path, description = KEY_NAME)), responses((status = 200, description = "The key", body = SshKey), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_account_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, name)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    let account: AccountId = id(&raw, "account")?;
+    Ok(Json(keys::get(&ctx, &caller, account, &name).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/accounts/{uuid}/keys/{name}", tag = "keys", params(("uuid" = String, Path, format = Uuid, description = "The account's uuid"), ("name" = String, Path, description = KEY_NAME)), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_account_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, name)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let account: AccountId = id(&raw, "account")?;
+    keys::delete(&ctx, &caller, account, &name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

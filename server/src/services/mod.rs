@@ -9,6 +9,7 @@ pub mod batcher;
 pub mod cache;
 pub mod catalog;
 pub mod images;
+pub mod keys;
 pub mod login_guard;
 pub mod metrics;
 pub mod ops;

@@ -17,6 +17,7 @@ pub mod devices;
 pub mod events;
 pub mod images;
 pub mod jobs;
+pub mod keys;
 pub mod ops;
 pub mod packages;
 pub mod page;

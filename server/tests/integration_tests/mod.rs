@@ -5,6 +5,7 @@ mod api;
 mod durable;
 mod e2e;
 mod images;
+mod keys;
 mod lifecycle;
 mod openapi;
 mod ops;

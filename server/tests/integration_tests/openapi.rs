@@ -19,6 +19,14 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/tokens"),
     ("post", "/v1/tokens"),
     ("delete", "/v1/tokens/{uuid}"),
+    ("get", "/v1/keys"),
+    ("post", "/v1/keys"),
+    ("get", "/v1/keys/{name}"),
+    ("delete", "/v1/keys/{name}"),
+    ("get", "/v1/accounts/{uuid}/keys"),
+    ("post", "/v1/accounts/{uuid}/keys"),
+    ("get", "/v1/accounts/{uuid}/keys/{name}"),
+    ("delete", "/v1/accounts/{uuid}/keys/{name}"),
     ("get", "/v1/variants"),
     ("post", "/v1/variants"),
     ("get", "/v1/variants/{name}"),
@@ -169,7 +177,7 @@ fn at<'a>(doc: &'a Value, schema: &'a Value, pointer: &str) -> Option<&'a Value>
 
 /// Answers link to the operations their values feed, so that a client (or Schemathesis's
 /// stateful phase) reaches real objects: each link names an operation that exists, fills
-/// parameters it has from fields the source's answer has, and every operation on one
+/// parameters it has from fields the source's answer has (or from its own path), and every operation on one
 /// object is reached by some link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_link_to_the_calls_they_feed() {
@@ -232,6 +240,14 @@ async fn answers_link_to_the_calls_they_feed() {
                 }
                 assert!(!exprs.is_empty(), "{label} {status} {name} passes nothing");
                 for expr in exprs {
+                    // A value of the request's own path: the source must have it.
+                    if let Some(param) = expr.strip_prefix("$request.path.") {
+                        assert!(
+                            label.contains(&format!("{{{param}}}")),
+                            "{label} {status} {name}: no path parameter {param}"
+                        );
+                        continue;
+                    }
                     let pointer = expr.strip_prefix("$response.body#").unwrap();
                     assert!(
                         at(&doc, schema, pointer).is_some(),
