@@ -58,6 +58,8 @@ typed_id!(
     TokenId,
     /// An image in the catalog.
     ImageId,
+    /// A network VMs take addresses from.
+    NetworkId,
 );
 
 #[cfg(test)]
