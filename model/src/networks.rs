@@ -100,6 +100,115 @@ pub struct CreateNetwork {
     pub description: Option<String>,
 }
 
+/// What an operator may change on a network. Its addresses (subnet, gateway, range),
+/// bridge and VLAN stay as created: VMs hold addresses from them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateNetwork {
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 64)]
+    pub name: Option<String>,
+    #[serde(default)]
+    #[schema(max_items = 8)]
+    pub resolvers: Option<Vec<String>>,
+    #[serde(default)]
+    #[schema(minimum = 576, maximum = 9000)]
+    pub mtu: Option<u32>,
+    #[serde(default)]
+    pub public: Option<bool>,
+    /// Replaces the list.
+    #[serde(default)]
+    #[schema(max_items = 64)]
+    pub owner_uuids: Option<Vec<AccountId>>,
+    #[serde(default)]
+    pub default: Option<bool>,
+    /// An empty string removes it.
+    #[serde(default)]
+    #[schema(max_length = 1024)]
+    pub description: Option<String>,
+}
+
+fn check_name(name: &str) -> Result<(), BodyError> {
+    let ok = !name.is_empty()
+        && name.chars().count() <= MAX_NETWORK_NAME_LEN
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            "name",
+            format!(
+                "must be 1 to {MAX_NETWORK_NAME_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"
+            ),
+        ))
+    }
+}
+
+/// The resolvers as addresses, at most [`MAX_RESOLVERS`].
+pub fn parse_resolvers(texts: &[String]) -> Result<Vec<IpAddr>, BodyError> {
+    if texts.len() > MAX_RESOLVERS {
+        return Err(invalid(
+            "resolvers",
+            format!("at most {MAX_RESOLVERS} resolvers"),
+        ));
+    }
+    texts
+        .iter()
+        .map(|r| {
+            r.trim()
+                .parse::<IpAddr>()
+                .map_err(|_| invalid("resolvers", format!("{r:?} is not an IP address")))
+        })
+        .collect()
+}
+
+fn check_mtu(mtu: Option<u32>) -> Result<(), BodyError> {
+    match mtu {
+        Some(m) if !(MIN_MTU..=MAX_MTU).contains(&m) => {
+            Err(invalid("mtu", format!("must be {MIN_MTU} to {MAX_MTU}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_owners(owners: &[AccountId]) -> Result<(), BodyError> {
+    if owners.len() > MAX_OWNERS {
+        return Err(invalid(
+            "owner_uuids",
+            format!("at most {MAX_OWNERS} owners"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_description(d: Option<&str>) -> Result<(), BodyError> {
+    if d.is_some_and(|d| d.len() > MAX_DESCRIPTION_LEN) {
+        return Err(invalid(
+            "description",
+            format!("at most {MAX_DESCRIPTION_LEN} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+impl UpdateNetwork {
+    /// The first field out of bounds, if any; the resolvers parsed when given.
+    pub fn validate(&self) -> Result<Option<Vec<IpAddr>>, BodyError> {
+        if let Some(n) = &self.name {
+            check_name(n)?;
+        }
+        let resolvers = self.resolvers.as_deref().map(parse_resolvers).transpose()?;
+        check_mtu(self.mtu)?;
+        if let Some(o) = &self.owner_uuids {
+            check_owners(o)?;
+        }
+        check_description(self.description.as_deref())?;
+        Ok(resolvers)
+    }
+}
+
 /// A network's addresses, checked: what a [`CreateNetwork`] means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AddressPlan {
@@ -264,40 +373,16 @@ pub fn check_bridge(name: &str) -> Result<(), BodyError> {
 }
 
 impl CreateNetwork {
-    /// The first field out of bounds, else the network's addresses.
-    pub fn validate(&self) -> Result<AddressPlan, BodyError> {
-        let name_ok = !self.name.trim().is_empty()
-            && self.name.chars().count() <= MAX_NETWORK_NAME_LEN
-            && self
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
-        if !name_ok {
-            return Err(invalid(
-                "name",
-                format!(
-                    "must be 1 to {MAX_NETWORK_NAME_LEN} characters of A-Z, a-z, 0-9, '_', \
-                     '-', '.'"
-                ),
-            ));
-        }
+    /// The first field out of bounds, else the network's addresses and resolvers.
+    pub fn validate(&self) -> Result<(AddressPlan, Vec<IpAddr>), BodyError> {
+        check_name(&self.name)?;
         let plan = AddressPlan::new(
             &self.subnet,
             self.gateway.as_deref(),
             self.provision_start_ip.as_deref(),
             self.provision_end_ip.as_deref(),
         )?;
-        if self.resolvers.len() > MAX_RESOLVERS {
-            return Err(invalid(
-                "resolvers",
-                format!("at most {MAX_RESOLVERS} resolvers"),
-            ));
-        }
-        for r in &self.resolvers {
-            r.trim()
-                .parse::<IpAddr>()
-                .map_err(|_| invalid("resolvers", format!("{r:?} is not an IP address")))?;
-        }
+        let resolvers = parse_resolvers(&self.resolvers)?;
         if self.vlan_id > MAX_VLAN_ID {
             return Err(invalid(
                 "vlan_id",
@@ -305,28 +390,10 @@ impl CreateNetwork {
             ));
         }
         check_bridge(&self.bridge)?;
-        if let Some(mtu) = self.mtu
-            && !(MIN_MTU..=MAX_MTU).contains(&mtu)
-        {
-            return Err(invalid("mtu", format!("must be {MIN_MTU} to {MAX_MTU}")));
-        }
-        if self.owner_uuids.len() > MAX_OWNERS {
-            return Err(invalid(
-                "owner_uuids",
-                format!("at most {MAX_OWNERS} owners"),
-            ));
-        }
-        if self
-            .description
-            .as_ref()
-            .is_some_and(|d| d.len() > MAX_DESCRIPTION_LEN)
-        {
-            return Err(invalid(
-                "description",
-                format!("at most {MAX_DESCRIPTION_LEN} bytes"),
-            ));
-        }
-        Ok(plan)
+        check_mtu(self.mtu)?;
+        check_owners(&self.owner_uuids)?;
+        check_description(self.description.as_deref())?;
+        Ok((plan, resolvers))
     }
 }
 

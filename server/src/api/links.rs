@@ -94,6 +94,11 @@ pub const LINKS: &[Link] = &[
     link("create_account", "201", "update_account", UUID),
     link("create_account", "201", "delete_account", UUID),
     link("list_accounts", "200", "get_account", FIRST_UUID),
+    // Networks.
+    link("create_network", "201", "get_network", UUID),
+    link("create_network", "201", "update_network", UUID),
+    link("create_network", "201", "delete_network", UUID),
+    link("list_networks", "200", "get_network", FIRST_UUID),
     // SSH keys: the caller's own, and any account's.
     link("create_key", "201", "get_key", NAME),
     link("create_key", "201", "delete_key", NAME),

@@ -42,6 +42,12 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         ))
         .routes(routes!(v1::list_tokens, v1::create_token))
         .routes(routes!(v1::delete_token))
+        .routes(routes!(v1::list_networks, v1::create_network))
+        .routes(routes!(
+            v1::get_network,
+            v1::update_network,
+            v1::delete_network
+        ))
         .routes(routes!(v1::list_keys, v1::create_key))
         .routes(routes!(v1::get_key, v1::delete_key))
         .routes(routes!(v1::list_account_keys, v1::create_account_key))

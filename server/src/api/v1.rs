@@ -11,7 +11,7 @@ use super::params::{
 use crate::error::{ApiError, ApiResult, ErrorResponses};
 use crate::listing::{Cursor, DeviceKey, Page, TimeKey};
 use crate::services::auth::{self, Caller};
-use crate::services::{Ctx, accounts, catalog, images, keys, ops, servers, vms};
+use crate::services::{Ctx, accounts, catalog, images, keys, networks, ops, servers, vms};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -31,7 +31,10 @@ use passage_model::api::{
 use passage_model::images::Image;
 use passage_model::images::{CreateImage, Sha256, UpdateImage};
 use passage_model::keys::{CreateSshKey, SshKey};
-use passage_model::{AccountId, ApiErrorBody, ImageId, JobId, PackageId, ServerId, Variant, VmId};
+use passage_model::networks::{CreateNetwork, Network, UpdateNetwork};
+use passage_model::{
+    AccountId, ApiErrorBody, ImageId, JobId, NetworkId, PackageId, ServerId, Variant, VmId,
+};
 use serde::Serialize;
 
 /// A list answer: the items, with the total in `x-resource-count`.
@@ -449,6 +452,61 @@ pub async fn delete_token(
 ) -> ApiResult<StatusCode> {
     let uuid: uuid::Uuid = id(&raw, "token")?;
     auth::delete_api_token(&ctx, &caller, uuid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- networks ----
+
+#[utoipa::path(get, path = "/networks", tag = "networks", params(Paging), responses((status = 200, description = "Networks, newest first: for tenants, public ones and those made for them", body = [Network], headers(("x-resource-count" = i64, description = "How many networks the caller sees"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_networks(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let (limit, offset) = page.bounds()?;
+    let (items, total) = networks::list(&ctx, &caller, limit, offset).await?;
+    Ok(listed(items, total))
+}
+
+#[utoipa::path(post, path = "/networks", tag = "networks", request_body = CreateNetwork, responses((status = 201, description = "Created (operators)", body = Network), (status = 409, description = "The name is taken, or the subnet overlaps another on the same bridge and VLAN", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+pub async fn create_network(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateNetwork>,
+) -> ApiResult<Response> {
+    let n = networks::create(&ctx, &caller, req).await?;
+    Ok((StatusCode::CREATED, Json(n)).into_response())
+}
+
+#[utoipa::path(get, path = "/networks/{uuid}", tag = "networks", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The network", body = Network), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_network(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: NetworkId = id(&raw, "network")?;
+    Ok(Json(networks::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+#[utoipa::path(patch, path = "/networks/{uuid}", tag = "networks", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), request_body = UpdateNetwork, responses((status = 200, description = "Updated (operators)", body = Network), ErrorResponses), security(("bearer" = [])))]
+pub async fn update_network(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(req): ApiJson<UpdateNetwork>,
+) -> ApiResult<Response> {
+    let uuid: NetworkId = id(&raw, "network")?;
+    Ok(Json(networks::update(&ctx, &caller, uuid, req).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/networks/{uuid}", tag = "networks", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 204, description = "Deleted (operators)"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_network(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    let uuid: NetworkId = id(&raw, "network")?;
+    networks::delete(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -12,6 +12,7 @@ pub mod images;
 pub mod keys;
 pub mod login_guard;
 pub mod metrics;
+pub mod networks;
 pub mod ops;
 pub mod placer;
 pub mod servers;

@@ -18,6 +18,7 @@ pub mod events;
 pub mod images;
 pub mod jobs;
 pub mod keys;
+pub mod networks;
 pub mod ops;
 pub mod packages;
 pub mod page;

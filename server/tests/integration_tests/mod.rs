@@ -7,6 +7,7 @@ mod e2e;
 mod images;
 mod keys;
 mod lifecycle;
+mod networks;
 mod openapi;
 mod ops;
 mod pagination;
