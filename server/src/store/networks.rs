@@ -76,6 +76,23 @@ pub struct NewNetwork<'a> {
     pub description: Option<&'a str>,
 }
 
+/// Adds `$owners` to network `$uuid` inside transaction `$tx` (either backend: the
+/// statement's text is the same for both).
+macro_rules! add_owners {
+    ($tx:ident, $uuid:expr, $owners:expr) => {
+        for owner in $owners {
+            sqlx::query(
+                "INSERT INTO network_owners (network_uuid, account_uuid) VALUES ($1, $2) \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind($uuid.to_string())
+            .bind(owner.to_string())
+            .execute(&mut *$tx)
+            .await?;
+        }
+    };
+}
+
 fn name_taken(name: &str) -> impl FnOnce() -> String + '_ {
     move || format!("a network named {name:?} exists")
 }
@@ -128,16 +145,7 @@ pub async fn insert(db: &Db, n: NewNetwork<'_>) -> StoreResult<Network> {
         .execute(&mut *tx)
         .await
         .map_err(|e| unique_as_conflict(e, name_taken(n.name)))?;
-        for owner in n.owners {
-            sqlx::query(
-                "INSERT INTO network_owners (network_uuid, account_uuid) VALUES ($1, $2) \
-                 ON CONFLICT DO NOTHING",
-            )
-            .bind(uuid.to_string())
-            .bind(owner.to_string())
-            .execute(&mut *tx)
-            .await?;
-        }
+        add_owners!(tx, uuid, n.owners);
         Ok(())
     })?;
     get(db, uuid).await
@@ -278,16 +286,7 @@ pub async fn update(db: &Db, uuid: NetworkId, ch: Changes<'_>) -> StoreResult<Ne
                 .bind(uuid.to_string())
                 .execute(&mut *tx)
                 .await?;
-            for owner in owners {
-                sqlx::query(
-                    "INSERT INTO network_owners (network_uuid, account_uuid) VALUES ($1, $2) \
-                     ON CONFLICT DO NOTHING",
-                )
-                .bind(uuid.to_string())
-                .bind(owner.to_string())
-                .execute(&mut *tx)
-                .await?;
-            }
+            add_owners!(tx, uuid, owners);
         }
         Ok(())
     })?;
