@@ -34,17 +34,10 @@ pub const MAX_LIST_LIMIT: u32 = 1000;
 /// An image as `POST /v1/vms` names it (`name@version` at most).
 pub const MAX_IMAGE_KEY_LEN: usize = 256;
 
-fn invalid(field: impl Into<String>, message: impl Into<String>) -> BodyError {
-    BodyError {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
 fn check_password(pw: &str) -> Result<(), BodyError> {
     let n = pw.chars().count();
     if !(MIN_PASSWORD_LEN..=MAX_PASSWORD_LEN).contains(&n) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "password",
             format!("must be {MIN_PASSWORD_LEN} to {MAX_PASSWORD_LEN} characters"),
         ));
@@ -54,7 +47,7 @@ fn check_password(pw: &str) -> Result<(), BodyError> {
 
 fn check_quota(q: Option<u32>) -> Result<(), BodyError> {
     if q.is_some_and(|q| q > MAX_GPU_QUOTA) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "gpu_quota",
             format!("must be at most {MAX_GPU_QUOTA}"),
         ));
@@ -64,7 +57,7 @@ fn check_quota(q: Option<u32>) -> Result<(), BodyError> {
 
 fn check_vcpus(vcpus: u32) -> Result<(), BodyError> {
     if !(MIN_VCPUS..=MAX_VCPUS).contains(&vcpus) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "vcpus",
             format!("must be {MIN_VCPUS} to {MAX_VCPUS}"),
         ));
@@ -74,7 +67,7 @@ fn check_vcpus(vcpus: u32) -> Result<(), BodyError> {
 
 fn check_memory(memory_mib: u64) -> Result<(), BodyError> {
     if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&memory_mib) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "memory_mib",
             format!("must be {MIN_MEMORY_MIB} to {MAX_MEMORY_MIB}"),
         ));
@@ -150,7 +143,7 @@ impl CreateAccount {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'@'));
         if !login_ok {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "login",
                 format!(
                     "must be 1 to {MAX_LOGIN_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.', '@'"
@@ -307,14 +300,14 @@ impl CreatePackage {
             && self.name.chars().count() <= MAX_NAME_LEN
             && !self.name.chars().any(char::is_control);
         if !name_ok {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "name",
                 format!("must be 1 to {MAX_NAME_LEN} printable characters"),
             )
             .into());
         }
         if self.name.parse::<uuid::Uuid>().is_ok() {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "name",
                 "must not be a uuid (packages are looked up by uuid or name)",
             )
@@ -323,10 +316,12 @@ impl CreatePackage {
         check_vcpus(self.vcpus)?;
         check_memory(self.memory_mib)?;
         if self.disk_gib > MAX_DISK_GIB {
-            return Err(invalid("disk_gib", format!("must be at most {MAX_DISK_GIB}")).into());
+            return Err(
+                BodyError::new("disk_gib", format!("must be at most {MAX_DISK_GIB}")).into(),
+            );
         }
         if self.devices.len() > MAX_PACKAGE_DEVICE_KINDS {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "devices",
                 format!("at most {MAX_PACKAGE_DEVICE_KINDS} variants"),
             )
@@ -336,15 +331,15 @@ impl CreatePackage {
         for (variant, count) in &self.devices {
             let field = format!("devices.{variant}");
             if !variant_exists(variant) {
-                return Err(Refusal::Missing(invalid(field, "no such variant")));
+                return Err(Refusal::Missing(BodyError::new(field, "no such variant")));
             }
             if *count == 0 {
-                return Err(invalid(field, "count must be at least 1").into());
+                return Err(BodyError::new(field, "count must be at least 1").into());
             }
             total = total.saturating_add(*count);
         }
         if total > MAX_DEVICES_PER_VM {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "devices",
                 format!("at most {MAX_DEVICES_PER_VM} devices per VM"),
             )
@@ -575,20 +570,20 @@ impl CreateVm {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
         if !alias_ok {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "alias",
                 format!("must be 1 to {MAX_ALIAS_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
             ));
         }
         match self.image.as_deref() {
             None => {
-                return Err(invalid(
+                return Err(BodyError::new(
                     "image",
                     "an image (uuid, name or name@version) is required",
                 ));
             }
             Some(i) if i.is_empty() || i.len() > MAX_IMAGE_KEY_LEN => {
-                return Err(invalid(
+                return Err(BodyError::new(
                     "image",
                     format!("must be 1 to {MAX_IMAGE_KEY_LEN} characters"),
                 ));
@@ -596,7 +591,7 @@ impl CreateVm {
             Some(_) => {}
         }
         if self.package.is_some() && self.assigned_devices.is_some() {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "assigned_devices",
                 "give either a package or assigned_devices, not both",
             ));
@@ -604,10 +599,13 @@ impl CreateVm {
         match &self.assigned_devices {
             Some(devices) => {
                 if self.server_uuid.is_none() {
-                    return Err(invalid("server_uuid", "required with assigned_devices"));
+                    return Err(BodyError::new(
+                        "server_uuid",
+                        "required with assigned_devices",
+                    ));
                 }
                 if devices.is_empty() || devices.len() > MAX_DEVICES_PER_VM as usize {
-                    return Err(invalid(
+                    return Err(BodyError::new(
                         "assigned_devices",
                         format!("must list 1 to {MAX_DEVICES_PER_VM} devices"),
                     ));
@@ -621,16 +619,22 @@ impl CreateVm {
             }
             None => {
                 if self.package.is_none() {
-                    return Err(invalid("package", "a package (uuid or name) is required"));
+                    return Err(BodyError::new(
+                        "package",
+                        "a package (uuid or name) is required",
+                    ));
                 }
                 if self.server_uuid.is_some() {
-                    return Err(invalid(
+                    return Err(BodyError::new(
                         "server_uuid",
                         "only with assigned_devices; packages are placed by the control plane",
                     ));
                 }
                 if self.vcpus.is_some() || self.memory_mib.is_some() {
-                    return Err(invalid("vcpus", "the package sets vcpus and memory_mib"));
+                    return Err(BodyError::new(
+                        "vcpus",
+                        "the package sets vcpus and memory_mib",
+                    ));
                 }
             }
         }
@@ -925,7 +929,10 @@ mod tests {
         p.devices = [("A".to_string(), 1), ("B".to_string(), 0)].into();
         assert_eq!(
             p.validate(known),
-            Err(Refusal::Missing(invalid("devices.B", "no such variant")))
+            Err(Refusal::Missing(BodyError::new(
+                "devices.B",
+                "no such variant"
+            )))
         );
         p.devices = [("A".to_string(), 0), ("B".to_string(), 1)].into();
         assert!(matches!(p.validate(known), Err(Refusal::Invalid(e)) if e.field == "devices.A"));

@@ -13,6 +13,16 @@ pub struct BodyError {
     pub message: String,
 }
 
+impl BodyError {
+    /// `field` refused, and why.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> BodyError {
+        BodyError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
 fn whole(message: &str) -> BodyError {
     BodyError {
         field: "body".into(),

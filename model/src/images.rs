@@ -182,13 +182,6 @@ pub const MAX_IMAGE_TAGS: usize = 32;
 pub const MAX_IMAGE_TAG_LEN: usize = 256;
 pub const MAX_MIN_DISK_GIB: u64 = 1024 * 1024;
 
-fn invalid(field: impl Into<String>, message: impl Into<String>) -> BodyError {
-    BodyError {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
 /// Name characters: letters, digits, `_ - .`; no `@` (it separates `name@version`).
 fn check_word(field: &str, v: &str, max: usize) -> Result<(), BodyError> {
     let ok = !v.is_empty()
@@ -196,7 +189,7 @@ fn check_word(field: &str, v: &str, max: usize) -> Result<(), BodyError> {
         && v.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
     if !ok {
-        return Err(invalid(
+        return Err(BodyError::new(
             field,
             format!("must be 1 to {max} characters of A-Z, a-z, 0-9, '_', '-', '.'"),
         ));
@@ -208,7 +201,7 @@ fn check_description(d: Option<&str>) -> Result<(), BodyError> {
     if let Some(d) = d
         && (d.chars().count() > MAX_IMAGE_DESCRIPTION_LEN || d.contains('\0'))
     {
-        return Err(invalid(
+        return Err(BodyError::new(
             "description",
             format!("at most {MAX_IMAGE_DESCRIPTION_LEN} characters"),
         ));
@@ -218,12 +211,15 @@ fn check_description(d: Option<&str>) -> Result<(), BodyError> {
 
 fn check_tags(tags: &BTreeMap<String, String>) -> Result<(), BodyError> {
     if tags.len() > MAX_IMAGE_TAGS {
-        return Err(invalid("tags", format!("at most {MAX_IMAGE_TAGS} tags")));
+        return Err(BodyError::new(
+            "tags",
+            format!("at most {MAX_IMAGE_TAGS} tags"),
+        ));
     }
     for (k, v) in tags {
         check_word(&format!("tags.{k}"), k, MAX_IMAGE_TAG_LEN)?;
         if v.chars().count() > MAX_IMAGE_TAG_LEN || v.chars().any(char::is_control) {
-            return Err(invalid(
+            return Err(BodyError::new(
                 format!("tags.{k}"),
                 format!("at most {MAX_IMAGE_TAG_LEN} printable characters"),
             ));
@@ -234,7 +230,7 @@ fn check_tags(tags: &BTreeMap<String, String>) -> Result<(), BodyError> {
 
 fn check_requirements(r: &ImageRequirements) -> Result<(), BodyError> {
     if r.min_disk_gib.is_some_and(|g| g > MAX_MIN_DISK_GIB) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "requirements.min_disk_gib",
             format!("must be at most {MAX_MIN_DISK_GIB}"),
         ));
@@ -273,7 +269,7 @@ impl CreateImage {
     pub fn validate(&self) -> Result<(), BodyError> {
         check_word("name", &self.name, MAX_IMAGE_NAME_LEN)?;
         if self.name.parse::<uuid::Uuid>().is_ok() {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "name",
                 "must not be a uuid (images are looked up by uuid or name)",
             ));

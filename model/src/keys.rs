@@ -48,10 +48,10 @@ pub fn check_key_name(name: &str) -> Result<(), BodyError> {
     if ok {
         Ok(())
     } else {
-        Err(BodyError {
-            field: "name".into(),
-            message: format!("must be 1 to {MAX_KEY_NAME_LEN} printable characters, without '/'"),
-        })
+        Err(BodyError::new(
+            "name",
+            format!("must be 1 to {MAX_KEY_NAME_LEN} printable characters, without '/'"),
+        ))
     }
 }
 

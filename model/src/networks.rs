@@ -137,7 +137,7 @@ fn check_name(name: &str) -> Result<(), BodyError> {
     if ok {
         Ok(())
     } else {
-        Err(invalid(
+        Err(BodyError::new(
             "name",
             format!(
                 "must be 1 to {MAX_NETWORK_NAME_LEN} characters of A-Z, a-z, 0-9, '_', '-', '.'"
@@ -149,7 +149,7 @@ fn check_name(name: &str) -> Result<(), BodyError> {
 /// The resolvers as addresses, at most [`MAX_RESOLVERS`].
 pub fn parse_resolvers(texts: &[String]) -> Result<Vec<IpAddr>, BodyError> {
     if texts.len() > MAX_RESOLVERS {
-        return Err(invalid(
+        return Err(BodyError::new(
             "resolvers",
             format!("at most {MAX_RESOLVERS} resolvers"),
         ));
@@ -159,23 +159,24 @@ pub fn parse_resolvers(texts: &[String]) -> Result<Vec<IpAddr>, BodyError> {
         .map(|r| {
             r.trim()
                 .parse::<IpAddr>()
-                .map_err(|_| invalid("resolvers", format!("{r:?} is not an IP address")))
+                .map_err(|_| BodyError::new("resolvers", format!("{r:?} is not an IP address")))
         })
         .collect()
 }
 
 fn check_mtu(mtu: Option<u32>) -> Result<(), BodyError> {
     match mtu {
-        Some(m) if !(MIN_MTU..=MAX_MTU).contains(&m) => {
-            Err(invalid("mtu", format!("must be {MIN_MTU} to {MAX_MTU}")))
-        }
+        Some(m) if !(MIN_MTU..=MAX_MTU).contains(&m) => Err(BodyError::new(
+            "mtu",
+            format!("must be {MIN_MTU} to {MAX_MTU}"),
+        )),
         _ => Ok(()),
     }
 }
 
 fn check_owners(owners: &[AccountId]) -> Result<(), BodyError> {
     if owners.len() > MAX_OWNERS {
-        return Err(invalid(
+        return Err(BodyError::new(
             "owner_uuids",
             format!("at most {MAX_OWNERS} owners"),
         ));
@@ -185,7 +186,7 @@ fn check_owners(owners: &[AccountId]) -> Result<(), BodyError> {
 
 fn check_description(d: Option<&str>) -> Result<(), BodyError> {
     if d.is_some_and(|d| d.len() > MAX_DESCRIPTION_LEN) {
-        return Err(invalid(
+        return Err(BodyError::new(
             "description",
             format!("at most {MAX_DESCRIPTION_LEN} bytes"),
         ));
@@ -218,13 +219,6 @@ pub struct AddressPlan {
     pub end: Ipv4Addr,
 }
 
-fn invalid(field: &str, message: impl Into<String>) -> BodyError {
-    BodyError {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
 fn ipv4(field: &str, text: &str) -> Result<Ipv4Addr, BodyError> {
     text.trim().parse::<Ipv4Addr>().map_err(|_| {
         let why = if text.contains(':') {
@@ -232,7 +226,7 @@ fn ipv4(field: &str, text: &str) -> Result<Ipv4Addr, BodyError> {
         } else {
             "must be an IPv4 address such as 192.0.2.1"
         };
-        invalid(field, why)
+        BodyError::new(field, why)
     })
 }
 
@@ -251,7 +245,7 @@ impl AddressPlan {
         end: Option<&str>,
     ) -> Result<AddressPlan, BodyError> {
         let net: Ipv4Net = subnet.trim().parse().map_err(|_| {
-            invalid(
+            BodyError::new(
                 "subnet",
                 if subnet.contains(':') {
                     "IPv6 is not supported yet; give an IPv4 subnet such as 192.0.2.0/24"
@@ -261,13 +255,13 @@ impl AddressPlan {
             )
         })?;
         if !(MIN_PREFIX_LEN..=MAX_PREFIX_LEN).contains(&net.prefix_len()) {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "subnet",
                 format!("must be a /{MIN_PREFIX_LEN} to a /{MAX_PREFIX_LEN}"),
             ));
         }
         if net.trunc() != net {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "subnet",
                 format!("has host bits set: did you mean {}?", net.trunc()),
             ));
@@ -275,7 +269,7 @@ impl AddressPlan {
         let (first, last) = Self::hosts(&net);
         let host = |field: &str, a: Ipv4Addr| {
             if a < first || a > last {
-                Err(invalid(
+                Err(BodyError::new(
                     field,
                     format!("{a} is not a host of {net} ({first} to {last})"),
                 ))
@@ -295,7 +289,7 @@ impl AddressPlan {
             None => last,
         };
         if start > end {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "provision_end_ip",
                 format!("{end} comes before provision_start_ip {start}"),
             ));
@@ -307,7 +301,7 @@ impl AddressPlan {
             end,
         };
         if plan.capacity() == 0 {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "provision_end_ip",
                 "the range holds only the gateway: no address is left for VMs",
             ));
@@ -362,7 +356,7 @@ pub fn check_bridge(name: &str) -> Result<(), BodyError> {
     if ok {
         Ok(())
     } else {
-        Err(invalid(
+        Err(BodyError::new(
             "bridge",
             format!(
                 "must be a Linux interface name: 1 to {MAX_BRIDGE_NAME_LEN} bytes, without \
@@ -384,7 +378,7 @@ impl CreateNetwork {
         )?;
         let resolvers = parse_resolvers(&self.resolvers)?;
         if self.vlan_id > MAX_VLAN_ID {
-            return Err(invalid(
+            return Err(BodyError::new(
                 "vlan_id",
                 format!("must be 0 (untagged) to {MAX_VLAN_ID}"),
             ));

@@ -59,6 +59,9 @@ impl NetworkRow {
     }
 }
 
+/// The first statement of every network write (see the module's comment).
+const TAKE_WRITE_LOCK: &str = "UPDATE network_writes SET writes = writes + 1";
+
 fn resolvers_text(r: &[IpAddr]) -> StoreResult<String> {
     serde_json::to_string(r).map_err(|e| StoreError::Corrupt(format!("resolvers: {e}")))
 }
@@ -103,9 +106,7 @@ pub async fn insert(db: &Db, n: NewNetwork<'_>) -> StoreResult<Network> {
     let last = i64::from(u32::from(n.plan.subnet.broadcast()));
     let resolvers = resolvers_text(n.resolvers)?;
     in_tx!(db, |tx| {
-        sqlx::query("UPDATE network_writes SET writes = writes + 1")
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         let clash: Option<(String, String)> = sqlx::query_as(
             "SELECT name, subnet FROM networks WHERE bridge = $1 AND vlan_id = $2 \
              AND subnet_first <= $4 AND subnet_last >= $3 LIMIT 1",
@@ -257,9 +258,7 @@ pub async fn update(db: &Db, uuid: NetworkId, ch: Changes<'_>) -> StoreResult<Ne
     let resolvers = ch.resolvers.map(resolvers_text).transpose()?;
     let name = ch.name;
     in_tx!(db, |tx| {
-        sqlx::query("UPDATE network_writes SET writes = writes + 1")
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         let n = sqlx::query(
             "UPDATE networks SET name = COALESCE($2, name), resolvers = COALESCE($3, resolvers), \
              mtu = COALESCE($4, mtu), public = COALESCE($5, public), \
@@ -295,9 +294,7 @@ pub async fn update(db: &Db, uuid: NetworkId, ch: Changes<'_>) -> StoreResult<Ne
 
 pub async fn delete(db: &Db, uuid: NetworkId) -> StoreResult<()> {
     let n = in_tx!(db, |tx| {
-        sqlx::query("UPDATE network_writes SET writes = writes + 1")
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
         Ok(sqlx::query("DELETE FROM networks WHERE uuid = $1")
             .bind(uuid.to_string())
             .execute(&mut *tx)
