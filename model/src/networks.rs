@@ -402,6 +402,25 @@ pub fn local_mac(random: [u8; 6]) -> String {
         .join(":")
 }
 
+/// A MAC address in the one form the control plane writes (six lower-case hex octets
+/// joined by ':'), as bytes; anything else is refused with the reason.
+pub fn parse_mac(text: &str) -> Result<[u8; 6], String> {
+    let bad = || format!("{text:?} is not a MAC address such as 02:00:5e:10:00:01");
+    let mut out = [0u8; 6];
+    let mut parts = text.split(':');
+    for b in &mut out {
+        let p = parts.next().ok_or_else(bad)?;
+        if p.len() != 2 || !p.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+            return Err(bad());
+        }
+        *b = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,6 +571,23 @@ mod tests {
     fn macs_are_local_and_unicast() {
         assert_eq!(local_mac([0xff; 6]), "fe:ff:ff:ff:ff:ff");
         assert_eq!(local_mac([0; 6]), "02:00:00:00:00:00");
+    }
+
+    #[test]
+    fn macs_parse_only_in_the_written_form() {
+        assert_eq!(parse_mac("02:00:5e:10:00:01"), Ok([2, 0, 0x5e, 0x10, 0, 1]));
+        for bad in [
+            "",
+            "02:00:5e:10:00",
+            "02:00:5e:10:00:01:02",
+            "02:00:5E:10:00:01",
+            "02-00-5e-10-00-01",
+            "2:00:5e:10:00:01",
+            "+2:00:5e:10:00:01",
+            "02:00:5e:10:00:0g",
+        ] {
+            assert!(parse_mac(bad).is_err(), "{bad:?} parsed");
+        }
     }
 
     proptest! {

@@ -56,7 +56,15 @@ pub struct InventoryReport {
     /// from older agents): placement then leaves the node's vCPUs and memory unchecked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<HostResources>,
+    /// The Linux bridges the node has, by name: placement puts a VM only where every one
+    /// of its networks' bridges is. Absent from agents that cannot tell (and older ones):
+    /// such a node gets no VM with a network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridges: Option<Vec<String>>,
 }
+
+/// More bridges than any node has; a report beyond this is refused.
+pub const MAX_BRIDGES: usize = 1024;
 
 /// More CPUs than any machine has; a report beyond this is refused.
 pub const MAX_HOST_CPUS: u32 = 1 << 16;
@@ -98,6 +106,94 @@ pub struct VmSpec {
     /// The boot disk; absent for VMs made before images (they boot nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<DiskSpec>,
+    /// Its network interfaces, in the guest's order (the primary first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<NicSpec>,
+    /// What the guest's cloud-init reads from its NoCloud seed; absent for VMs made before
+    /// seeds (they get none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInitSpec>,
+}
+
+/// NICs a VM may have at most.
+pub const MAX_NICS: usize = 8;
+
+/// One network interface of a VM: a tap on the node's `bridge` (tagged `vlan_id` when not
+/// 0), seen by the guest as a virtio-net device with `mac`, configured (through the seed's
+/// network-config) with `ip`/`prefix_len`, the default route via `gateway` when this is the
+/// primary NIC, and `resolvers`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicSpec {
+    /// Six lower-case hex octets joined by ':' (see [`crate::networks::parse_mac`]).
+    pub mac: String,
+    pub ip: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<std::net::Ipv4Addr>,
+    #[serde(default)]
+    pub resolvers: Vec<std::net::IpAddr>,
+    pub bridge: String,
+    /// 0: untagged.
+    #[serde(default)]
+    pub vlan_id: u16,
+    pub mtu: u32,
+    pub primary: bool,
+}
+
+impl NicSpec {
+    /// Refuses what no node could build; names the field that is wrong.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        crate::networks::parse_mac(&self.mac).map_err(|e| ("mac", e))?;
+        if !(1..=32).contains(&self.prefix_len) {
+            return Err(("prefix_len", "must be 1 to 32".into()));
+        }
+        crate::networks::check_bridge(&self.bridge).map_err(|e| ("bridge", e.message))?;
+        if self.vlan_id > crate::networks::MAX_VLAN_ID {
+            return Err((
+                "vlan_id",
+                format!("must be 0 to {}", crate::networks::MAX_VLAN_ID),
+            ));
+        }
+        if !(crate::networks::MIN_MTU..=crate::networks::MAX_MTU).contains(&self.mtu) {
+            return Err((
+                "mtu",
+                format!(
+                    "must be {} to {}",
+                    crate::networks::MIN_MTU,
+                    crate::networks::MAX_MTU
+                ),
+            ));
+        }
+        if self.resolvers.len() > crate::networks::MAX_RESOLVERS {
+            return Err((
+                "resolvers",
+                format!("at most {}", crate::networks::MAX_RESOLVERS),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the node writes into a VM's NoCloud seed (a read-only `cidata` volume), besides
+/// the network-config it derives from the NICs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloudInitSpec {
+    /// meta-data's `local-hostname`: the VM's alias.
+    pub hostname: String,
+    /// The owner's public keys, in OpenSSH's one-line form.
+    #[serde(default)]
+    pub ssh_authorized_keys: Vec<String>,
+    /// The tenant's `user-data` metadata, merged with the keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data: Option<String>,
+    /// The tenant's `user-script` metadata: run once at first boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_script: Option<String>,
+    /// The other metadata keys, as given.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// An image file as the node fetches and caches it: named by its digest.

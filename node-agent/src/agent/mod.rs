@@ -252,7 +252,11 @@ impl Agent {
             devices.truncate(MAX_INVENTORY_DEVICES);
         }
         Some(Discovered {
-            report: InventoryReport { devices, host },
+            report: InventoryReport {
+                devices,
+                host,
+                bridges: None,
+            },
             skipped: found.skipped.len(),
             notes: found.skipped.into_iter().chain(found.notes).collect(),
         })

@@ -89,6 +89,8 @@ mod tests {
             memory_mib: 2048,
             devices: Vec::new(),
             disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
         }
     }
 

@@ -71,6 +71,8 @@ mod tests {
                     .unwrap(),
             ],
             disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
         };
         let argv = cloud_hypervisor_argv(
             Path::new("cloud-hypervisor"),

@@ -468,6 +468,8 @@ mod tests {
                     .unwrap(),
             ],
             disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
         };
         let files = VmFiles::new(Path::new("/var/lib/passage-agent"), spec.uuid);
         let argv = qemu_argv(&cfg, &spec, &files);
@@ -535,6 +537,8 @@ mod tests {
             memory_mib: 1024,
             devices: vec![mdev, vf],
             disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
         };
         let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid)).join(" ");
         assert!(

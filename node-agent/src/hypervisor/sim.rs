@@ -93,6 +93,8 @@ mod tests {
             memory_mib: 4096,
             devices: Vec::new(),
             disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
         }
     }
 

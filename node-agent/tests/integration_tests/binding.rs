@@ -193,6 +193,8 @@ fn executor_runs_a_vm_lifecycle() {
         memory_mib: 16384,
         devices: devices.clone(),
         disk: None,
+        nics: Vec::new(),
+        cloud_init: None,
     };
 
     // Launching before binding fails, as a real hypervisor would.

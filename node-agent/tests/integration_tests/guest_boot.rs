@@ -139,6 +139,8 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
         memory_mib: 512,
         devices: tree.gpus.clone(),
         disk: Some(disk.clone()),
+        nics: Vec::new(),
+        cloud_init: None,
     };
     assert_eq!(tree.gpus.len(), 2);
     ok(

@@ -36,6 +36,8 @@ fn spec() -> VmSpec {
         memory_mib: 64,
         devices: Vec::new(),
         disk: None,
+        nics: Vec::new(),
+        cloud_init: None,
     }
 }
 

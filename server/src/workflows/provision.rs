@@ -66,6 +66,8 @@ pub(super) fn spec(vm: &Vm, disk: Option<passage_model::protocol::DiskSpec>) -> 
         memory_mib: vm.memory_mib,
         devices: vm.assigned_devices.clone(),
         disk,
+        nics: Vec::new(),
+        cloud_init: None,
     }
 }
 
