@@ -748,6 +748,8 @@ pub async fn create_instance(
         server_uuid: None,
         vcpus: None,
         memory_mib: None,
+        networks: None,
+        metadata: None,
     };
     let vm: Vm = be::send(Method::POST, "/vms", &vm).await?;
     leptos_axum::redirect(&format!("/instances/{}", vm.uuid));

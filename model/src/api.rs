@@ -523,6 +523,13 @@ pub struct Vm {
     /// The image its boot disk was made from (`null` for VMs made before images).
     #[serde(default)]
     pub image_uuid: Option<crate::ids::ImageId>,
+    /// Its network interfaces, the primary first.
+    #[serde(default)]
+    pub nics: Vec<crate::networks::Nic>,
+    /// The primary NIC's address.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = Ipv4)]
+    pub primary_ip: Option<std::net::Ipv4Addr>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -556,6 +563,15 @@ pub struct CreateVm {
     #[serde(default)]
     #[schema(minimum = 64, maximum = 16777216)]
     pub memory_mib: Option<u64>,
+    /// The networks it gets an address on, the primary first. Absent: the networks marked
+    /// default that the owner may use.
+    #[serde(default)]
+    #[schema(max_items = 8)]
+    pub networks: Option<Vec<crate::networks::NetworkChoice>>,
+    /// String keys and values for the guest: `user-data` (cloud-init's), `user-script`
+    /// (run at first boot), and any others.
+    #[serde(default)]
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
 impl CreateVm {
@@ -589,6 +605,12 @@ impl CreateVm {
                 ));
             }
             Some(_) => {}
+        }
+        if let Some(n) = &self.networks {
+            crate::networks::check_choices("networks", n)?;
+        }
+        if let Some(m) = &self.metadata {
+            crate::metadata::check("metadata", m)?;
         }
         if self.package.is_some() && self.assigned_devices.is_some() {
             return Err(BodyError::new(

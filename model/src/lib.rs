@@ -11,6 +11,7 @@ pub mod ids;
 pub mod images;
 pub mod jobs;
 pub mod keys;
+pub mod metadata;
 pub mod networks;
 pub mod pci;
 pub mod protocol;

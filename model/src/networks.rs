@@ -391,6 +391,140 @@ impl CreateNetwork {
     }
 }
 
+/// A VM's network interface, as the API shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Nic {
+    #[schema(example = "02:5e:10:00:00:01")]
+    pub mac: String,
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
+    pub network_uuid: NetworkId,
+    /// The NIC the default route goes through: the first one asked for.
+    pub primary: bool,
+}
+
+/// An address of a network in use, and by whom (`GET /v1/networks/{uuid}/ips`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NetworkIp {
+    #[schema(value_type = String, format = Ipv4)]
+    pub ip: Ipv4Addr,
+    pub mac: String,
+    pub vm_uuid: crate::ids::VmId,
+    pub owner_uuid: AccountId,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A network a new VM asks an address on: its uuid or name, or (as Triton's CloudAPI
+/// takes it) `{"ipv4_uuid": "<uuid or name>", "ipv4_ips": ["192.0.2.10"]}` for a fixed
+/// address.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+pub enum NetworkChoice {
+    Named(String),
+    Fixed {
+        ipv4_uuid: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        #[schema(max_items = 1)]
+        ipv4_ips: Vec<String>,
+    },
+}
+
+impl<'de> Deserialize<'de> for NetworkChoice {
+    // By hand, so that a wrong shape gets a reason rather than serde's "did not match any
+    // variant of untagged enum".
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Fixed {
+            ipv4_uuid: String,
+            #[serde(default)]
+            ipv4_ips: Vec<String>,
+        }
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(s) => Ok(NetworkChoice::Named(s)),
+            v @ serde_json::Value::Object(_) => {
+                let f: Fixed = serde_json::from_value(v).map_err(|e| {
+                    D::Error::custom(format!(
+                        "a network is its uuid or name, or {{\"ipv4_uuid\", \"ipv4_ips\"}}: {e}"
+                    ))
+                })?;
+                Ok(NetworkChoice::Fixed {
+                    ipv4_uuid: f.ipv4_uuid,
+                    ipv4_ips: f.ipv4_ips,
+                })
+            }
+            _ => Err(D::Error::custom(
+                "a network is its uuid or name, or {\"ipv4_uuid\", \"ipv4_ips\"}",
+            )),
+        }
+    }
+}
+
+impl NetworkChoice {
+    /// The network's uuid or name.
+    pub fn key(&self) -> &str {
+        match self {
+            NetworkChoice::Named(k) | NetworkChoice::Fixed { ipv4_uuid: k, .. } => k,
+        }
+    }
+}
+
+/// A checked list of networks for a new VM: each network's key and the fixed address
+/// asked for on it, if any, in the order given (the first is the primary NIC).
+pub fn check_choices(
+    field: &str,
+    choices: &[NetworkChoice],
+) -> Result<Vec<(String, Option<Ipv4Addr>)>, BodyError> {
+    if choices.len() > crate::protocol::MAX_NICS {
+        return Err(BodyError::new(
+            field,
+            format!("at most {} networks", crate::protocol::MAX_NICS),
+        ));
+    }
+    let mut out: Vec<(String, Option<Ipv4Addr>)> = Vec::with_capacity(choices.len());
+    for (i, c) in choices.iter().enumerate() {
+        let key = c.key().trim();
+        if key.is_empty() || key.len() > MAX_NETWORK_NAME_LEN.max(36) {
+            return Err(BodyError::new(
+                format!("{field}[{i}]"),
+                "must be a network's uuid or name",
+            ));
+        }
+        if out.iter().any(|(k, _)| k == key) {
+            return Err(BodyError::new(
+                format!("{field}[{i}]"),
+                "listed twice: a VM has one address on a network",
+            ));
+        }
+        let fixed = match c {
+            NetworkChoice::Named(_) => None,
+            NetworkChoice::Fixed { ipv4_ips, .. } => match ipv4_ips.as_slice() {
+                [] => None,
+                [one] => Some(ipv4(&format!("{field}[{i}].ipv4_ips[0]"), one)?),
+                _ => {
+                    return Err(BodyError::new(
+                        format!("{field}[{i}].ipv4_ips"),
+                        "at most one address per network",
+                    ));
+                }
+            },
+        };
+        out.push((key.to_string(), fixed));
+    }
+    Ok(out)
+}
+
+impl AddressPlan {
+    /// Whether `a` may be asked for as a fixed address: a host of the subnet, not the
+    /// gateway (outside the range is allowed, as NAPI allows it: the range is for
+    /// addresses handed out).
+    pub fn fixable(&self, a: Ipv4Addr) -> bool {
+        let (first, last) = Self::hosts(&self.subnet);
+        first <= a && a <= last && Some(a) != self.gateway
+    }
+}
+
 /// A locally administered, unicast MAC address from six random bytes: the first octet's
 /// "local" bit set and its "group" bit clear, so it can clash with no vendor's address.
 pub fn local_mac(random: [u8; 6]) -> String {

@@ -97,7 +97,9 @@ impl From<crate::store::StoreError> for ApiError {
             S::Quota(m) => ApiError::new(passage_model::ErrorCode::QuotaExceeded, m),
             S::InvalidState(m) => ApiError::invalid_state(m),
             S::Retry => ApiError::conflict("a concurrent change won; try again"),
-            S::NoRoom(m) => ApiError::new(passage_model::ErrorCode::InsufficientCapacity, m),
+            S::NoRoom(m) | S::Exhausted(m) => {
+                ApiError::new(passage_model::ErrorCode::InsufficientCapacity, m)
+            }
             other => ApiError::internal(other.to_string()),
         }
     }

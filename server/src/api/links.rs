@@ -99,6 +99,8 @@ pub const LINKS: &[Link] = &[
     link("create_network", "201", "update_network", UUID),
     link("create_network", "201", "delete_network", UUID),
     link("list_networks", "200", "get_network", FIRST_UUID),
+    link("create_network", "201", "list_network_ips", UUID),
+    link("list_networks", "200", "list_network_ips", FIRST_UUID),
     // SSH keys: the caller's own, and any account's.
     link("create_key", "201", "get_key", NAME),
     link("create_key", "201", "delete_key", NAME),

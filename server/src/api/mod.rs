@@ -48,6 +48,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
             v1::update_network,
             v1::delete_network
         ))
+        .routes(routes!(v1::list_network_ips))
         .routes(routes!(v1::list_keys, v1::create_key))
         .routes(routes!(v1::get_key, v1::delete_key))
         .routes(routes!(v1::list_account_keys, v1::create_account_key))

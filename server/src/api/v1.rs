@@ -31,7 +31,7 @@ use passage_model::api::{
 use passage_model::images::Image;
 use passage_model::images::{CreateImage, Sha256, UpdateImage};
 use passage_model::keys::{CreateSshKey, SshKey};
-use passage_model::networks::{CreateNetwork, Network, UpdateNetwork};
+use passage_model::networks::{CreateNetwork, Network, NetworkIp, UpdateNetwork};
 use passage_model::{
     AccountId, ApiErrorBody, ImageId, JobId, NetworkId, PackageId, ServerId, Variant, VmId,
 };
@@ -508,6 +508,19 @@ pub async fn delete_network(
     let uuid: NetworkId = id(&raw, "network")?;
     networks::delete(&ctx, &caller, uuid).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/networks/{uuid}/ips", tag = "networks", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid"), Paging), responses((status = 200, description = "The network's addresses in use and the VMs holding them, ascending (operators)", body = [NetworkIp], headers(("x-resource-count" = i64, description = "How many addresses are in use"))), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_network_ips(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiQuery(page): ApiQuery<Paging>,
+) -> ApiResult<Response> {
+    let uuid: NetworkId = id(&raw, "network")?;
+    let (limit, offset) = page.bounds()?;
+    let (items, total) = networks::ips(&ctx, &caller, uuid, limit, offset).await?;
+    Ok(listed(items, total))
 }
 
 // ---- SSH keys ----

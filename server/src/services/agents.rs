@@ -5,8 +5,8 @@ use super::auth::{NODE_CREDENTIAL_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
 use crate::store::{devices, servers, tasks};
 use passage_model::protocol::{
-    InventoryReport, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS, PROTOCOL_VERSION, RegisterRequest,
-    RegisterResponse, TaskEnvelope, TaskResult,
+    InventoryReport, MAX_BRIDGES, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS, PROTOCOL_VERSION,
+    RegisterRequest, RegisterResponse, TaskEnvelope, TaskResult,
 };
 use passage_model::{ErrorCode, ServerId, TaskId};
 use std::collections::HashSet;
@@ -117,6 +117,18 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
         h.validate()
             .map_err(|(field, why)| ApiError::invalid(field, why))?;
     }
+    if let Some(bridges) = &report.bridges {
+        if bridges.len() > MAX_BRIDGES {
+            return Err(ApiError::invalid(
+                "bridges",
+                format!("at most {MAX_BRIDGES} bridges per report"),
+            ));
+        }
+        for (i, b) in bridges.iter().enumerate() {
+            passage_model::networks::check_bridge(b)
+                .map_err(|e| ApiError::invalid(format!("bridges[{i}]"), e.message))?;
+        }
+    }
     let applied = devices::apply_inventory(
         &ctx.db,
         server,
@@ -125,6 +137,10 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
         devices::Coverage::Whole,
     )
     .await?;
+    if let Some(bridges) = &report.bridges {
+        servers::set_bridges(&ctx.db, server, bridges).await?;
+        ctx.bridges.forget(super::networks::BRIDGES_KEY);
+    }
     if applied.vf_variants {
         crate::workflows::sriov::spawn(ctx, server, false);
     }

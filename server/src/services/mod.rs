@@ -64,6 +64,9 @@ pub struct Services {
     /// tasks after every task it ran, and a heartbeat per poll cost the one SQLite writer a
     /// statement per task for a time only read to the second's tens.
     pub heartbeats: cache::TtlCache<()>,
+    /// Every server's bridges (one entry, [`networks::BRIDGES_KEY`]): placement reads it
+    /// for every VM with a network.
+    pub bridges: cache::TtlCache<networks::BridgeMap>,
     /// Servers whose SR-IOV reconciler (`workflows::sriov`) runs now, each with whether
     /// it is asked to run again after (and then whether to retry refused counts).
     pub sriov_busy:
@@ -154,6 +157,7 @@ impl Services {
             tokens: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
             heartbeats: cache::TtlCache::default(),
+            bridges: cache::TtlCache::default(),
             sriov_busy: std::sync::Mutex::new(std::collections::HashMap::new()),
         })
     }

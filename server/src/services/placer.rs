@@ -12,10 +12,12 @@
 
 use super::Ctx;
 use super::batcher::{Batcher, OnTheWay};
+use super::networks::BridgeFilter;
 use crate::error::{ApiError, ApiResult};
 use crate::placement::{self, Policy};
 use crate::store::create::{self, NewVm};
 use crate::store::devices::Candidate;
+use crate::store::reserve::addresses::NicWant;
 use crate::store::room::{self, Room};
 use crate::store::{StoreError, devices};
 use passage_model::ImageId;
@@ -43,7 +45,29 @@ pub struct Request {
     job: JobId,
     package: Package,
     image: Option<ImageId>,
+    extras: Extras,
     answer: oneshot::Sender<ApiResult<Vm>>,
+}
+
+/// What a creation asks for besides its package: addresses on networks (and so servers
+/// with their bridges), and metadata for its guest.
+#[derive(Clone)]
+pub struct Extras {
+    pub nics: Vec<NicWant>,
+    pub bridges: BridgeFilter,
+    /// A JSON object.
+    pub metadata: String,
+}
+
+impl Extras {
+    /// A VM without networks or metadata.
+    pub fn none() -> Extras {
+        Extras {
+            nics: Vec::new(),
+            bridges: BridgeFilter::any(),
+            metadata: "{}".into(),
+        }
+    }
 }
 
 /// Places `package` for a new VM and reserves its devices: the VM as written, in
@@ -57,6 +81,7 @@ pub async fn place(
     job: JobId,
     package: &Package,
     image: Option<ImageId>,
+    extras: Extras,
     on_the_way: OnTheWay,
 ) -> ApiResult<Vm> {
     if package.devices.is_empty() {
@@ -69,6 +94,7 @@ pub async fn place(
             job,
             package,
             image,
+            &extras,
             Vec::new(),
         )
         .await;
@@ -81,6 +107,7 @@ pub async fn place(
         job,
         package: package.clone(),
         image,
+        extras,
         answer,
     };
     drop(on_the_way);
@@ -106,9 +133,14 @@ struct Planned {
 /// takes all of it at once when this one is done: the busier the queue, the bigger the
 /// batch, and the fewer round trips to the database per creation.
 async fn place_batch(ctx: &Ctx, batch: Vec<Request>) {
-    let mut by_package: BTreeMap<PackageId, Vec<Request>> = BTreeMap::new();
+    // Requests alike in package and bridges are placed on one read.
+    let mut by_package: BTreeMap<(PackageId, Vec<String>), Vec<Request>> = BTreeMap::new();
     for r in batch {
-        by_package.entry(r.package.uuid).or_default().push(r);
+        let bridges: Vec<String> = r.extras.bridges.needs().iter().cloned().collect();
+        by_package
+            .entry((r.package.uuid, bridges))
+            .or_default()
+            .push(r);
     }
     let mut planned = Vec::new();
     let mut alone: Vec<(Request, Vec<ServerId>)> = Vec::new();
@@ -141,6 +173,8 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
             devices: &p.devices,
             job: p.req.job,
             image: p.req.image,
+            nics: &p.req.extras.nics,
+            metadata: &p.req.extras.metadata,
         })
         .collect();
     let t0 = std::time::Instant::now();
@@ -191,6 +225,7 @@ fn place_alone(ctx: &Ctx, alone: Vec<(Request, Vec<ServerId>)>) {
                 req.job,
                 &req.package,
                 req.image,
+                &req.extras,
                 avoid,
             )
             .await;
@@ -267,9 +302,11 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         by_server.entry(c.server_uuid).or_default().push(c);
     }
     let mut rng = rand::thread_rng();
+    let bridges = reqs.first().map(|r| r.extras.bridges.clone());
     let mut slots: Vec<Slot> = view
         .servers
         .iter()
+        .filter(|s| bridges.as_ref().is_none_or(|b| b.admits(**s)))
         .map(|s| Slot {
             server: *s,
             cands: by_server.remove(s).unwrap_or_default(),

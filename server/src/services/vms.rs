@@ -3,6 +3,8 @@
 use super::Ctx;
 use super::auth::Caller;
 use super::catalog;
+use super::networks::BridgeFilter;
+use super::placer::Extras;
 use crate::error::{ApiError, ApiResult};
 use crate::listing::{JobFilter, Page, PageReq, TimeKey, VmFilter};
 use crate::placement;
@@ -17,12 +19,18 @@ use std::collections::BTreeMap;
 /// this bounds work, not correctness.
 const MAX_PLACEMENT_ATTEMPTS: usize = 32;
 
-fn insufficient(request: &BTreeMap<String, u32>) -> ApiError {
+fn insufficient(request: &BTreeMap<String, u32>, bridges: &BridgeFilter) -> ApiError {
     let what: Vec<String> = request.iter().map(|(v, n)| format!("{n} × {v}")).collect();
+    let on = if bridges.needs().is_empty() {
+        String::new()
+    } else {
+        let b: Vec<&str> = bridges.needs().iter().map(String::as_str).collect();
+        format!(" with bridge {}", b.join(" and "))
+    };
     ApiError::new(
         ErrorCode::InsufficientCapacity,
         format!(
-            "no running server has {} free right now",
+            "no running server{on} has {} free right now",
             if what.is_empty() {
                 "room".to_string()
             } else {
@@ -58,6 +66,14 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         .as_deref()
         .ok_or_else(|| ApiError::invalid("image", "an image is required"))?;
     let image = super::images::resolve(ctx, caller, image_key).await?;
+    let attachment = super::networks::attach(ctx, caller, owner, req.networks.as_deref()).await?;
+    let metadata = serde_json::to_string(&req.metadata.clone().unwrap_or_default())
+        .map_err(|e| ApiError::internal(format!("metadata: {e}")))?;
+    let extras = Extras {
+        nics: attachment.nics,
+        bridges: super::networks::BridgeFilter::new(ctx, attachment.bridges).await?,
+        metadata,
+    };
     let job = JobId::new_ordered();
     let uuid = VmId::new_ordered();
     let vm = if let Some(devs) = req.assigned_devices.clone() {
@@ -71,6 +87,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             req.server_uuid,
             &req,
             &image,
+            &extras,
         )
         .await?
     } else {
@@ -103,6 +120,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
             job,
             &package,
             Some(image.uuid),
+            extras,
             on_the_way,
         )
         .await;
@@ -131,25 +149,29 @@ pub(super) async fn place_and_reserve(
     job: JobId,
     package: &passage_model::api::Package,
     image: Option<passage_model::ImageId>,
+    extras: &Extras,
     mut avoid: Vec<passage_model::ServerId>,
 ) -> ApiResult<Vm> {
+    let bridges = &extras.bridges;
     let variants: Vec<String> = package.devices.keys().cloned().collect();
     let mut opened_gpus = false;
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {
-            any_running_server(ctx, package, &avoid)
+            any_running_server(ctx, package, &avoid, bridges)
                 .await?
                 .map(|server| placement::Placement {
                     server,
                     devices: Vec::new(),
                 })
         } else {
-            match hinted_choice(ctx, package, &variants, &avoid, policy).await? {
+            match hinted_choice(ctx, package, &variants, &avoid, policy, bridges).await? {
                 Some(c) => Some(c),
                 // The index is a hint: before saying no, look at every device.
                 None => {
-                    let cands = with_room(ctx, package, full_scan(ctx, &variants).await?).await?;
+                    let mut cands = full_scan(ctx, &variants).await?;
+                    cands.retain(|c| bridges.admits(c.server_uuid));
+                    let cands = with_room(ctx, package, cands).await?;
                     placement::choose(&cands, &package.devices, &avoid, policy)
                 }
             }
@@ -162,7 +184,7 @@ pub(super) async fn place_and_reserve(
                     continue;
                 }
             }
-            let err = insufficient(&package.devices);
+            let err = insufficient(&package.devices, bridges);
             for (variant, count) in &package.devices {
                 let r = store::ops::alert(
                     &ctx.db,
@@ -191,6 +213,8 @@ pub(super) async fn place_and_reserve(
                 devices: &choice.devices,
                 job,
                 image,
+                nics: &extras.nics,
+                metadata: &extras.metadata,
             },
             ctx.cfg.alloc,
         )
@@ -227,12 +251,15 @@ pub async fn availability(
         }
         .admits(i64::from(wanted)),
     };
+    let any = BridgeFilter::any();
     let capacity_ok = if package.devices.is_empty() {
-        any_running_server(ctx, &package, &[]).await?.is_some()
+        any_running_server(ctx, &package, &[], &any)
+            .await?
+            .is_some()
     } else {
         let variants: Vec<String> = package.devices.keys().cloned().collect();
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
-        match hinted_choice(ctx, &package, &variants, &[], policy).await? {
+        match hinted_choice(ctx, &package, &variants, &[], policy, &any).await? {
             Some(_) => true,
             None => {
                 let cands = with_room(ctx, &package, full_scan(ctx, &variants).await?).await?;
@@ -247,7 +274,7 @@ pub async fn availability(
             caller.account.gpu_quota.unwrap_or(0)
         ))
     } else if !capacity_ok {
-        Some(insufficient(&package.devices).message)
+        Some(insufficient(&package.devices, &any).message)
     } else {
         None
     };
@@ -281,6 +308,7 @@ async fn hinted_choice(
     variants: &[String],
     avoid: &[passage_model::ServerId],
     policy: placement::Policy,
+    bridges: &BridgeFilter,
 ) -> ApiResult<Option<placement::Placement>> {
     use rand::seq::SliceRandom;
     let request = &package.devices;
@@ -303,7 +331,7 @@ async fn hinted_choice(
         fit,
     )
     .await?;
-    servers.retain(|(s, _)| !avoid.contains(s));
+    servers.retain(|(s, _)| !avoid.contains(s) && bridges.admits(*s));
     let mut order: Vec<passage_model::ServerId> = Vec::with_capacity(servers.len());
     for tie in servers.chunk_by(|a, b| a.1 == b.1) {
         let mut group: Vec<_> = tie.iter().map(|(s, _)| *s).collect();
@@ -341,13 +369,14 @@ async fn any_running_server(
     ctx: &Ctx,
     package: &passage_model::api::Package,
     avoid: &[passage_model::ServerId],
+    bridges: &BridgeFilter,
 ) -> ApiResult<Option<passage_model::ServerId>> {
     let servers = store::servers::alive_by_device_count(&ctx.db, ctx.alive_after_ms()).await?;
     let rooms = room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
     Ok(servers
         .iter()
         .map(|(s, _)| *s)
-        .filter(|s| !avoid.contains(s))
+        .filter(|s| !avoid.contains(s) && bridges.admits(*s))
         .find(|s| room::fits(rooms.get(s), package.vcpus, package.memory_mib)))
 }
 
@@ -362,6 +391,7 @@ async fn create_with_devices(
     server: Option<passage_model::ServerId>,
     req: &CreateVm,
     image: &passage_model::images::Image,
+    extras: &Extras,
 ) -> ApiResult<Vm> {
     let server =
         server.ok_or_else(|| ApiError::invalid("server_uuid", "required with assigned_devices"))?;
@@ -412,6 +442,8 @@ async fn create_with_devices(
             devices: &devs,
             job,
             image: Some(image.uuid),
+            nics: &extras.nics,
+            metadata: &extras.metadata,
         },
         ctx.cfg.alloc,
     )

@@ -6,6 +6,7 @@
 //! one: there is no other path.
 
 use super::jobs::{JobTx, NewJob};
+use super::reserve::addresses::{AddressTx, NicWant};
 use super::reserve::{self, Claim, ReserveTx, Verdict};
 use super::room::Allocation;
 use super::sql::Sql;
@@ -13,6 +14,7 @@ use super::{Db, StoreResult, now_ms, to_time};
 use crate::{bind_args, in_tx};
 use passage_model::api::{Vm, VmState};
 use passage_model::jobs::JobKind;
+use passage_model::networks::Nic;
 use passage_model::{AccountId, DevicePath, JobId, PackageId, ServerId, VmId};
 
 /// A VM to create, with what it reserves and the provision job that will build it.
@@ -29,6 +31,10 @@ pub struct NewVm<'a> {
     pub job: JobId,
     /// The image its boot disk is made from.
     pub image: Option<passage_model::ImageId>,
+    /// The addresses it asks for, the primary first.
+    pub nics: &'a [NicWant],
+    /// Its metadata for the guest, as a JSON object.
+    pub metadata: &'a str,
 }
 
 impl NewVm<'_> {
@@ -54,8 +60,10 @@ impl NewVm<'_> {
     }
 
     /// The view of the VM just written, without reading it back.
-    fn view(&self, now: i64) -> Vm {
+    fn view(&self, now: i64, nics: Vec<Nic>) -> Vm {
         Vm {
+            primary_ip: nics.iter().find(|n| n.primary).map(|n| n.ip),
+            nics,
             uuid: self.uuid,
             alias: self.alias.to_string(),
             owner_uuid: self.owner,
@@ -81,17 +89,22 @@ impl NewVm<'_> {
 trait VmRowsTx {
     fn insert_vms(
         &mut self,
-        vms: &[&NewVm<'_>],
+        vms: &[(&NewVm<'_>, &[Nic])],
         now: i64,
     ) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
+fn nics_json(nics: &[Nic]) -> StoreResult<String> {
+    serde_json::to_string(nics).map_err(super::corrupt)
+}
+
 impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
-    async fn insert_vms(&mut self, vms: &[&NewVm<'_>], now: i64) -> StoreResult<()> {
+    async fn insert_vms(&mut self, vms: &[(&NewVm<'_>, &[Nic])], now: i64) -> StoreResult<()> {
         let mut q = Sql::default();
         let mut rows = Vec::with_capacity(vms.len());
-        for vm in vms {
+        for (vm, nics) in vms {
             let devices = vm.devices_json()?;
+            let nics = nics_json(nics)?;
             let server = vm.server.map(|s| s.to_string());
             let package = vm.package.map(|p| p.to_string());
             let image = vm.image.map(|i| i.to_string());
@@ -99,7 +112,7 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.arg(v.map_or(super::page::Arg::Null, super::page::Arg::Text))
             };
             rows.push(format!(
-                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {})",
+                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {}, {}, {})",
                 q.text(vm.uuid),
                 q.text(vm.alias),
                 q.text(vm.owner),
@@ -113,12 +126,14 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.int(now),
                 q.int(now),
                 null_or(&mut q, image),
+                q.text(nics),
+                q.text(vm.metadata),
             ));
         }
         let sql = format!(
             "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
-             memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid) \
-             VALUES {}",
+             memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, nics, \
+             metadata) VALUES {}",
             rows.join(", ")
         );
         bind_args!(sqlx::query(&sql), &q.args)
@@ -130,19 +145,26 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
 
 /// The VM rows on Postgres, one statement over arrays whatever their count.
 const PG_INSERT: &str = "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, \
-     state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid) \
-     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i \
+     state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, \
+     nics, metadata) \
+     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i, x.n, x.md \
      FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[], \
-     $9::int8[], $10::text[], $11::text[], $12::text[]) AS x(u, a, o, s, p, c, m, d, j, i)";
+     $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[]) \
+     AS x(u, a, o, s, p, c, m, d, j, i, n, md)";
 
 impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
-    async fn insert_vms(&mut self, vms: &[&NewVm<'_>], now: i64) -> StoreResult<()> {
+    async fn insert_vms(&mut self, all: &[(&NewVm<'_>, &[Nic])], now: i64) -> StoreResult<()> {
+        let vms: Vec<&NewVm<'_>> = all.iter().map(|(v, _)| *v).collect();
         let texts = |f: &dyn Fn(&NewVm<'_>) -> String| -> Vec<String> {
             vms.iter().map(|v| f(v)).collect()
         };
         let devices = vms
             .iter()
             .map(|v| v.devices_json())
+            .collect::<StoreResult<Vec<_>>>()?;
+        let nics = all
+            .iter()
+            .map(|(_, n)| nics_json(n))
             .collect::<StoreResult<Vec<_>>>()?;
         sqlx::query(PG_INSERT)
             .bind(now)
@@ -173,6 +195,8 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
                     .map(|v| v.image.map(|i| i.to_string()))
                     .collect::<Vec<_>>(),
             )
+            .bind(nics)
+            .bind(texts(&|v| v.metadata.to_string()))
             .execute(&mut **self)
             .await?;
         Ok(())
@@ -196,26 +220,52 @@ macro_rules! impl_create_tx {
                 vms: &[NewVm<'_>],
                 alloc: Allocation,
             ) -> StoreResult<Vec<StoreResult<Vm>>> {
-                let claims: Vec<Claim<'_>> = vms.iter().map(NewVm::claim).collect();
+                // Addresses first: a VM the networks refuse claims nothing else.
+                let wants: Vec<&[NicWant]> = vms.iter().map(|v| v.nics).collect();
+                let grants = self.grant(&wants).await?;
+                let eligible: Vec<usize> =
+                    (0..vms.len()).filter(|i| grants.nics[*i].is_ok()).collect();
+                let claims: Vec<Claim<'_>> = eligible.iter().map(|i| vms[*i].claim()).collect();
                 let verdicts: Vec<Verdict> = self
                     .reserve(&claims, alloc, JobKind::Provision.as_str())
                     .await?;
-                let won: Vec<&NewVm<'_>> = vms
+                let mut outcome: Vec<Option<Verdict>> = vec![None; vms.len()];
+                for (i, v) in eligible.iter().zip(verdicts) {
+                    outcome[*i] = Some(v);
+                }
+                let no_nics: Vec<Nic> = Vec::new();
+                let won: Vec<(&NewVm<'_>, &[Nic])> = vms
                     .iter()
-                    .zip(&verdicts)
-                    .filter(|(_, v)| v.is_ok())
-                    .map(|(vm, _)| vm)
+                    .enumerate()
+                    .filter(|(i, _)| matches!(outcome[*i], Some(Ok(()))))
+                    .map(|(i, vm)| {
+                        let nics = grants.nics[i].as_deref().unwrap_or(&no_nics);
+                        (vm, nics)
+                    })
                     .collect();
                 let now = now_ms();
                 if !won.is_empty() {
                     self.insert_vms(&won, now).await?;
-                    let jobs: Vec<NewJob> = won.iter().map(|vm| vm.job()).collect();
+                    let held: Vec<(VmId, AccountId, &[Nic])> = won
+                        .iter()
+                        .map(|(vm, nics)| (vm.uuid, vm.owner, *nics))
+                        .collect();
+                    self.hold(&grants, &held).await?;
+                    let jobs: Vec<NewJob> = won.iter().map(|(vm, _)| vm.job()).collect();
                     self.insert_jobs(&jobs).await?;
                 }
                 Ok(vms
                     .iter()
-                    .zip(verdicts)
-                    .map(|(vm, v)| v.map(|()| vm.view(now)).map_err(reserve::refused))
+                    .zip(outcome)
+                    .zip(grants.nics)
+                    .map(|((vm, verdict), nics)| match (verdict, nics) {
+                        (Some(Ok(())), Ok(nics)) => Ok(vm.view(now, nics)),
+                        (Some(Err(r)), _) => Err(reserve::refused(r)),
+                        (_, Err(e)) => Err(e),
+                        (None, Ok(_)) => Err(super::StoreError::Corrupt(
+                            "a creation with addresses got no verdict".into(),
+                        )),
+                    })
                     .collect())
             }
         }

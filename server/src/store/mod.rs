@@ -56,6 +56,9 @@ pub enum StoreError {
     /// looked).
     #[error("{0}")]
     NoRoom(String),
+    /// A network has no address left for a VM (placement elsewhere does not help).
+    #[error("{0}")]
+    Exhausted(String),
     /// A conditional write lost a race: the caller may re-read and try again.
     #[error("a concurrent change won")]
     Retry,

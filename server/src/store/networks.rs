@@ -5,7 +5,7 @@
 
 use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time, unique_as_conflict};
 use crate::{in_tx, on_read};
-use passage_model::networks::{AddressPlan, Network};
+use passage_model::networks::{AddressPlan, Network, NetworkIp};
 use passage_model::{AccountId, NetworkId};
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -292,9 +292,26 @@ pub async fn update(db: &Db, uuid: NetworkId, ch: Changes<'_>) -> StoreResult<Ne
     get(db, uuid).await
 }
 
+/// Deletes a network no VM holds an address on.
 pub async fn delete(db: &Db, uuid: NetworkId) -> StoreResult<()> {
     let n = in_tx!(db, |tx| {
         sqlx::query(TAKE_WRITE_LOCK).execute(&mut *tx).await?;
+        // The row's own lock, which every creation granting an address on it takes: no
+        // address can be handed out between the count and the delete.
+        sqlx::query("UPDATE networks SET next_ip = next_ip WHERE uuid = $1")
+            .bind(uuid.to_string())
+            .execute(&mut *tx)
+            .await?;
+        let held: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM network_ips WHERE network_uuid = $1")
+                .bind(uuid.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
+        if held > 0 {
+            return Err(StoreError::Conflict(format!(
+                "{held} address(es) of this network are in use; destroy those VMs first"
+            )));
+        }
         Ok(sqlx::query("DELETE FROM networks WHERE uuid = $1")
             .bind(uuid.to_string())
             .execute(&mut *tx)
@@ -305,4 +322,76 @@ pub async fn delete(db: &Db, uuid: NetworkId) -> StoreResult<()> {
         return Err(StoreError::NotFound("network"));
     }
     Ok(())
+}
+
+/// The networks marked default that `owner` may use, oldest first (the first is the
+/// primary NIC's); `any` says whether any network exists at all.
+pub async fn defaults_for(db: &Db, owner: AccountId) -> StoreResult<(Vec<Network>, bool)> {
+    let sql = format!(
+        "SELECT {COLS} FROM networks WHERE is_default = 1 AND (public = 1 OR uuid IN \
+         (SELECT network_uuid FROM network_owners WHERE account_uuid = $1)) \
+         ORDER BY created_at, uuid"
+    );
+    let rows: Vec<NetworkRow> = on_read!(db, |c| sqlx::query_as(&sql)
+        .bind(owner.to_string())
+        .fetch_all(c)
+        .await)?;
+    let any = if rows.is_empty() {
+        let n: i64 = on_read!(db, |c| sqlx::query_scalar("SELECT COUNT(*) FROM networks")
+            .fetch_one(c)
+            .await)?;
+        n > 0
+    } else {
+        true
+    };
+    let uuids: Vec<String> = rows.iter().map(|r| r.uuid.clone()).collect();
+    let mut owners = owners_of(db, &uuids).await?;
+    let items = rows
+        .into_iter()
+        .map(|r| {
+            let o = owners.remove(&r.uuid).unwrap_or_default();
+            r.into_view(o)
+        })
+        .collect::<StoreResult<Vec<_>>>()?;
+    Ok((items, any))
+}
+
+/// The addresses of a network in use, ascending, a page of them; and how many are in
+/// use in all.
+pub async fn ips(
+    db: &Db,
+    network: NetworkId,
+    limit: i64,
+    offset: i64,
+) -> StoreResult<(Vec<NetworkIp>, i64)> {
+    let rows: Vec<(i64, String, String, String, i64)> = on_read!(db, |c| sqlx::query_as(
+        "SELECT ip, mac, vm_uuid, owner_uuid, created_at FROM network_ips \
+         WHERE network_uuid = $1 ORDER BY ip LIMIT $2 OFFSET $3"
+    )
+    .bind(network.to_string())
+    .bind(limit)
+    .bind(offset)
+    .fetch_all(c)
+    .await)?;
+    let total: i64 = on_read!(db, |c| sqlx::query_scalar(
+        "SELECT COUNT(*) FROM network_ips WHERE network_uuid = $1"
+    )
+    .bind(network.to_string())
+    .fetch_one(c)
+    .await)?;
+    let items = rows
+        .into_iter()
+        .map(|(ip, mac, vm, owner, at)| {
+            Ok(NetworkIp {
+                ip: u32::try_from(ip)
+                    .map(std::net::Ipv4Addr::from)
+                    .map_err(|_| StoreError::Corrupt(format!("address {ip}")))?,
+                mac,
+                vm_uuid: parse_uuid(&vm, "vm")?,
+                owner_uuid: parse_uuid(&owner, "account")?,
+                created_at: to_time(at),
+            })
+        })
+        .collect::<StoreResult<Vec<_>>>()?;
+    Ok((items, total))
 }

@@ -293,3 +293,38 @@ pub async fn set_credential(db: &Db, uuid: ServerId, credential_hash: &str) -> S
     }
     Ok(())
 }
+
+/// Records the bridges a node reported; a node that reports none keeps what it had.
+pub async fn set_bridges(db: &Db, uuid: ServerId, bridges: &[String]) -> StoreResult<()> {
+    let text = serde_json::to_string(bridges).map_err(super::corrupt)?;
+    on_write!(db, |p| sqlx::query(
+        "UPDATE servers SET bridges = $2 WHERE uuid = $1 \
+         AND (bridges IS NULL OR bridges <> $2)"
+    )
+    .bind(uuid.to_string())
+    .bind(text)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
+}
+
+/// Every server's bridges, as its node last reported them; a server that never reported
+/// any is absent.
+pub async fn bridges(
+    db: &Db,
+) -> StoreResult<std::collections::HashMap<ServerId, std::collections::BTreeSet<String>>> {
+    let rows: Vec<(String, String)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT uuid, bridges FROM servers WHERE bridges IS NOT NULL"
+    )
+    .fetch_all(p)
+    .await)?;
+    rows.into_iter()
+        .map(|(u, b)| {
+            Ok((
+                parse_uuid(&u, "server")?,
+                serde_json::from_str(&b).map_err(super::corrupt)?,
+            ))
+        })
+        .collect()
+}

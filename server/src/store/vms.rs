@@ -25,14 +25,19 @@ struct VmRow {
     job_uuid: Option<String>,
     created_at: i64,
     image_uuid: Option<String>,
+    nics: String,
 }
 
 const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
-    memory_mib, assigned_devices, job_uuid, created_at, image_uuid";
+    memory_mib, assigned_devices, job_uuid, created_at, image_uuid, nics";
 
 impl VmRow {
     fn into_view(self) -> StoreResult<Vm> {
+        let nics: Vec<passage_model::networks::Nic> =
+            serde_json::from_str(&self.nics).map_err(corrupt)?;
         Ok(Vm {
+            primary_ip: nics.iter().find(|n| n.primary).map(|n| n.ip),
+            nics,
             uuid: parse_uuid(&self.uuid, "vm")?,
             alias: self.alias,
             owner_uuid: parse_uuid(&self.owner_uuid, "account")?,
@@ -276,6 +281,11 @@ pub async fn release_destroyed(
         .bind(now_ms())
         .execute(&mut *tx)
         .await?;
+        // Gone from its node: its addresses may go to the next VM.
+        sqlx::query("DELETE FROM network_ips WHERE vm_uuid = $1")
+            .bind(uuid.to_string())
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "UPDATE vms SET state = 'destroyed', updated_at = $2 WHERE uuid = $1 \
              AND state IN ('destroying', 'destroyed')",
@@ -471,4 +481,34 @@ pub async fn reconcile_exits(
         }
     }
     Ok(gone)
+}
+
+/// A VM's metadata for its guest.
+pub async fn metadata(
+    db: &Db,
+    uuid: VmId,
+) -> StoreResult<std::collections::BTreeMap<String, String>> {
+    let text: Option<String> = on_read!(db, |c| sqlx::query_scalar(
+        "SELECT metadata FROM vms WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .fetch_optional(c)
+    .await)?;
+    serde_json::from_str(&text.ok_or(StoreError::NotFound("vm"))?).map_err(corrupt)
+}
+
+/// A VM that will not run (its provision unwound) gives its addresses back, and its row
+/// stops showing them.
+pub async fn release_addresses(db: &Db, uuid: VmId) -> StoreResult<()> {
+    in_tx!(db, |tx| {
+        sqlx::query("DELETE FROM network_ips WHERE vm_uuid = $1")
+            .bind(uuid.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE vms SET nics = '[]' WHERE uuid = $1")
+            .bind(uuid.to_string())
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    })
 }

@@ -61,7 +61,8 @@ impl From<StoreError> for StepError {
             | StoreError::Conflict(_)
             | StoreError::Quota(_)
             | StoreError::InvalidState(_)
-            | StoreError::NoRoom(_) => StepError::Refused(m),
+            | StoreError::NoRoom(_)
+            | StoreError::Exhausted(_) => StepError::Refused(m),
             StoreError::Migrate(_) | StoreError::Corrupt(_) | StoreError::BadUrl(_) => {
                 StepError::Broken(m)
             }

@@ -68,7 +68,7 @@ impl Workflow for Start {
             StartStep::Launch => {
                 let disk = super::disk::spec(ctx, &vm).await?;
                 let task = Task::StartVm {
-                    vm: spec(&vm, disk),
+                    vm: spec(ctx, &vm, disk).await?,
                 };
                 agent_task::run(ctx, server, job, task).await?;
                 vms::set_state(

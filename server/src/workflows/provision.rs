@@ -5,7 +5,7 @@ use crate::services::Ctx;
 use crate::store::{devices, vms};
 use passage_model::api::{Vm, VmState};
 use passage_model::jobs::{JobKind, ProvisionStep};
-use passage_model::protocol::{Task, VmSpec};
+use passage_model::protocol::{CloudInitSpec, NicSpec, Task, VmSpec};
 use passage_model::{DeviceEvent, ServerId};
 
 pub struct Provision;
@@ -58,17 +58,57 @@ pub(super) async fn vgpu_types(
     Ok(out)
 }
 
-/// The spec a node starts the VM from.
-pub(super) fn spec(vm: &Vm, disk: Option<passage_model::protocol::DiskSpec>) -> VmSpec {
-    VmSpec {
+/// The spec a node starts the VM from: its NICs as its networks are now (MTU and
+/// resolvers may have changed since it was created), and, for a VM with a disk, what its
+/// guest's cloud-init reads: the owner's keys as they are now and the VM's metadata.
+pub(super) async fn spec(
+    ctx: &Ctx,
+    vm: &Vm,
+    disk: Option<passage_model::protocol::DiskSpec>,
+) -> Result<VmSpec, StepError> {
+    let mut nics = Vec::with_capacity(vm.nics.len());
+    for nic in &vm.nics {
+        let n = crate::store::networks::get(&ctx.jobs_db, nic.network_uuid).await?;
+        let prefix_len = n
+            .subnet
+            .parse::<ipnet::Ipv4Net>()
+            .map_err(|e| StepError::Broken(format!("network {}: subnet: {e}", n.uuid)))?
+            .prefix_len();
+        nics.push(NicSpec {
+            mac: nic.mac.clone(),
+            ip: nic.ip,
+            prefix_len,
+            gateway: n.gateway,
+            resolvers: n.resolvers,
+            bridge: n.bridge,
+            vlan_id: n.vlan_id,
+            mtu: n.mtu,
+            primary: nic.primary,
+        });
+    }
+    let cloud_init = match disk {
+        None => None,
+        Some(_) => {
+            let keys = crate::store::keys::all_of(&ctx.jobs_db, vm.owner_uuid).await?;
+            let mut metadata = vms::metadata(&ctx.jobs_db, vm.uuid).await?;
+            Some(CloudInitSpec {
+                hostname: vm.alias.clone(),
+                ssh_authorized_keys: keys.into_iter().map(|k| k.key).collect(),
+                user_data: metadata.remove(passage_model::metadata::USER_DATA),
+                user_script: metadata.remove(passage_model::metadata::USER_SCRIPT),
+                metadata,
+            })
+        }
+    };
+    Ok(VmSpec {
         uuid: vm.uuid,
         vcpus: vm.vcpus,
         memory_mib: vm.memory_mib,
         devices: vm.assigned_devices.clone(),
         disk,
-        nics: Vec::new(),
-        cloud_init: None,
-    }
+        nics,
+        cloud_init,
+    })
 }
 
 impl Workflow for Provision {
@@ -110,7 +150,7 @@ impl Workflow for Provision {
             ProvisionStep::Launch => {
                 let disk = super::disk::spec(ctx, &vm).await?;
                 let task = Task::StartVm {
-                    vm: spec(&vm, disk),
+                    vm: spec(ctx, &vm, disk).await?,
                 };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
@@ -144,6 +184,9 @@ impl Workflow for Provision {
                 )
                 .await?;
                 crate::store::ops::end_usage(&ctx.jobs_db, vm.uuid).await?;
+                // Launch's undo has stopped it (and removed its taps): its addresses may
+                // go to the next VM.
+                vms::release_addresses(&ctx.jobs_db, vm.uuid).await?;
                 if launched && !moved.is_empty() {
                     let dirty: Vec<String> = moved.into_iter().map(|m| m.id).collect();
                     scrub::start_job(ctx, server, &dirty).await?;

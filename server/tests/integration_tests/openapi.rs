@@ -24,6 +24,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/networks/{uuid}"),
     ("patch", "/v1/networks/{uuid}"),
     ("delete", "/v1/networks/{uuid}"),
+    ("get", "/v1/networks/{uuid}/ips"),
     ("get", "/v1/keys"),
     ("post", "/v1/keys"),
     ("get", "/v1/keys/{name}"),

@@ -82,6 +82,8 @@ fn new_vm<'a>(
         devices,
         job: JobId::new_ordered(),
         image: None,
+        nics: &[],
+        metadata: "{}",
     }
 }
 
@@ -316,6 +318,8 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         devices,
         job: JobId::new_ordered(),
         image: None,
+        nics: &[],
+        metadata: "{}",
     };
     let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
         Box::leak(v.into_boxed_slice())
@@ -598,6 +602,8 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
                 devices,
                 job: JobId(uuid::Uuid::from_u128(2000 + i as u128)),
                 image: None,
+                nics: &[],
+                metadata: "{}",
             })
             .collect();
         let outcomes = if batch {

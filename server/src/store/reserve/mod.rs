@@ -17,6 +17,7 @@
 //! its Postgres rendering side by side (Postgres binds arrays, so its statements keep one
 //! text, planned once per connection, whatever the batch size).
 
+pub mod addresses;
 pub mod devices;
 pub mod free_index;
 pub mod quota;
