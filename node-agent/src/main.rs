@@ -56,6 +56,15 @@ enum Command {
         /// Start those GPUs in MIG mode (MIG-backed vGPU types only).
         #[arg(long, requires = "vgpu")]
         mig: bool,
+        /// A Linux bridge the node has, for VMs' networks; repeat it or separate names
+        /// with commas (default br0; `--bridge ''` for none).
+        #[arg(
+            long = "bridge",
+            visible_alias = "bridges",
+            value_name = "NAME",
+            value_delimiter = ','
+        )]
+        bridges: Option<Vec<String>>,
     },
     /// Times discovery in-process: min, median and p95 over N warm runs.
     #[command(hide = true)]
@@ -142,6 +151,7 @@ fn main() -> ExitCode {
             memory_mib,
             vgpu,
             mig,
+            bridges,
         } => {
             let spec = FakeSpec {
                 gpus,
@@ -157,6 +167,10 @@ fn main() -> ExitCode {
                     memory_mib,
                     vgpu,
                     mig,
+                    bridges: match bridges {
+                        Some(b) => b.into_iter().filter(|b| !b.is_empty()).collect(),
+                        None => vec![fake::FAKE_BRIDGE.to_string()],
+                    },
                 },
             ) {
                 Ok(tree) => {

@@ -31,7 +31,7 @@ use tracing::{debug, error, info, warn};
 struct Discovered {
     report: InventoryReport,
     skipped: usize,
-    /// Functions left out and attributes ignored, for the debug log.
+    /// Functions left out, attributes ignored and interfaces unreadable, for the debug log.
     notes: Vec<String>,
 }
 
@@ -196,6 +196,8 @@ struct Agent {
     client: AgentClient,
     executor: Arc<tasks::Executor>,
     sysfs_root: PathBuf,
+    /// Where the bridges VMs attach to are listed (see [`HypervisorKind::net_sysfs_root`]).
+    net_root: PathBuf,
     /// Kept for the agent's life, so each pass re-reads only what can change.
     discoverer: Arc<Discoverer>,
     credential_path: PathBuf,
@@ -216,14 +218,19 @@ impl Agent {
     /// when the tree cannot be read. `last` is what was reported before, for the logs.
     async fn discover(&self, last: Option<&InventoryReport>) -> Option<Discovered> {
         let root = self.sysfs_root.clone();
+        let net_root = self.net_root.clone();
         let disc = self.discoverer.clone();
-        let (found, host) = match tokio::task::spawn_blocking(move || {
-            (disc.try_discover(&root), crate::host::host_resources(&root))
+        let (found, host, bridges) = match tokio::task::spawn_blocking(move || {
+            (
+                disc.try_discover(&root),
+                crate::host::host_resources(&root),
+                crate::net::bridges(&net_root),
+            )
         })
         .await
         {
-            Ok((Ok(d), host)) => (d, host),
-            Ok((Err(e), _)) => {
+            Ok((Ok(d), host, bridges)) => (d, host, bridges),
+            Ok((Err(e), _, _)) => {
                 warn!(error = %e, "PCI discovery failed; inventory not reported");
                 return None;
             }
@@ -243,6 +250,17 @@ impl Agent {
                 None
             }
         };
+        let (bridges, bridge_notes) = match bridges {
+            Ok(b) => (Some(b.names), b.notes),
+            Err(e) => {
+                // Reported without: the control plane then places no VM with a network
+                // here, rather than one on a bridge that may be missing.
+                if last.is_none_or(|l| l.bridges.is_some()) {
+                    warn!(error = %e, root = %self.net_root.display(), "network interfaces not readable; bridges not reported");
+                }
+                (None, Vec::new())
+            }
+        };
         let mut devices = found.devices;
         if devices.len() > MAX_INVENTORY_DEVICES {
             warn!(
@@ -255,10 +273,15 @@ impl Agent {
             report: InventoryReport {
                 devices,
                 host,
-                bridges: None,
+                bridges,
             },
             skipped: found.skipped.len(),
-            notes: found.skipped.into_iter().chain(found.notes).collect(),
+            notes: found
+                .skipped
+                .into_iter()
+                .chain(found.notes)
+                .chain(bridge_notes)
+                .collect(),
         })
     }
 
@@ -282,7 +305,7 @@ impl Agent {
             return Ok(());
         }
         for n in &found.notes {
-            debug!(note = %n, "PCI function or attribute left out of the inventory");
+            debug!(note = %n, "left out of the inventory");
         }
         match self.client.put_inventory(&report).await {
             Ok(()) => {
@@ -308,8 +331,8 @@ impl Agent {
     /// After a task that rebinds functions: the functions that changed since the last
     /// report, to send with the task's result instead of a whole inventory, and the report
     /// to remember once the server has them. When more than functions' attributes changed
-    /// (a function came or went, the host's resources, nothing reported yet), the whole
-    /// inventory is uploaded here instead and nothing is returned.
+    /// (a function came or went, the host's resources or its bridges, nothing reported
+    /// yet), the whole inventory is uploaded here instead and nothing is returned.
     async fn changed_functions(&self) -> Result<Option<Changes>, AgentError> {
         let mut last = self.last_inventory.lock().await;
         let Some(found) = self.discover(last.as_ref()).await else {
@@ -320,6 +343,7 @@ impl Agent {
         };
         let now = &found.report;
         let same_functions = before.host == now.host
+            && before.bridges == now.bridges
             && before.devices.len() == now.devices.len()
             && before
                 .devices
@@ -595,6 +619,7 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         client,
         executor: Arc::new(executor),
         sysfs_root: cfg.sysfs_root.clone(),
+        net_root: cfg.hypervisor.net_sysfs_root(&cfg.sysfs_root),
         // MIG mode comes from the same nvidia-smi the scrub runs, when one is configured.
         discoverer: Arc::new(
             Discoverer::new().with_nvidia_smi(

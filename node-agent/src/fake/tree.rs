@@ -46,7 +46,7 @@ pub struct FakeSpec {
 
 /// Variations of the generated tree beyond [`FakeSpec`] (kept apart so code that builds
 /// a `FakeSpec` by struct literal keeps compiling).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FakeOptions {
     /// Give each GPU an HDMI audio function `.1` in the GPU's IOMMU group, as consumer
     /// and workstation cards have: passthrough must then take both.
@@ -60,6 +60,26 @@ pub struct FakeOptions {
     pub vgpu: Option<FakeVgpu>,
     /// Start those GPUs in MIG mode (only with `vgpu`).
     pub mig: bool,
+    /// The Linux bridges the node has (`class/net/<name>/bridge/`), which a simulated
+    /// node reports and hosts VMs on; default [`FAKE_BRIDGE`].
+    pub bridges: Vec<String>,
+}
+
+/// The one bridge of a generated tree unless asked otherwise, so that simulated nodes can
+/// host VMs on networks whose bridge is `br0`.
+pub const FAKE_BRIDGE: &str = "br0";
+
+impl Default for FakeOptions {
+    fn default() -> Self {
+        FakeOptions {
+            gpu_audio: false,
+            cpus: None,
+            memory_mib: None,
+            vgpu: None,
+            mig: false,
+            bridges: vec![FAKE_BRIDGE.to_string()],
+        }
+    }
 }
 
 const FAKE_CPUS_PER_NODE: u32 = 32;
@@ -88,6 +108,8 @@ pub enum FakeError {
     },
     #[error("--mig needs --vgpu")]
     MigWithoutVgpu,
+    #[error("--bridge {name:?}: {reason}")]
+    Bridge { name: String, reason: String },
     #[error("{0} exists and is not empty")]
     NotEmpty(PathBuf),
     #[error("writing {path}: {source}")]
@@ -350,6 +372,17 @@ fn build(spec: &FakeSpec, opts: &FakeOptions) -> Result<Vec<(u8, Vec<Func>)>, Fa
     if opts.mig && opts.vgpu.is_none() {
         return Err(FakeError::MigWithoutVgpu);
     }
+    for name in &opts.bridges {
+        let reason = match passage_model::networks::check_bridge(name) {
+            Err(e) => e.message,
+            Ok(()) if name == "lo" => "the loopback interface is not a bridge".to_string(),
+            Ok(()) => continue,
+        };
+        return Err(FakeError::Bridge {
+            name: name.clone(),
+            reason,
+        });
+    }
     if let Some(v) = opts.vgpu
         && fake_vgpu::table(spec.model).map(|(f, _)| f) != Some(v)
     {
@@ -483,6 +516,7 @@ pub fn generate_with(
     };
     w.skeleton().map_err(io_err(out))?;
     w.host(spec, opts).map_err(io_err(out))?;
+    w.net(&opts.bridges).map_err(io_err(out))?;
     for (root_bus, funcs) in &roots {
         let rel = PathBuf::from(format!("devices/pci0000:{root_bus:02x}"));
         fs::create_dir_all(out.join(&rel)).map_err(io_err(&out.join(&rel)))?;
@@ -673,6 +707,33 @@ impl Writer {
             fs::write(
                 dir.join("meminfo"),
                 format!("Node {n} MemTotal:       {kib} kB\nNode {n} MemFree:        {kib} kB\n"),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `lo` and the bridges, each in `devices/virtual/net/` with a `class/net/` link to
+    /// it, as a kernel shows them.
+    fn net(&self, bridges: &[String]) -> io::Result<()> {
+        let class = self.root.join("class/net");
+        fs::create_dir_all(&class)?;
+        let mut names = vec![("lo", false)];
+        names.extend(bridges.iter().map(|b| (b.as_str(), true)));
+        names.sort();
+        names.dedup_by_key(|n| n.0);
+        for (name, bridge) in names {
+            let dir = self.root.join("devices/virtual/net").join(name);
+            fs::create_dir_all(&dir)?;
+            fs::write(dir.join("mtu"), if bridge { "1500\n" } else { "65536\n" })?;
+            if bridge {
+                let b = dir.join("bridge");
+                fs::create_dir_all(&b)?;
+                fs::write(b.join("vlan_filtering"), "0\n")?;
+                fs::write(b.join("default_pvid"), "1\n")?;
+            }
+            std::os::unix::fs::symlink(
+                format!("../../devices/virtual/net/{name}"),
+                class.join(name),
             )?;
         }
         Ok(())
@@ -957,6 +1018,46 @@ mod tests {
         assert_eq!(roots[1].0, 0x80);
         for (_, funcs) in &roots {
             funcs.iter().for_each(check);
+        }
+    }
+
+    #[test]
+    fn bridges_as_a_kernel_shows_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("a");
+        generate(&root, &FakeSpec::default()).unwrap();
+        let found = crate::net::bridges(&root).unwrap();
+        assert_eq!(found.names, [FAKE_BRIDGE]);
+        assert!(found.notes.is_empty(), "{:?}", found.notes);
+        // A link into devices/, as in /sys.
+        assert!(root.join("class/net/br0").is_symlink());
+        assert!(root.join("class/net/lo").exists());
+
+        let none = dir.path().join("b");
+        let opts = FakeOptions {
+            bridges: Vec::new(),
+            ..FakeOptions::default()
+        };
+        generate_with(&none, &FakeSpec::default(), &opts).unwrap();
+        assert!(crate::net::bridges(&none).unwrap().names.is_empty());
+
+        let two = dir.path().join("c");
+        let opts = FakeOptions {
+            bridges: vec!["vmbr1".into(), "br0".into(), "vmbr1".into()],
+            ..FakeOptions::default()
+        };
+        generate_with(&two, &FakeSpec::default(), &opts).unwrap();
+        assert_eq!(crate::net::bridges(&two).unwrap().names, ["br0", "vmbr1"]);
+
+        for bad in ["", "a/b", "lo", "sixteen-bytes-xx"] {
+            let opts = FakeOptions {
+                bridges: vec![bad.into()],
+                ..FakeOptions::default()
+            };
+            let out = dir.path().join("d");
+            let e = generate_with(&out, &FakeSpec::default(), &opts).unwrap_err();
+            assert!(matches!(e, FakeError::Bridge { .. }), "{bad}: {e}");
+            assert!(!out.exists(), "nothing written for {bad:?}");
         }
     }
 

@@ -43,6 +43,11 @@ pub enum HypervisorError {
     Launch { vm: VmId, reason: String },
     #[error("VM {vm}: QMP: {reason}")]
     Qmp { vm: VmId, reason: String },
+    #[error("VM {vm}: {source}")]
+    Network {
+        vm: VmId,
+        source: crate::net::NetError,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -61,6 +66,17 @@ impl std::fmt::Display for HypervisorKind {
             HypervisorKind::CloudHypervisor => "cloud-hypervisor",
             HypervisorKind::Bhyve => "bhyve",
         })
+    }
+}
+
+impl HypervisorKind {
+    /// The sysfs tree whose bridges VMs' taps attach to: the simulator's own (generated)
+    /// tree, else the host's, whatever tree PCI devices are read from.
+    pub fn net_sysfs_root(self, sysfs_root: &Path) -> PathBuf {
+        match self {
+            HypervisorKind::Sim => sysfs_root.to_path_buf(),
+            _ => PathBuf::from(crate::net::HOST_SYSFS),
+        }
     }
 }
 

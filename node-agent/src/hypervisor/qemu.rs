@@ -3,13 +3,17 @@
 //! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`,
 //! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console) and
 //! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]).
+//! Each NIC is a persistent tap on its bridge (see [`crate::net`]), made before QEMU starts
+//! and removed once it has exited; the spec names them, so a restarted agent knows which
+//! taps its adopted VMs hold and removes the others it made.
 
 use super::qmp::Qmp;
 use super::{Hypervisor, HypervisorError, check_devices_ready, find_on_path};
+use crate::net;
 use crate::state::{read_json, write_json};
 use passage_model::VmId;
 use passage_model::protocol::VmSpec;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -100,7 +104,8 @@ impl VmFiles {
 /// The QEMU command line for `spec`: q35, no default devices, no display, the boot disk
 /// (virtio-blk: Debian's cloud kernel has no AHCI), the serial console to `console.log`,
 /// one `vfio-pci` device per passed-through function (or an `edu` stand-in for each, see
-/// [`QemuConfig::stand_in_devices`]), QMP on a unix socket.
+/// [`QemuConfig::stand_in_devices`]), one virtio-net device per NIC on its tap (the
+/// primary first, so the guest names it first), QMP on a unix socket.
 pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String> {
     let mut argv = vec![
         cfg.binary.display().to_string(),
@@ -154,6 +159,21 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
             argv.push(format!("vfio-pci,host={}", d.address()));
         }
     }
+    // Stable: the others keep the spec's order.
+    let mut nics: Vec<(usize, &passage_model::protocol::NicSpec)> =
+        spec.nics.iter().enumerate().collect();
+    nics.sort_by_key(|(_, n)| !n.primary);
+    for (i, nic) in nics {
+        argv.extend([
+            "-netdev".into(),
+            format!(
+                "tap,id=net{i},ifname={},script=no,downscript=no",
+                net::tap_name(spec.uuid, i)
+            ),
+            "-device".into(),
+            format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac),
+        ]);
+    }
     argv.extend([
         "-qmp".into(),
         format!("unix:{},server,nowait", files.qmp.display()),
@@ -174,7 +194,13 @@ struct Running {
 pub struct QemuHypervisor {
     cfg: QemuConfig,
     state_dir: PathBuf,
+    /// Where taps and bridges are: the host's own sysfs, whatever tree devices come from.
+    net_root: PathBuf,
     vms: Mutex<BTreeMap<VmId, Running>>,
+}
+
+fn taps_of(spec: &VmSpec) -> impl Iterator<Item = String> + '_ {
+    (0..spec.nics.len()).map(|i| net::tap_name(spec.uuid, i))
 }
 
 /// Whether `pid` is a live QEMU for `vm`: `/proc/PID/cmdline` names the VM's uuid, so a
@@ -192,20 +218,52 @@ fn read_pid(path: &Path) -> Option<u32> {
 }
 
 impl QemuHypervisor {
-    /// Opens the backend and adopts the VMs a previous agent left running.
+    /// Opens the backend and adopts the VMs a previous agent left running, with their
+    /// taps; the other taps an agent made are removed.
     pub fn open(cfg: QemuConfig, state_dir: &Path) -> Result<Self, HypervisorError> {
         let h = QemuHypervisor {
             cfg,
             state_dir: state_dir.to_path_buf(),
+            net_root: PathBuf::from(net::HOST_SYSFS),
             vms: Mutex::new(BTreeMap::new()),
         };
+        h.adopt()?;
+        h.remove_orphan_taps();
+        Ok(h)
+    }
+
+    /// Taps named as ours whose VM this agent does not run: left by a VM that died, or
+    /// by a launch cut short, while no agent was there to remove them.
+    fn remove_orphan_taps(&self) {
+        let keep: BTreeSet<String> = self
+            .lock()
+            .values()
+            .flat_map(|r| taps_of(&r.spec))
+            .collect();
+        let taps = match net::our_taps(&self.net_root) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list the network interfaces; leftover taps stay");
+                return;
+            }
+        };
+        for tap in taps.iter().filter(|t| !keep.contains(*t)) {
+            match net::remove_tap(&self.net_root, tap) {
+                Ok(()) => tracing::info!(tap, "removed a tap whose VM is not running"),
+                Err(e) => tracing::warn!(tap, error = %e, "could not remove a leftover tap"),
+            }
+        }
+    }
+
+    fn adopt(&self) -> Result<(), HypervisorError> {
+        let state_dir = &self.state_dir;
         let root = state_dir.join("qemu");
         let entries = match fs::read_dir(&root) {
             Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(h),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(source) => return Err(HypervisorError::State { path: root, source }),
         };
-        let mut vms = h.lock();
+        let mut vms = self.lock();
         for entry in entries.flatten() {
             let Some(vm) = entry
                 .file_name()
@@ -236,8 +294,7 @@ impl QemuHypervisor {
                 }
             }
         }
-        drop(vms);
-        Ok(h)
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<VmId, Running>> {
@@ -397,9 +454,24 @@ impl Hypervisor for QemuHypervisor {
                 };
             }
             vms.remove(&spec.uuid);
+            net::remove_vm_taps(&self.net_root, spec.uuid);
         }
         if let Some(root) = &self.cfg.sysfs_root {
             check_devices_ready(root, spec)?;
+        }
+        let net_err = |source| HypervisorError::Network {
+            vm: spec.uuid,
+            source,
+        };
+        net::check_nics(&self.net_root, &spec.nics, true).map_err(net_err)?;
+        // A clash of names (two uuids alike in their last 44 bits) would take another
+        // VM's tap away from it.
+        let in_use: BTreeMap<String, VmId> = vms
+            .iter()
+            .flat_map(|(vm, r)| taps_of(&r.spec).map(|t| (t, *vm)))
+            .collect();
+        if let Some((tap, other)) = taps_of(spec).find_map(|t| in_use.get(&t).map(|o| (t, *o))) {
+            return Err(net_err(net::NetError::TapInUse { tap, other }));
         }
         let disk = VmFiles::new(&self.state_dir, spec.uuid).disk;
         if spec.disk.is_some() && !disk.exists() {
@@ -411,22 +483,47 @@ impl Hypervisor for QemuHypervisor {
                 ),
             });
         }
-        let r = self.launch(spec)?;
-        vms.insert(spec.uuid, r);
-        Ok(())
+        let launched = spec
+            .nics
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, nic)| {
+                net::create_tap(&self.net_root, &net::tap_name(spec.uuid, i), nic).map_err(net_err)
+            })
+            .and_then(|()| self.launch(spec));
+        match launched {
+            Ok(r) => {
+                vms.insert(spec.uuid, r);
+                Ok(())
+            }
+            Err(e) => {
+                net::remove_vm_taps(&self.net_root, spec.uuid);
+                Err(e)
+            }
+        }
     }
 
+    /// Also removes the VM's taps, even when it was not running (a VM that died, or
+    /// an agent that stopped half way through a launch).
     fn stop(&self, vm: VmId) -> Result<(), HypervisorError> {
         let r = self.lock().remove(&vm);
-        match r {
-            Some(r) => self.shut_down(vm, r),
-            None => Ok(()),
+        if let Some(r) = r {
+            // QEMU still holds its taps when it does not exit: they stay with it.
+            self.shut_down(vm, r)?;
         }
+        net::remove_vm_taps(&self.net_root, vm);
+        Ok(())
     }
 
     fn running(&self) -> Vec<VmId> {
         let mut vms = self.lock();
-        vms.retain(|vm, r| Self::is_live(r, *vm));
+        vms.retain(|vm, r| {
+            let live = Self::is_live(r, *vm);
+            if !live {
+                net::remove_vm_taps(&self.net_root, *vm);
+            }
+            live
+        });
         vms.keys().copied().collect()
     }
 }
@@ -510,6 +607,51 @@ mod tests {
         );
         assert_eq!(line.matches("-device edu").count(), 2, "{line}");
         assert!(!line.contains("vfio-pci"), "{line}");
+    }
+
+    /// One tap netdev and virtio-net device per NIC, the primary first, each keeping its
+    /// NIC's index in its ids and tap name.
+    #[test]
+    fn nics_on_the_command_line() {
+        let nic = |mac: &str, primary| passage_model::protocol::NicSpec {
+            mac: mac.into(),
+            ip: "192.0.2.10".parse().unwrap(),
+            prefix_len: 24,
+            gateway: None,
+            resolvers: Vec::new(),
+            bridge: "br0".into(),
+            vlan_id: 0,
+            mtu: 1500,
+            primary,
+        };
+        let spec = VmSpec {
+            uuid: "0190f3c4-7a2b-7c3d-8e4f-a1b2c3d4e5f6".parse().unwrap(),
+            vcpus: 1,
+            memory_mib: 64,
+            devices: Vec::new(),
+            disk: None,
+            nics: vec![
+                nic("02:00:00:00:00:0a", false),
+                nic("02:00:00:00:00:0b", true),
+            ],
+            cloud_init: None,
+        };
+        let cfg = QemuConfig {
+            binary: PathBuf::from("qemu-system-x86_64"),
+            accel: "tcg".into(),
+            sysfs_root: None,
+            stand_in_devices: false,
+        };
+        let line = qemu_argv(&cfg, &spec, &VmFiles::new(Path::new("/st"), spec.uuid)).join(" ");
+        assert!(
+            line.contains(
+                "-netdev tap,id=net1,ifname=psg1b2c3d4e5f61,script=no,downscript=no \
+                 -device virtio-net-pci,netdev=net1,mac=02:00:00:00:00:0b \
+                 -netdev tap,id=net0,ifname=psg1b2c3d4e5f60,script=no,downscript=no \
+                 -device virtio-net-pci,netdev=net0,mac=02:00:00:00:00:0a -qmp"
+            ),
+            "{line}"
+        );
     }
 
     /// An mdev vGPU is passed by its sysfs path; a vendor-VFIO vGPU by its VF's address.

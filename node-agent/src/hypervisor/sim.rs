@@ -56,9 +56,19 @@ impl Hypervisor for SimHypervisor {
                 Err(HypervisorError::Conflict { vm: spec.uuid })
             };
         }
-        if let Some(root) = &self.sysfs_root {
-            check_devices_ready(root, spec)?;
-        }
+        // As QEMU would refuse them, so that a VM placed on a node without its network's
+        // bridge fails in fleet tests too. Taps and VLANs are not simulated.
+        let nics = match &self.sysfs_root {
+            Some(root) => {
+                check_devices_ready(root, spec)?;
+                crate::net::check_nics(root, &spec.nics, false)
+            }
+            None => crate::net::validate_nics(&spec.nics),
+        };
+        nics.map_err(|source| HypervisorError::Network {
+            vm: spec.uuid,
+            source,
+        })?;
         vms.insert(spec.uuid, spec.clone());
         self.save(&vms)
     }
@@ -123,6 +133,35 @@ mod tests {
                 .running()
                 .is_empty()
         );
+    }
+
+    /// A VM placed on a node without its network's bridge fails as on a real node.
+    #[test]
+    fn a_nic_on_a_missing_bridge_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        crate::fake::generate(&root, &crate::fake::FakeSpec::default()).unwrap();
+        let h = SimHypervisor::open(dir.path(), Some(&root)).unwrap();
+        let nic = |bridge: &str| passage_model::protocol::NicSpec {
+            mac: "02:00:00:00:00:01".into(),
+            ip: "192.0.2.10".parse().unwrap(),
+            prefix_len: 24,
+            gateway: None,
+            resolvers: Vec::new(),
+            bridge: bridge.into(),
+            vlan_id: 7,
+            mtu: 1500,
+            primary: true,
+        };
+        let mut s = spec();
+        s.nics = vec![nic("br7")];
+        let e = h.start(&s).unwrap_err().to_string();
+        assert!(e.ends_with("bridge br7 does not exist on this node"), "{e}");
+        assert!(h.running().is_empty());
+        // VLANs are not simulated: br0 has filtering off and still takes a tagged NIC.
+        s.nics = vec![nic("br0")];
+        h.start(&s).unwrap();
+        assert_eq!(h.running(), vec![s.uuid]);
     }
 
     #[test]

@@ -3,11 +3,14 @@
 
 mod agent_images;
 mod binding;
+mod bridges;
 mod guest_boot;
 mod images;
+mod netns;
 mod pciutils;
 mod qemu;
 mod robustness;
 mod scrub;
 mod sriov;
+mod taps;
 mod vgpu_slots;
