@@ -980,6 +980,8 @@ mod tests {
             server_uuid: Some(ServerId::new_random()),
             vcpus: None,
             memory_mib: None,
+            networks: None,
+            metadata: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! One module per area; `cargo nextest run -E 'test(api::)'` (or any part of a test's
 //! path) picks an area.
 
+mod addresses;
 mod api;
 mod durable;
 mod e2e;
