@@ -259,6 +259,11 @@ pub enum Task {
     DeleteDisk {
         vm_uuid: VmId,
     },
+    /// Answer the last [`MAX_CONSOLE_BYTES`] of the VM's serial console (in
+    /// [`TaskResult::console`]); empty for a VM that never printed.
+    ReadConsole {
+        vm_uuid: VmId,
+    },
     /// Make the function have `num_vfs` SR-IOV virtual functions (its `sriov_numvfs`),
     /// taking down those it has first when the count differs. Refused while one of its
     /// VFs is passed through to a VM.
@@ -317,6 +322,7 @@ impl Task {
             Task::StopVm { .. } => "stop_vm",
             Task::FetchImage { .. } => "fetch_image",
             Task::DeleteDisk { .. } => "delete_disk",
+            Task::ReadConsole { .. } => "read_console",
             Task::SetVfs { .. } => "set_vfs",
             Task::Scrub { .. } => "scrub",
         }
@@ -364,7 +370,14 @@ pub struct TaskResult {
     /// after it, so the server need not wait for a whole inventory.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<PciDevice>,
+    /// A `read_console`'s answer: the console's last bytes, as UTF-8 (invalid sequences
+    /// replaced), at most [`MAX_CONSOLE_BYTES`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub console: Option<String>,
 }
+
+/// How much of a VM's serial console a node keeps and answers: its last 64 KiB.
+pub const MAX_CONSOLE_BYTES: usize = 64 * 1024;
 
 impl TaskResult {
     pub fn success() -> Self {
@@ -373,6 +386,7 @@ impl TaskResult {
             error: None,
             scrub_reports: Vec::new(),
             devices: Vec::new(),
+            console: None,
         }
     }
     pub fn failure(msg: impl Into<String>) -> Self {
@@ -389,6 +403,7 @@ impl TaskResult {
             error: Some(m),
             scrub_reports: Vec::new(),
             devices: Vec::new(),
+            console: None,
         }
     }
 }
