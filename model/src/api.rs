@@ -533,6 +533,15 @@ pub struct Vm {
     pub created_at: DateTime<Utc>,
 }
 
+/// The end of a VM's serial console, as its node keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VmConsole {
+    pub vm_uuid: VmId,
+    /// The last 64 KiB at most, as UTF-8 (invalid bytes replaced).
+    pub output: String,
+    pub read_at: DateTime<Utc>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {

@@ -77,6 +77,8 @@ pub const LINKS: &[Link] = &[
     link("create_vm", "202", "migrate_vm", UUID),
     link("create_vm", "202", "delete_vm", UUID),
     link("create_vm", "202", "get_job", JOB),
+    link("create_vm", "202", "vm_console", UUID),
+    link("list_vms", "200", "vm_console", FIRST_UUID),
     link("list_vms", "200", "get_vm", FIRST_UUID),
     link("list_vms", "200", "stop_vm", FIRST_UUID),
     link("list_vms", "200", "start_vm", FIRST_UUID),

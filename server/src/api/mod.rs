@@ -80,6 +80,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::placement_dry_run))
         .routes(routes!(v1::list_vms, v1::create_vm))
         .routes(routes!(v1::get_vm, v1::delete_vm))
+        .routes(routes!(v1::vm_console))
         .routes(routes!(v1::stop_vm))
         .routes(routes!(v1::start_vm))
         .routes(routes!(v1::resize_vm))

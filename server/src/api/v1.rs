@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 use passage_model::api::{
     Account, Alert, ApiToken, AuditEntry, Capacity, CreateApiToken, DeviceActionRequest,
     DeviceEventRecord, DeviceRow, Job, JoinToken, LoginResponse, Package, PackageAvailability,
-    PlacementDryRun, PlacementExplanation, ScrubRecord, Server, Usage, Vm,
+    PlacementDryRun, PlacementExplanation, ScrubRecord, Server, Usage, Vm, VmConsole,
 };
 use passage_model::api::{
     CreateAccount, CreateJoinToken, CreatePackage, CreateVm, LoginRequest, Ping, UpdateAccount,
@@ -391,6 +391,16 @@ pub async fn get_vm(
 ) -> ApiResult<Response> {
     let uuid: VmId = id(&raw, "vm")?;
     Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
+}
+
+#[utoipa::path(get, path = "/vms/{uuid}/console", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The last 64 KiB of the VM's serial console, read from its node now", body = VmConsole), (status = 409, description = "The VM has no console now (never placed, destroyed), or its node did not answer", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+pub async fn vm_console(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vms::console(&ctx, &caller, uuid).await?).into_response())
 }
 
 #[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), ErrorResponses), security(("bearer" = [])))]

@@ -470,6 +470,54 @@ pub async fn get(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     Ok(vm)
 }
 
+/// The end of the VM's serial console, read from its node now.
+pub async fn console(
+    ctx: &Ctx,
+    caller: &Caller,
+    uuid: VmId,
+) -> ApiResult<passage_model::api::VmConsole> {
+    let vm = get(ctx, caller, uuid).await?;
+    let Some(server) = vm.server_uuid else {
+        return Err(ApiError::invalid_state(
+            "the VM was never placed on a node: it has no console",
+        ));
+    };
+    if vm.state == VmState::Destroyed {
+        return Err(ApiError::invalid_state(
+            "the VM is destroyed: its console went with it",
+        ));
+    }
+    let task = passage_model::protocol::Task::ReadConsole { vm_uuid: uuid };
+    let r = crate::workflows::agent_task::run_raw(ctx, server, None, task)
+        .await
+        .map_err(|e| ApiError::invalid_state(format!("reading the console: {e}")))?;
+    match (r.ok, r.console) {
+        (true, Some(mut output)) => {
+            // The node's word is bounded by the protocol, not trusted to keep it.
+            let max = passage_model::protocol::MAX_CONSOLE_BYTES;
+            if output.len() > max {
+                let mut cut = output.len() - max;
+                while !output.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                output.drain(..cut);
+            }
+            Ok(passage_model::api::VmConsole {
+                vm_uuid: uuid,
+                output,
+                read_at: chrono::Utc::now(),
+            })
+        }
+        (true, None) => Err(ApiError::internal(
+            "the node answered read_console without a console",
+        )),
+        (false, _) => Err(ApiError::invalid_state(format!(
+            "the node could not read the console: {}",
+            r.error.as_deref().unwrap_or("no reason given")
+        ))),
+    }
+}
+
 pub async fn list(
     ctx: &Ctx,
     caller: &Caller,

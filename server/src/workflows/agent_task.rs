@@ -81,6 +81,11 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
         Task::FetchImage { disk, .. } => {
             ctx.cfg.task_timeout + Duration::from_secs(disk.image.size / 10_000_000)
         }
+        // Someone is waiting at a page: a node that cannot answer in seconds is down.
+        Task::ReadConsole { .. } => ctx.cfg.task_timeout.min(CONSOLE_TIMEOUT),
         _ => ctx.cfg.task_timeout,
     }
 }
+
+/// How long a console read waits for the node.
+pub const CONSOLE_TIMEOUT: Duration = Duration::from_secs(10);

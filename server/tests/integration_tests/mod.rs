@@ -3,6 +3,7 @@
 
 mod addresses;
 mod api;
+mod console;
 mod durable;
 mod e2e;
 mod images;

@@ -25,6 +25,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("patch", "/v1/networks/{uuid}"),
     ("delete", "/v1/networks/{uuid}"),
     ("get", "/v1/networks/{uuid}/ips"),
+    ("get", "/v1/vms/{uuid}/console"),
     ("get", "/v1/keys"),
     ("post", "/v1/keys"),
     ("get", "/v1/keys/{name}"),
