@@ -40,6 +40,8 @@ pub fn run(args: &Args) -> Result<()> {
         .unwrap_or_else(|| DEFAULT_PG_URL.to_string());
     let mut stages = Stages::default();
     stages.run("lspci", ensure_lspci)?;
+    // The guest SSH test logs in to its VM with the real client.
+    stages.run("ssh", || ensure_tool("ssh", "openssh-client"))?;
     stages.run("qemu", ensure_qemu)?;
     // The guest the node agent's boot tests run, found by them in PASSAGE_TEST_IMAGE.
     let mut test_image = None;

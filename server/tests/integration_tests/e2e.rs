@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-struct Proc(Child);
+pub(super) struct Proc(pub(super) Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -23,7 +23,7 @@ impl Drop for Proc {
     }
 }
 
-fn node_agent_bin() -> PathBuf {
+pub(super) fn node_agent_bin() -> PathBuf {
     let p = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
     assert!(
         p.exists(),
@@ -34,7 +34,7 @@ fn node_agent_bin() -> PathBuf {
     p
 }
 
-fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
+pub(super) fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_server"))
         .args(["--listen", "127.0.0.1:0", "--database", &db.url])
         .args(extra)
@@ -60,7 +60,7 @@ fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
     (proc, base)
 }
 
-async fn login(base: &str, login: &str, password: &str) -> String {
+pub(super) async fn login(base: &str, login: &str, password: &str) -> String {
     let l: LoginResponse = Client::at(base, None)
         .post(
             "/v1/auth/login",
@@ -281,7 +281,7 @@ both!(sim_servers, simulated_nodes);
 /// The test guest image (`cargo xtask test` builds it and names it in
 /// `PASSAGE_TEST_IMAGE`); outside CI, or with `PASSAGE_ALLOW_NO_QEMU=1`, its absence
 /// skips the test.
-fn guest_image() -> Option<PathBuf> {
+pub(super) fn guest_image() -> Option<PathBuf> {
     let found = std::env::var_os("PASSAGE_TEST_IMAGE")
         .map(PathBuf::from)
         .filter(|p| p.is_file());

@@ -6,6 +6,7 @@ mod api;
 mod console;
 mod durable;
 mod e2e;
+mod guest_ssh;
 mod images;
 mod keys;
 mod lifecycle;
