@@ -47,6 +47,10 @@ struct Args {
     /// where in the run the slow ones fall.
     #[arg(long, value_name = "PATH")]
     latencies: Option<std::path::PathBuf>,
+    /// Each VM also gets an address on a default /16 network on bridge br0 (every node
+    /// reports br0): the addresses' share of a creation.
+    #[arg(long)]
+    network: bool,
 }
 
 fn rss_peak_kib(pid: u32) -> Option<u64> {
@@ -82,16 +86,20 @@ async fn main() {
         }
     };
 
+    if a.network {
+        let net = json!({"name": "bench", "subnet": "10.128.0.0/16", "bridge": "br0",
+                         "public": true, "default": true});
+        let (st, body) = post(&http, &format!("{base}/v1/networks"), Some(&op), net).await;
+        assert_eq!(st, 201, "{body}");
+    }
+
     // The fleet: every node registers and reports, as an agent would.
     let t = Instant::now();
-    common::fleet_with(
-        &http,
-        &base,
-        &op,
-        a.servers,
-        common::inventory_with(a.gpus, a.vgpu_slots),
-    )
-    .await;
+    let mut inventory = common::inventory_with(a.gpus, a.vgpu_slots);
+    if a.network {
+        inventory["bridges"] = json!(["br0"]);
+    }
+    common::fleet_with(&http, &base, &op, a.servers, inventory).await;
     println!(
         "fleet: {} servers x {} GPUs registered in {:.1} s",
         a.servers,
@@ -186,9 +194,11 @@ async fn main() {
         ms(pct(&lat, 1.0)),
     );
 
-    // The check: no device held twice, every placement holds exactly one device.
+    // The check: no device held twice, every placement holds exactly one device (and,
+    // with --network, one address, never another VM's).
     let mut seen = HashSet::new();
     let mut held = 0usize;
+    let mut addresses = HashSet::new();
     for page in 0.. {
         let r = http
             .get(format!("{base}/v1/vms?limit=1000&offset={}", page * 1000))
@@ -202,6 +212,10 @@ async fn main() {
             break;
         }
         for vm in vms {
+            if a.network {
+                let ip = vm["primary_ip"].as_str().expect("an address").to_string();
+                assert!(addresses.insert(ip.clone()), "address held twice: {ip}");
+            }
             for d in vm["assigned_devices"].as_array().unwrap() {
                 held += 1;
                 assert!(
@@ -225,6 +239,9 @@ async fn main() {
             .unwrap_or_default()
     };
     let whole = of("H100");
+    if a.network {
+        println!("check: {} distinct addresses", addresses.len());
+    }
     println!(
         "check: {held} devices assigned, {} distinct; capacity held {} of {}",
         seen.len(),

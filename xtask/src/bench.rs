@@ -97,6 +97,10 @@ pub struct Placement {
     /// Each VM asks for one vGPU of a type every GPU hosts N times (not set: a whole GPU)
     #[arg(long, value_name = "N")]
     vgpu_slots: Option<usize>,
+    /// Each VM also gets an address on a default /16 network on bridge br0, which every
+    /// node reports
+    #[arg(long)]
+    network: bool,
 }
 
 /// `cargo xtask bench fleet`: flags given are passed on to the example, which holds the
@@ -201,6 +205,9 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .number("--vms", p.vms)
                 .number("--clients", p.clients)
                 .number("--vgpu-slots", p.vgpu_slots);
+            if p.network {
+                f.0.push("--network".into());
+            }
             example("bench_placement", &f.0)
         }
         Bench::Fleet(p) => {
