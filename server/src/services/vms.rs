@@ -398,6 +398,13 @@ async fn create_with_devices(
     let vcpus = req.vcpus.unwrap_or(1);
     let memory_mib = req.memory_mib.unwrap_or(1024);
     let known = match store::servers::get(&ctx.db, server).await {
+        Ok(_) if !extras.bridges.admits(server) => {
+            let b: Vec<&str> = extras.bridges.needs().iter().map(String::as_str).collect();
+            return Err(ApiError::conflict(format!(
+                "server {server} has not reported bridge {}, which the VM's networks need",
+                b.join(" and ")
+            )));
+        }
         Ok(_) => devices::for_server(&ctx.db, server).await?,
         Err(StoreError::NotFound(_)) => {
             return Err(ApiError::missing("server_uuid", "no such server"));
