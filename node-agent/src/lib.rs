@@ -11,4 +11,5 @@ pub mod images;
 pub mod net;
 pub mod ppt;
 pub mod scrub;
+pub mod seed;
 pub mod state;

@@ -4,6 +4,9 @@
 # an MBR disk, and a boot script that reports on the serial console what the tests check:
 #   PASSAGE-EDU-COUNT=N   the stand-in devices (QEMU edu, 1234:11e8) the guest sees
 #   PASSAGE-BOOT-COUNT=N  a counter kept on the disk, one more on each boot
+# and cloud-init (Debian's package, NoCloud) to apply a seed when one is attached: a
+# vfat volume labelled cidata (the node agent's seed.rs). Without one, ds-identify finds
+# no datasource and disables cloud-init for the boot, which then costs nothing.
 # Usage: test_image.sh OUT.qcow2 WORKDIR   (as root: it mounts a loop device)
 # xtask keys its cache on a hash of this file: change it and the image is rebuilt.
 set -eu
@@ -21,6 +24,7 @@ for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
 done >"$work/sources"
 mmdebstrap --variant=minbase --mode=root \
   --include=systemd-sysv,udev,linux-image-cloud-amd64,kmod \
+  --include=cloud-init,openssh-server,sudo,ifupdown,net-tools,iproute2,resolvconf \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
@@ -56,12 +60,37 @@ EOF
 ln -sf /etc/systemd/system/passage-report.service \
   "$root/etc/systemd/system/multi-user.target.wants/passage-report.service"
 echo passage-test >"$root/etc/hostname"
+# cloud-init: only the datasources a Passage node gives (NoCloud), so ds-identify
+# checks one label and nothing else. ConfigDrive is listed too because ds-identify
+# takes a list of one (with or without None) as found without looking, which would
+# run cloud-init on every boot, seed or not.
+cat >"$root/etc/cloud/cloud.cfg.d/90_dpkg.cfg" <<'EOF'
+datasource_list: [ NoCloud, ConfigDrive, None ]
+EOF
+# What a first boot under emulation spends most on, or fails at, in this image: RSA and
+# DSA host keys (14 s of the init stage; Ed25519 and ECDSA take a second), the locale
+# (Debian's default en_US.UTF-8 is not generated here, so update-locale fails; C.UTF-8
+# is built into glibc) and grub-dpkg (the disk boots with extlinux).
+cat >"$root/etc/cloud/cloud.cfg.d/91_passage-test.cfg" <<'EOF'
+ssh_genkeytypes: [ ed25519, ecdsa ]
+locale: C.UTF-8
+grub_dpkg:
+  enabled: false
+EOF
+# Every VM made from the image would share these: cloud-init makes new ones at first
+# boot (ssh_deletekeys), and without a seed sshd has no network to serve anyway.
+rm -f "$root"/etc/ssh/ssh_host_*
+mkdir -p "$root/etc/systemd/system/ssh.service.d"
+cat >"$root/etc/systemd/system/ssh.service.d/passage-host-keys.conf" <<'EOF'
+[Unit]
+ConditionPathExistsGlob=/etc/ssh/ssh_host_*_key
+EOF
 echo 'LABEL=root / ext4 defaults 0 1' >"$root/etc/fstab"
 # An empty root password on the console only: a test image, never a product image.
 chroot "$root" passwd -d root >/dev/null
 # What a test boot does not need, and slows a boot under emulation.
 for u in systemd-timesyncd.service apt-daily.timer apt-daily-upgrade.timer \
-  e2scrub_all.timer fstrim.timer; do
+  e2scrub_all.timer e2scrub_reap.service fstrim.timer; do
   ln -sf /dev/null "$root/etc/systemd/system/$u"
 done
 kernel=$(cd "$root/boot" && ls vmlinuz-* | head -n1)

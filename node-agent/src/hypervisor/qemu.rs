@@ -1,8 +1,9 @@
 //! QEMU/KVM: builds the command line, starts `qemu-system-x86_64` as a child, talks to
 //! it over QMP and keeps what a restarted agent needs in `STATE/qemu/<vm>/`:
 //! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`,
-//! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console) and
-//! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]).
+//! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console),
+//! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]) and
+//! `seed.img` (the cloud-init seed, written at each start: see [`crate::seed`]).
 //! Each NIC is a persistent tap on its bridge (see [`crate::net`]), made before QEMU starts
 //! and removed once it has exited; the spec names them, so a restarted agent knows which
 //! taps its adopted VMs hold and removes the others it made.
@@ -84,6 +85,7 @@ pub struct VmFiles {
     pub log: PathBuf,
     pub console: PathBuf,
     pub disk: PathBuf,
+    pub seed: PathBuf,
 }
 
 impl VmFiles {
@@ -96,13 +98,15 @@ impl VmFiles {
             log: dir.join("qemu.log"),
             console: dir.join("console.log"),
             disk: dir.join(crate::images::disk::DISK_FILE),
+            seed: dir.join(crate::seed::SEED_FILE),
             dir,
         }
     }
 }
 
 /// The QEMU command line for `spec`: q35, no default devices, no display, the boot disk
-/// (virtio-blk: Debian's cloud kernel has no AHCI), the serial console to `console.log`,
+/// (virtio-blk: Debian's cloud kernel has no AHCI), the cloud-init seed read-only when
+/// the VM has one, the serial console to `console.log`,
 /// one `vfio-pci` device per passed-through function (or an `edu` stand-in for each, see
 /// [`QemuConfig::stand_in_devices`]), one virtio-net device per NIC on its tap (the
 /// primary first, so the guest names it first), QMP on a unix socket.
@@ -133,6 +137,15 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
             ),
             "-device".into(),
             "virtio-blk-pci,drive=disk0,bootindex=0".into(),
+        ]);
+    }
+    if spec.cloud_init.is_some() {
+        argv.extend([
+            "-drive".into(),
+            format!(
+                "file={},if=virtio,format=raw,readonly=on",
+                files.seed.display()
+            ),
         ]);
     }
     argv.extend([
@@ -345,6 +358,15 @@ impl QemuHypervisor {
         let _ = fs::remove_file(&files.qmp);
         let _ = fs::remove_file(&files.pid);
         write_json(&files.spec, spec, 0o600).map_err(state_err(&files.spec))?;
+        // Written at every start, so a seed always says what the spec now says.
+        if let Some(ci) = &spec.cloud_init {
+            crate::seed::write_seed(&files.seed, vm, ci, &spec.nics).map_err(|e| {
+                HypervisorError::Launch {
+                    vm,
+                    reason: format!("its cloud-init seed: {e}"),
+                }
+            })?;
+        }
         let log = fs::File::create(&files.log).map_err(state_err(&files.log))?;
         let log2 = log.try_clone().map_err(state_err(&files.log))?;
         let argv = qemu_argv(&self.cfg, spec, &files);
@@ -607,6 +629,24 @@ mod tests {
         );
         assert_eq!(line.matches("-device edu").count(), 2, "{line}");
         assert!(!line.contains("vfio-pci"), "{line}");
+        assert!(!line.contains("seed.img"), "no cloud-init, no seed: {line}");
+
+        // With cloud-init: the seed, read-only, after the boot disk.
+        spec.cloud_init = Some(passage_model::protocol::CloudInitSpec {
+            hostname: "web-1".into(),
+            ssh_authorized_keys: Vec::new(),
+            user_data: None,
+            user_script: None,
+            metadata: Default::default(),
+        });
+        let line = qemu_argv(&cfg, &spec, &files).join(" ");
+        assert!(
+            line.contains(&format!(
+                "-device virtio-blk-pci,drive=disk0,bootindex=0 \
+                 -drive file={dir}/seed.img,if=virtio,format=raw,readonly=on -chardev"
+            )),
+            "{line}"
+        );
     }
 
     /// One tap netdev and virtio-net device per NIC, the primary first, each keeping its

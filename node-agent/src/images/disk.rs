@@ -17,9 +17,14 @@ pub const QEMU_IMG_BINARY: &str = "qemu-img";
 pub const DISK_FILE: &str = "disk.qcow2";
 const DISK_SPEC_FILE: &str = "disk.json";
 const DISK_TMP_FILE: &str = ".disk.qcow2.tmp";
-/// Files of a VM that go with its disk when it is destroyed: the guest's console may
-/// hold the tenant's data.
-const VM_FILES: &[&str] = &["console.log", "qemu.log"];
+/// Files of a VM that go with its disk when it is destroyed: the guest's console and
+/// its cloud-init seed may hold the tenant's data.
+const VM_FILES: &[&str] = &[
+    "console.log",
+    "qemu.log",
+    crate::seed::SEED_FILE,
+    crate::seed::SEED_TMP_FILE,
+];
 
 /// `STATE/qemu/<vm>`: the VM's directory (shared with the QEMU backend's files).
 pub fn vm_dir(state_dir: &Path, vm: VmId) -> PathBuf {

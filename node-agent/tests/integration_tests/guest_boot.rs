@@ -34,7 +34,7 @@ fn skip_or_fail(why: &str) -> Option<PathBuf> {
     panic!("{why}: `cargo xtask test` builds the guest image; or set PASSAGE_ALLOW_NO_QEMU=1");
 }
 
-fn test_image() -> Option<PathBuf> {
+pub(super) fn test_image() -> Option<PathBuf> {
     if node_agent::hypervisor::find_on_path("qemu-system-x86_64").is_none() {
         return skip_or_fail("qemu-system-x86_64 is not installed");
     }
