@@ -377,9 +377,12 @@ impl Agent {
         loop {
             tick.tick().await;
             let hv = self.executor.hypervisor.clone();
-            let running_vms = tokio::task::spawn_blocking(move || hv.running())
-                .await
-                .map_err(blocking_err)?;
+            let running_vms = tokio::task::spawn_blocking(move || {
+                hv.trim();
+                hv.running()
+            })
+            .await
+            .map_err(blocking_err)?;
             match self
                 .client
                 .heartbeat(&Heartbeat {

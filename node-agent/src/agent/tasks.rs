@@ -158,10 +158,12 @@ impl Executor {
                     "internal: fetch_image tasks run through Executor::run".to_string(),
                 ),
             },
-            // Answered by the hypervisor's console log (not yet kept: an empty answer).
-            Task::ReadConsole { .. } => TaskResult {
-                console: Some(String::new()),
-                ..TaskResult::success()
+            Task::ReadConsole { vm_uuid } => match self.hypervisor.console(*vm_uuid) {
+                Ok(console) => TaskResult {
+                    console: Some(console),
+                    ..TaskResult::success()
+                },
+                Err(e) => TaskResult::failure(e.to_string()),
             },
             Task::DeleteDisk { vm_uuid } => {
                 let Some(images) = &self.images else {

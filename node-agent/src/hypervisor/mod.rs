@@ -3,6 +3,7 @@
 
 mod bhyve;
 mod cloud_hypervisor;
+pub mod console;
 mod qemu;
 pub mod qmp;
 mod sim;
@@ -87,6 +88,13 @@ pub trait Hypervisor: Send + Sync {
     /// Stops the VM; stopping one that is not running is a no-op.
     fn stop(&self, vm: VmId) -> Result<(), HypervisorError>;
     fn running(&self) -> Vec<VmId>;
+    /// The end of the VM's serial console (at most
+    /// [`passage_model::protocol::MAX_CONSOLE_BYTES`]): empty for a VM that never printed
+    /// or that this node does not know.
+    fn console(&self, vm: VmId) -> Result<String, HypervisorError>;
+    /// Keeps what running VMs write on this node bounded (their consoles); the agent
+    /// calls it with each heartbeat.
+    fn trim(&self) {}
 }
 
 /// The backend for `kind`. `sysfs_root`, when given, lets the simulator refuse devices

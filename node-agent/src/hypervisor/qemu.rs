@@ -1,13 +1,15 @@
 //! QEMU/KVM: builds the command line, starts `qemu-system-x86_64` as a child, talks to
 //! it over QMP and keeps what a restarted agent needs in `STATE/qemu/<vm>/`:
 //! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`,
-//! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console),
+//! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console,
+//! kept with `console.log.0` below a bound: see [`super::console`]),
 //! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]) and
 //! `seed.img` (the cloud-init seed, written at each start: see [`crate::seed`]).
 //! Each NIC is a persistent tap on its bridge (see [`crate::net`]), made before QEMU starts
 //! and removed once it has exited; the spec names them, so a restarted agent knows which
 //! taps its adopted VMs hold and removes the others it made.
 
+use super::console;
 use super::qmp::Qmp;
 use super::{Hypervisor, HypervisorError, check_devices_ready, find_on_path};
 use crate::net;
@@ -150,7 +152,12 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
     }
     argv.extend([
         "-chardev".into(),
-        format!("file,id=console0,path={}", files.console.display()),
+        // Appended to, so a stopped and started VM keeps its earlier boots' output, and
+        // so the agent may trim the file under QEMU (see `console`).
+        format!(
+            "file,id=console0,path={},append=on",
+            files.console.display()
+        ),
         "-serial".into(),
         "chardev:console0".into(),
     ]);
@@ -358,6 +365,8 @@ impl QemuHypervisor {
         let _ = fs::remove_file(&files.qmp);
         let _ = fs::remove_file(&files.pid);
         write_json(&files.spec, spec, 0o600).map_err(state_err(&files.spec))?;
+        // The console outlives a stop; a VM started again and again must not grow it.
+        console::trim(&files.console).map_err(state_err(&files.console))?;
         // Written at every start, so a seed always says what the spec now says.
         if let Some(ci) = &spec.cloud_init {
             crate::seed::write_seed(&files.seed, vm, ci, &spec.nics).map_err(|e| {
@@ -537,6 +546,26 @@ impl Hypervisor for QemuHypervisor {
         Ok(())
     }
 
+    fn console(&self, vm: VmId) -> Result<String, HypervisorError> {
+        let path = VmFiles::new(&self.state_dir, vm).console;
+        let state_err = |source| HypervisorError::State {
+            path: path.clone(),
+            source,
+        };
+        console::trim(&path).map_err(state_err)?;
+        console::tail(&path).map_err(state_err)
+    }
+
+    fn trim(&self) {
+        let vms: Vec<VmId> = self.lock().keys().copied().collect();
+        for vm in vms {
+            let path = VmFiles::new(&self.state_dir, vm).console;
+            if let Err(e) = console::trim(&path) {
+                tracing::warn!(%vm, path = %path.display(), error = %e, "trimming a VM's console");
+            }
+        }
+    }
+
     fn running(&self) -> Vec<VmId> {
         let mut vms = self.lock();
         vms.retain(|vm, r| {
@@ -600,7 +629,7 @@ mod tests {
                  -name guest=6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10,debug-threads=on \
                  -uuid 6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10 -machine q35,accel=kvm:tcg \
                  -m 65536M -smp 8 -nographic -nodefaults \
-                 -chardev file,id=console0,path={dir}/console.log -serial chardev:console0 \
+                 -chardev file,id=console0,path={dir}/console.log,append=on -serial chardev:console0 \
                  -device vfio-pci,host=0000:3b:00.0 -device vfio-pci,host=0000:3b:00.1 \
                  -qmp unix:{dir}/qmp.sock,server,nowait -pidfile {dir}/qemu.pid"
             )

@@ -81,6 +81,38 @@ impl Hypervisor for SimHypervisor {
         Ok(())
     }
 
+    /// A boot log made up from the spec, naming what a tenant would look for on a real
+    /// console: the VM, its NICs and its host name. Empty once the VM stops: the sim
+    /// keeps nothing of a stopped VM.
+    fn console(&self, vm: VmId) -> Result<String, HypervisorError> {
+        let vms = self.vms();
+        let Some(spec) = vms.get(&vm) else {
+            return Ok(String::new());
+        };
+        let mut log = format!(
+            "[    0.000000] Linux version 6.1.0-passage-sim (simulated)\n\
+             [    0.000000] DMI: Passage simulated VM {vm}\n\
+             [    0.010000] {} CPUs, {} MiB, {} passed-through devices\n",
+            spec.vcpus,
+            spec.memory_mib,
+            spec.devices.len()
+        );
+        for (i, nic) in spec.nics.iter().enumerate() {
+            log.push_str(&format!(
+                "[    1.200000] eth{i}: {} {}/{} on {}\n",
+                nic.mac, nic.ip, nic.prefix_len, nic.bridge
+            ));
+        }
+        let host = spec
+            .cloud_init
+            .as_ref()
+            .map_or("localhost", |c| c.hostname.as_str());
+        log.push_str(&format!(
+            "cloud-init: instance-id {vm}, hostname {host}\n\n{host} login: "
+        ));
+        Ok(log)
+    }
+
     /// The state file is the sim's truth: a VM removed from it (by a test, as a crash
     /// would remove it) is no longer running.
     fn running(&self) -> Vec<VmId> {

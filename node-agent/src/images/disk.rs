@@ -21,6 +21,8 @@ const DISK_TMP_FILE: &str = ".disk.qcow2.tmp";
 /// its cloud-init seed may hold the tenant's data.
 const VM_FILES: &[&str] = &[
     "console.log",
+    "console.log.0",
+    "console.log.0.tmp",
     "qemu.log",
     crate::seed::SEED_FILE,
     crate::seed::SEED_TMP_FILE,

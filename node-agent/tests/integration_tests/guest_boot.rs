@@ -218,12 +218,28 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
     assert!(console.lines().any(|l| l.trim() == "PASSAGE-EDU-COUNT=2"));
     ok(&exec, Task::StopVm { vm_uuid: vm }).await;
 
+    // The console as the API reads it: kept after the VM stopped, its end only. The
+    // file holds both boots (it is appended to).
+    let r = run(&exec, Task::ReadConsole { vm_uuid: vm }).await;
+    let read = r.console.unwrap_or_default();
+    assert!(r.ok, "{:?}", r.error);
+    assert!(read.contains("PASSAGE-BOOT-COUNT=2"), "{read}");
+    assert!(read.len() <= passage_model::protocol::MAX_CONSOLE_BYTES);
+    let whole = std::fs::read_to_string(&files.console).unwrap_or_default();
+    assert!(whole.contains("PASSAGE-BOOT-COUNT=1"), "{whole}");
+
     ok(&exec, Task::DeleteDisk { vm_uuid: vm }).await;
     assert!(
         !disk_path(&state, vm).exists(),
         "destroy removes the overlay"
     );
     assert!(!files.console.exists());
+    let r = run(&exec, Task::ReadConsole { vm_uuid: vm }).await;
+    assert_eq!(
+        r.console.as_deref(),
+        Some(""),
+        "the console went with the disk"
+    );
     // The image stays cached for the next VM (and is no longer in use).
     assert!(node_agent::images::images_in_use(&state).is_empty());
     ok(
