@@ -35,14 +35,17 @@ fn ip(args: &[&str]) -> String {
 }
 
 /// Moves this thread (and the threads and processes it starts after) into a new network
-/// namespace with loopback up and the bridge VMs attach to. False, with a note, where it
-/// cannot (not root); CI fails instead.
+/// namespace with loopback up and the bridge VMs attach to, and a mount namespace with a
+/// sysfs of its own: sysfs shows the interfaces of the namespace that mounted it, and the
+/// agent finds bridges and taps there. False, with a note, where it cannot (not root); CI
+/// fails instead.
 fn own_network() -> bool {
+    use rustix::thread::UnshareFlags;
     // rustix deprecates the safe `unshare` because unsharing the file table (CLONE_FILES)
-    // can invalidate borrowed descriptors; a new network namespace touches none, and the
-    // workspace forbids `unsafe`.
+    // can invalidate borrowed descriptors; new network and mount namespaces touch none,
+    // and the workspace forbids `unsafe`.
     #[allow(deprecated)]
-    let made = rustix::thread::unshare(rustix::thread::UnshareFlags::NEWNET);
+    let made = rustix::thread::unshare(UnshareFlags::NEWNET | UnshareFlags::NEWNS);
     if let Err(e) = made {
         assert!(
             std::env::var_os("CI").is_none()
@@ -52,6 +55,9 @@ fn own_network() -> bool {
         eprintln!("note: SKIPPED: cannot make a network namespace: {e}");
         return false;
     }
+    // Private first, so the new sysfs stays out of the machine's own mount table.
+    sh(Command::new("mount").args(["--make-rprivate", "/"]));
+    sh(Command::new("mount").args(["-t", "sysfs", "sysfs", "/sys"]));
     ip(&["link", "set", "lo", "up"]);
     ip(&["link", "add", BRIDGE, "type", "bridge"]);
     ip(&["addr", "add", &format!("{GATEWAY}/24"), "dev", BRIDGE]);
