@@ -23,6 +23,104 @@ impl Drop for Proc {
     }
 }
 
+/// An active public qcow2 image `name` with the file at `path`, uploaded by the operator
+/// (`token`).
+pub(super) async fn upload_image(
+    base: &str,
+    token: &str,
+    path: &Path,
+    name: &str,
+    default_user: &str,
+) -> passage_model::images::Image {
+    let op = Client::at(base, Some(token));
+    let img: passage_model::images::Image = op
+        .post(
+            "/v1/images",
+            &json!({"name":name,"version":"1","os":"linux","type":"qcow2",
+                    "public":true,"tags":{"default_user":default_user}}),
+        )
+        .await
+        .ok(201);
+    let r = reqwest::Client::new()
+        .put(format!("{base}/v1/images/{}/file", img.uuid))
+        .bearer_auth(token)
+        .body(tokio::fs::read(path).await.unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    let img: passage_model::images::Image =
+        op.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
+    assert_eq!(img.state, passage_model::images::ImageState::Active);
+    img
+}
+
+/// The H100 variant and a package `name` with two of them, sized for an emulated guest.
+pub(super) async fn two_gpu_package(op: &Client, name: &str) {
+    op.post::<Variant>(
+        "/v1/variants",
+        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
+    )
+    .await
+    .ok(201);
+    op.post::<Package>(
+        "/v1/packages",
+        &json!({"name":name,"vcpus":1,"memory_mib":768,"disk_gib":4,
+                "devices":{"NVIDIA_H100":2}}),
+    )
+    .await
+    .ok(201);
+}
+
+/// A node: a generated tree with two H100s and the real agent running QEMU (emulated),
+/// registered with its two GPUs. Answers the agent and its state directory.
+pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, PathBuf) {
+    let agent_bin = node_agent_bin();
+    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
+    let sysfs = db.dir.path().join("sysfs");
+    let out = Command::new(&agent_bin)
+        .args(["fake-sysfs", "--out"])
+        .arg(&sysfs)
+        .args(["--gpus", "2", "--model", "h100"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let state = db.dir.path().join("agent-state");
+    let agent = Proc(
+        Command::new(&agent_bin)
+            .args(["run", "--server", base, "--join-token", &jt.token])
+            .arg("--sysfs-root")
+            .arg(&sysfs)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
+            .env("PASSAGE_QEMU_ACCEL", "tcg")
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(Duration::from_secs(30), || async {
+        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+        (list.first()?.assignable_devices.as_ref()?.len() == 2).then_some(())
+    })
+    .await
+    .expect("the node registered with two GPUs");
+    (agent, state)
+}
+
+/// The VM's provision job once it has succeeded or failed (five minutes at most: an
+/// emulated guest's first boot).
+pub(super) async fn provision_ended(op: &Client, vm: &Vm) -> passage_model::api::Job {
+    use passage_model::api::{Job, JobState};
+    let path = format!("/v1/jobs/{}", vm.job_uuid.unwrap());
+    wait_for(Duration::from_secs(300), || async {
+        let j: Job = op.get(&path).await.ok(200);
+        matches!(j.state, JobState::Succeeded | JobState::Failed).then_some(j)
+    })
+    .await
+    .expect("the provision ended")
+}
+
 pub(super) fn node_agent_bin() -> PathBuf {
     let p = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
     assert!(
@@ -308,78 +406,14 @@ async fn a_guest_boots_through_the_whole_system() {
         return;
     };
     let db = TestDb::new(Backend::Sqlite).await;
-    let agent_bin = node_agent_bin();
     let (_server, base) = start_server(&db, &[]);
     let token = login(&base, "admin", "e2e-admin-password").await;
     let op = Client::at(&base, Some(&token));
 
-    // The image: a record, then its bytes.
-    let img: passage_model::images::Image = op
-        .post(
-            "/v1/images",
-            &json!({"name":"debian-test","version":"1","os":"linux","type":"qcow2",
-                    "public":true,"tags":{"default_user":"root"}}),
-        )
-        .await
-        .ok(201);
-    let bytes = tokio::fs::read(&image).await.unwrap();
-    let size = bytes.len() as u64;
-    let r = reqwest::Client::new()
-        .put(format!("{base}/v1/images/{}/file", img.uuid))
-        .bearer_auth(&token)
-        .body(bytes)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
-    let img: passage_model::images::Image =
-        op.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
-    assert_eq!(img.state, passage_model::images::ImageState::Active);
-
-    op.post::<Variant>(
-        "/v1/variants",
-        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
-    )
-    .await
-    .ok(201);
-    op.post::<Package>(
-        "/v1/packages",
-        &json!({"name":"boot-2x","vcpus":1,"memory_mib":768,"disk_gib":4,
-                "devices":{"NVIDIA_H100":2}}),
-    )
-    .await
-    .ok(201);
-
-    // The node: a generated tree with two GPUs, the real agent running QEMU.
-    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
-    let sysfs = db.dir.path().join("sysfs");
-    let out = Command::new(&agent_bin)
-        .args(["fake-sysfs", "--out"])
-        .arg(&sysfs)
-        .args(["--gpus", "2", "--model", "h100"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let state = db.dir.path().join("agent-state");
-    let _agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", &base, "--join-token", &jt.token])
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
-            .env("PASSAGE_QEMU_ACCEL", "tcg")
-            .env("RUST_LOG", "warn")
-            .spawn()
-            .unwrap(),
-    );
-    wait_for(Duration::from_secs(30), || async {
-        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
-        (list.first()?.assignable_devices.as_ref()?.len() == 2).then_some(())
-    })
-    .await
-    .expect("the node registered with two GPUs");
+    let img = upload_image(&base, &token, &image, "debian-test", "root").await;
+    let size = std::fs::metadata(&image).unwrap().len();
+    two_gpu_package(&op, "boot-2x").await;
+    let (_agent, state) = qemu_node(&db, &base, &op).await;
 
     let vm: Vm = op
         .post(
@@ -390,19 +424,7 @@ async fn a_guest_boots_through_the_whole_system() {
         .ok(202);
     assert_eq!(vm.image_uuid, Some(img.uuid));
     let vm_path = format!("/v1/vms/{}", vm.uuid);
-    let job = wait_for(Duration::from_secs(300), || async {
-        let j: passage_model::api::Job = op
-            .get(&format!("/v1/jobs/{}", vm.job_uuid.unwrap()))
-            .await
-            .ok(200);
-        matches!(
-            j.state,
-            passage_model::api::JobState::Succeeded | passage_model::api::JobState::Failed
-        )
-        .then_some(j)
-    })
-    .await
-    .expect("the provision ended");
+    let job = provision_ended(&op, &vm).await;
     assert_eq!(
         job.state,
         passage_model::api::JobState::Succeeded,
@@ -419,24 +441,24 @@ async fn a_guest_boots_through_the_whole_system() {
         "the whole image"
     );
 
-    // The guest's own words, on its serial console.
-    let console = state
-        .join("qemu")
-        .join(vm.uuid.to_string())
-        .join("console.log");
+    // The guest's own words, on its serial console, as the API reads it from the node.
+    let console_path = format!("{vm_path}/console");
+    let read = || async {
+        op.get::<passage_model::api::VmConsole>(&console_path)
+            .await
+            .ok(200)
+            .output
+    };
     let seen = wait_for(Duration::from_secs(300), || async {
-        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        let text = read().await;
         text.lines()
             .any(|l| l.trim() == "PASSAGE-BOOT-COUNT=1")
             .then_some(text)
     })
-    .await
-    .unwrap_or_else(|| {
-        panic!(
-            "the guest never booted; console:\n{}",
-            std::fs::read_to_string(&console).unwrap_or_default()
-        )
-    });
+    .await;
+    let Some(seen) = seen else {
+        panic!("the guest never booted; console:\n{}", read().await);
+    };
     assert!(
         seen.lines().any(|l| l.trim() == "PASSAGE-EDU-COUNT=2"),
         "two stand-in GPUs in the guest:\n{seen}"

@@ -6,11 +6,11 @@
 //! and the test `ssh`es to its `primary_ip` as the image's default user.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use super::e2e::{Proc, guest_image, login, node_agent_bin, start_server};
+use super::e2e::{
+    guest_image, login, provision_ended, qemu_node, start_server, two_gpu_package, upload_image,
+};
 use crate::common::{Backend, Client, TestDb, wait_for};
-use passage_model::Variant;
-use passage_model::api::{Job, JobState, JoinToken, Package, Server, Vm, VmState};
-use passage_model::images::{Image, ImageState};
+use passage_model::api::{JobState, Vm, VmState};
 use passage_model::networks::{Network, NetworkIp};
 use serde_json::json;
 use std::path::Path;
@@ -119,42 +119,12 @@ fn a_tenant_sshes_into_a_new_gpu_instance() {
 
 async fn walk(image: &Path) {
     let db = TestDb::new(Backend::Sqlite).await;
-    let agent_bin = node_agent_bin();
     let (_server, base) = start_server(&db, &[]);
     let token = login(&base, "admin", "e2e-admin-password").await;
     let op = Client::at(&base, Some(&token));
 
-    let img: Image = op
-        .post(
-            "/v1/images",
-            &json!({"name":"debian-cloud","version":"1","os":"linux","type":"qcow2",
-                    "public":true,"tags":{"default_user":"debian"}}),
-        )
-        .await
-        .ok(201);
-    let r = reqwest::Client::new()
-        .put(format!("{base}/v1/images/{}/file", img.uuid))
-        .bearer_auth(&token)
-        .body(tokio::fs::read(image).await.unwrap())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
-    let img: Image = op.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
-    assert_eq!(img.state, ImageState::Active);
-    op.post::<Variant>(
-        "/v1/variants",
-        &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330"}),
-    )
-    .await
-    .ok(201);
-    op.post::<Package>(
-        "/v1/packages",
-        &json!({"name":"ssh-2x","vcpus":1,"memory_mib":768,"disk_gib":4,
-                "devices":{"NVIDIA_H100":2}}),
-    )
-    .await
-    .ok(201);
+    upload_image(&base, &token, image, "debian-cloud", "debian").await;
+    two_gpu_package(&op, "ssh-2x").await;
     let net: Network = op
         .post(
             "/v1/networks",
@@ -187,33 +157,7 @@ async fn walk(image: &Path) {
         .await
         .ok(201);
 
-    // The node.
-    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
-    let sysfs = db.dir.path().join("sysfs");
-    sh(Command::new(&agent_bin)
-        .args(["fake-sysfs", "--out"])
-        .arg(&sysfs)
-        .args(["--gpus", "2", "--model", "h100"]));
-    let state = db.dir.path().join("agent-state");
-    let _agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", &base, "--join-token", &jt.token])
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
-            .env("PASSAGE_QEMU_ACCEL", "tcg")
-            .env("RUST_LOG", "warn")
-            .spawn()
-            .unwrap(),
-    );
-    wait_for(Duration::from_secs(30), || async {
-        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
-        (list.first()?.assignable_devices.as_ref()?.len() == 2).then_some(())
-    })
-    .await
-    .expect("the node registered with two GPUs");
+    let (_agent, _) = qemu_node(&db, &base, &op).await;
 
     // Create → ssh answers.
     let started = Instant::now();
@@ -229,15 +173,7 @@ async fn walk(image: &Path) {
         .ok(202);
     let addr = vm.primary_ip.expect("an address on the default network");
     assert_eq!(vm.nics.len(), 1);
-    let job = wait_for(Duration::from_secs(300), || async {
-        let j: Job = op
-            .get(&format!("/v1/jobs/{}", vm.job_uuid.unwrap()))
-            .await
-            .ok(200);
-        matches!(j.state, JobState::Succeeded | JobState::Failed).then_some(j)
-    })
-    .await
-    .expect("the provision ended");
+    let job = provision_ended(&op, &vm).await;
     assert_eq!(job.state, JobState::Succeeded, "{job:?}");
     let running = started.elapsed();
     let taps = our_taps();
