@@ -10,7 +10,8 @@ use passage_model::VmId;
 use passage_model::protocol::VmSpec;
 use std::time::Duration;
 
-fn qemu() -> Option<QemuConfig> {
+/// QEMU under TCG without stand-ins; `None` (skip) only where allowed.
+pub(super) fn qemu() -> Option<QemuConfig> {
     match find_on_path(QEMU_BINARY) {
         Some(binary) => Some(QemuConfig {
             binary,

@@ -8,9 +8,8 @@
 //! skipped with a note (the refusal on a bridge with filtering off is still tested).
 
 use super::netns::{self, NetNs};
-use node_agent::hypervisor::{
-    Hypervisor, QEMU_BINARY, QemuConfig, QemuHypervisor, VmFiles, find_on_path, qmp::Qmp,
-};
+use super::qemu::qemu;
+use node_agent::hypervisor::{Hypervisor, QemuHypervisor, VmFiles, qmp::Qmp};
 use node_agent::net::{HOST_SYSFS, our_taps, tap_name};
 use passage_model::VmId;
 use passage_model::protocol::{NicSpec, VmSpec};
@@ -22,25 +21,6 @@ use std::time::Duration;
 const BR_A: &str = "pstbra";
 const BR_B: &str = "pstbrb";
 const BR_VLAN: &str = "pstbrv";
-
-fn qemu() -> Option<QemuConfig> {
-    match find_on_path(QEMU_BINARY) {
-        Some(binary) => Some(QemuConfig {
-            binary,
-            accel: "tcg".into(),
-            sysfs_root: None,
-            stand_in_devices: false,
-        }),
-        None if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
-            eprintln!("note: SKIPPED: {QEMU_BINARY} is not installed and PASSAGE_ALLOW_NO_QEMU=1");
-            None
-        }
-        None => panic!(
-            "{QEMU_BINARY} is not installed: `apt-get install qemu-system-x86` (cargo xtask \
-             test does), or set PASSAGE_ALLOW_NO_QEMU=1 to skip this test"
-        ),
-    }
-}
 
 fn nic(mac: &str, bridge: &str, mtu: u32, primary: bool) -> NicSpec {
     NicSpec {

@@ -178,6 +178,18 @@ async fn owners_of(db: &Db, networks: &[String]) -> StoreResult<HashMap<String, 
     Ok(by)
 }
 
+/// The rows as networks, each with its owners.
+async fn with_owners(db: &Db, rows: Vec<NetworkRow>) -> StoreResult<Vec<Network>> {
+    let uuids: Vec<String> = rows.iter().map(|r| r.uuid.clone()).collect();
+    let mut owners = owners_of(db, &uuids).await?;
+    rows.into_iter()
+        .map(|r| {
+            let o = owners.remove(&r.uuid).unwrap_or_default();
+            r.into_view(o)
+        })
+        .collect()
+}
+
 pub async fn get(db: &Db, uuid: NetworkId) -> StoreResult<Network> {
     let row: Option<NetworkRow> = on_read!(db, |c| sqlx::query_as(&format!(
         "SELECT {COLS} FROM networks WHERE uuid = $1"
@@ -229,15 +241,7 @@ pub async fn list(
         .bind(&who)
         .fetch_one(c)
         .await)?;
-    let uuids: Vec<String> = rows.iter().map(|r| r.uuid.clone()).collect();
-    let mut owners = owners_of(db, &uuids).await?;
-    let items = rows
-        .into_iter()
-        .map(|r| {
-            let o = owners.remove(&r.uuid).unwrap_or_default();
-            r.into_view(o)
-        })
-        .collect::<StoreResult<Vec<_>>>()?;
+    let items = with_owners(db, rows).await?;
     Ok((items, total))
 }
 
@@ -344,15 +348,7 @@ pub async fn defaults_for(db: &Db, owner: AccountId) -> StoreResult<(Vec<Network
     } else {
         true
     };
-    let uuids: Vec<String> = rows.iter().map(|r| r.uuid.clone()).collect();
-    let mut owners = owners_of(db, &uuids).await?;
-    let items = rows
-        .into_iter()
-        .map(|r| {
-            let o = owners.remove(&r.uuid).unwrap_or_default();
-            r.into_view(o)
-        })
-        .collect::<StoreResult<Vec<_>>>()?;
+    let items = with_owners(db, rows).await?;
     Ok((items, any))
 }
 
