@@ -242,6 +242,8 @@ async fn walk(image: &Path) {
         .await
         .ok(202);
     assert_eq!(again.primary_ip, Some(addr));
+    // A VM is destroyed once its provision has ended (a VM has one job at a time).
+    provision_ended(&op, &again).await;
     tenant
         .delete::<Vm>(&format!("/v1/vms/{}", again.uuid))
         .await
