@@ -97,9 +97,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn sh(cmd: &mut Command) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     assert!(
         out.status.success(),
         "{cmd:?}: {}",
@@ -346,7 +344,11 @@ impl Bench {
             })
             .await;
         let running = t0.elapsed().as_secs_f64();
-        assert_eq!(job.state, JobState::Succeeded, "provision of {alias}: {job:?}");
+        assert_eq!(
+            job.state,
+            JobState::Succeeded,
+            "provision of {alias}: {job:?}"
+        );
         let vm_path = format!("/v1/vms/{}", vm.uuid);
         let now: Vm = self.tenant.get(&vm_path).await;
         assert_eq!(now.state, VmState::Running, "{alias} after its provision");
@@ -587,9 +589,7 @@ async fn run(a: &Args) {
         base: base.clone(),
         token: login(&http, &base, "tenant", "tenant-password").await,
     };
-    tenant
-        .post("/v1/keys", json!({"key": public.trim()}))
-        .await;
+    tenant.post("/v1/keys", json!({"key": public.trim()})).await;
 
     // The node: a generated tree with two stand-in GPUs, the real agent running QEMU.
     let sysfs = w.join("sysfs");
