@@ -21,7 +21,7 @@ const NUMA_NODES: &str = "8";
 const IN_PROCESS_RUNS: &str = "500";
 const PROCESS_RUNS: usize = 50;
 
-/// `cargo xtask bench discovery|placement|fleet|portal|images`.
+/// `cargo xtask bench discovery|placement|fleet|portal|images|ssh`.
 #[derive(clap::Subcommand)]
 pub enum Bench {
     /// PCI discovery on a ~300-function fake tree, next to `lspci`
@@ -55,6 +55,32 @@ pub enum Bench {
     /// (server/examples/bench_images.rs). Drops the page cache before each transfer
     /// (root) unless `--page-cache warm`.
     Images(Images),
+    /// Create → ssh answers through Passage, next to the same guest started by hand
+    ///
+    /// A release `server` and a real `node-agent run --hypervisor qemu` (TCG, generated
+    /// tree) in a network namespace of their own: each round, a VM created through the
+    /// API until `ssh` answers, and the same guest (its spec, a fresh overlay on the same
+    /// cached image, the seed, a tap on the same bridge) started by hand with
+    /// `qemu-system-x86_64` until `ssh` answers; goal: Passage adds <= 1.0 s
+    /// (server/examples/bench_ssh.rs). Needs root; builds the guest test image if
+    /// missing.
+    Ssh(Ssh),
+}
+
+/// `cargo xtask bench ssh`: flags given are passed on to the example, which holds the
+/// defaults.
+#[derive(clap::Args)]
+pub struct Ssh {
+    /// Rounds, each one boot through Passage and one by hand [default: 3]
+    #[arg(long, value_name = "N")]
+    rounds: Option<usize>,
+    /// The guest image (qcow2 with cloud-init) [default: the test image, built if
+    /// missing, as `cargo xtask test-image`]
+    #[arg(long, value_name = "PATH")]
+    image: Option<PathBuf>,
+    /// Where the temporary work directory goes [default: <target>/bench-ssh]
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
 }
 
 /// `cargo xtask bench images`: flags given are passed on to the example, which holds the
@@ -234,7 +260,53 @@ pub fn run(bench: &Bench) -> Result<()> {
             example("bench_portal", &f.0)
         }
         Bench::Images(p) => images(p),
+        Bench::Ssh(p) => ssh(p),
     }
+}
+
+/// `bench_ssh` needs the agent binary beside the server, QEMU, `qemu-img`, `ssh` and the
+/// guest image.
+fn ssh(p: &Ssh) -> Result<()> {
+    crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
+    crate::test::ensure_tool("qemu-img", "qemu-utils")?;
+    crate::test::ensure_tool("ssh", "openssh-client")?;
+    crate::test::ensure_tool("ssh-keygen", "openssh-client")?;
+    let image = match &p.image {
+        Some(i) => i.clone(),
+        None => crate::test_image::ensure()?,
+    };
+    println!("==> building server, node-agent and bench_ssh (release)");
+    util::run_checked(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "passage-server",
+        "-p",
+        "node-agent",
+        "--bin",
+        "server",
+        "--bin",
+        "node-agent",
+        "--example",
+        "bench_ssh",
+    ]))?;
+    let release = target_dir()?.join("release");
+    // Not the system's temp dir: that may be a tmpfs, which no real node's disks are.
+    let work = match &p.work_dir {
+        Some(d) => d.clone(),
+        None => target_dir()?.join("bench-ssh"),
+    };
+    let mut f = Flags::default();
+    f.add("--image", Some(image))
+        .add("--work-dir", Some(work))
+        .number("--rounds", p.rounds);
+    let mut cmd = Command::new(release.join("examples/bench_ssh"));
+    cmd.arg("--server-bin")
+        .arg(release.join("server"))
+        .arg("--agent-bin")
+        .arg(release.join("node-agent"))
+        .args(&f.0);
+    util::run_checked(&mut cmd)
 }
 
 /// `bench_images` needs the agent binary beside the server, and QEMU, `qemu-img` and
