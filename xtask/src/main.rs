@@ -10,6 +10,8 @@
 //! - `cargo xtask bench portal`: the portal's list pages over a seeded fleet.
 //! - `cargo xtask bench images`: a 2 GiB image's upload and a node's download of it next
 //!   to `cp` on the same disk, and a second VM from the cached image.
+//! - `cargo xtask bench ssh`: create → `ssh` answers through Passage, next to the same
+//!   guest started by hand with `qemu-system-x86_64` (same image, seed and tap).
 //! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
 //!   REST API fuzzed with Schemathesis against its own OpenAPI document.
 //! - `cargo xtask fuzz-parsers [--secs N] [--target T]`: the `cargo fuzz` targets (PCI
