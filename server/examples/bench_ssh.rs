@@ -637,7 +637,7 @@ async fn run(a: &Args) {
         .arg(&sysfs)
         .arg("--state-dir")
         .arg(&agent_state)
-        .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
+        .args(["--hypervisor", "qemu"])
         .env("PASSAGE_QEMU_ACCEL", "tcg")
         .env("RUST_LOG", "warn")
         .spawn()
