@@ -1,4 +1,5 @@
 import { Page, expect, Browser, BrowserContext } from '@playwright/test';
+import * as crypto from 'crypto';
 
 export const URL = () => process.env.PASSAGE_URL as string;
 export const ADMIN_PASSWORD = () => process.env.PASSAGE_ADMIN_PASSWORD as string;
@@ -81,4 +82,17 @@ export async function operatorContext(browser: Browser): Promise<{ ctx: BrowserC
   const page = await ctx.newPage();
   await signIn(page, 'admin', ADMIN_PASSWORD());
   return { ctx, page };
+}
+
+/** A fresh ed25519 public key in OpenSSH's one-line form. */
+export function sshKey(comment: string): string {
+  const { publicKey } = crypto.generateKeyPairSync('ed25519');
+  const raw = Buffer.from(publicKey.export({ format: 'jwk' }).x as string, 'base64url');
+  const part = (b: Buffer) => {
+    const len = Buffer.alloc(4);
+    len.writeUInt32BE(b.length);
+    return Buffer.concat([len, b]);
+  };
+  const blob = Buffer.concat([part(Buffer.from('ssh-ed25519')), part(raw)]);
+  return `ssh-ed25519 ${blob.toString('base64')} ${comment}`;
 }
