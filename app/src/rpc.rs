@@ -1040,7 +1040,16 @@ async fn login_of(logins: &mut BTreeMap<AccountId, String>, a: AccountId) -> Str
 #[server(prefix = "/portal/fn")]
 pub async fn delete_network(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
-    be::delete(&format!("/networks/{}", be::segment(&uuid)?)).await?;
+    be::delete(&format!("/networks/{}", be::segment(&uuid)?))
+        .await
+        .map_err(|e| {
+            // Addresses in use: not a clash of names, a network that cannot go yet.
+            if e.is(ErrorCode::Conflict) {
+                PortalError::new(ErrorCode::InvalidState, e.message)
+            } else {
+                e
+            }
+        })?;
     leptos_axum::redirect("/admin/networks");
     Ok(())
 }

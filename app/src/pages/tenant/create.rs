@@ -44,7 +44,7 @@ pub fn CreatePage() -> impl IntoView {
                 <Loaded data=networks let:list>
                     <Networks list=list result=result/>
                 </Loaded>
-                <div class="field">
+                <div class="field wide">
                     <label for="user_data">"User data " <span class="muted">"(optional)"</span></label>
                     <textarea id="user_data" name="user_data" rows="6" spellcheck="false"
                         placeholder="#cloud-config" aria-describedby="user_data-hint user_data-error"></textarea>

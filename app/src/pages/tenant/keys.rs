@@ -43,7 +43,7 @@ pub fn KeysPage() -> impl IntoView {
                         <span id="k-name-hint" class="muted">"Optional: the key's comment when left empty."</span>
                         <FieldError result=result field="name"/>
                     </div>
-                    <div class="field">
+                    <div class="field wide">
                         <label for="k-key">"Public key"</label>
                         <textarea id="k-key" name="key" rows="4" spellcheck="false" autocomplete="off"
                             placeholder="ssh-ed25519 AAAA… you@laptop" aria-describedby="k-key-hint key-error"></textarea>
