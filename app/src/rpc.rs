@@ -732,7 +732,8 @@ pub async fn create_instance(
     // A form without a chosen package has no `package` field at all.
     package: Option<String>,
     image: Option<String>,
-    // `networks[UUID]` for each box checked.
+    // `networks[net-UUID]` for each box checked (a key that starts with a digit would be
+    // read as a list index).
     #[server(default)] networks: BTreeMap<String, String>,
     // Set when the form offered networks: then none checked means none at all, while a
     // form that offered none leaves the choice to the server's defaults.
@@ -746,6 +747,10 @@ pub async fn create_instance(
     let Some(image) = image.as_deref().and_then(optional) else {
         return Err(invalid("image", "Choose an image."));
     };
+    let networks: BTreeMap<String, String> = networks
+        .into_iter()
+        .map(|(k, v)| (k.strip_prefix("net-").unwrap_or(&k).to_string(), v))
+        .collect();
     let networks = if networks_offered.is_some() {
         // The primary NIC is the first: the order the form lists them in (defaults first).
         let offered = usable_networks().await?;

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, hydrated, newTenant, operatorContext, signIn, sshKey, watchConsole } from './helpers';
+import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, hydrated, newTenant, operatorContext, removeNetwork, signIn, sshKey, watchConsole } from './helpers';
 
 test.beforeAll(async () => {
   await ensureCatalog();
@@ -181,5 +181,6 @@ test('tenant: SSH keys; an instance on a chosen network with user-data shows its
   await page.reload();
   await expect(consolePanel.getByTestId('console-unavailable')).toBeVisible();
   await expect(page.getByTestId('ssh-command')).toHaveCount(0);
+  await removeNetwork('e2e-tenants');
   expect(problems).toEqual([]);
 });

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, newTenant, signIn, sshKey } from './helpers';
+import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, newTenant, removeNetwork, signIn, sshKey } from './helpers';
 
 test.use({ javaScriptEnabled: false });
 
@@ -133,4 +133,5 @@ test('without JavaScript: SSH keys, and an instance on a chosen network', async 
     await page.reload();
     await expect(page.getByTestId('vm-state')).toHaveText(/destroying|destroyed/, { timeout: 1000 });
   }).toPass({ timeout: 60_000 });
+  await removeNetwork('e2e-tenants');
 });

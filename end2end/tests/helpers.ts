@@ -96,3 +96,17 @@ export function sshKey(comment: string): string {
   const blob = Buffer.concat([part(Buffer.from('ssh-ed25519')), part(raw)]);
   return `ssh-ed25519 ${blob.toString('base64')} ${comment}`;
 }
+
+/** Deletes the network `name` once no VM holds an address on it (a destroyed VM frees
+ * its address when its destroy job ends). Left behind, a network that is not a default
+ * makes every later VM that names no network fail. */
+export async function removeNetwork(name: string): Promise<void> {
+  const t = await apiToken('admin', ADMIN_PASSWORD());
+  const nets = await api(t, 'GET', '/networks');
+  const net = (nets.body as Array<{ uuid: string; name: string }>).find((n) => n.name === name);
+  if (!net) return;
+  await expect(async () => {
+    const r = await api(t, 'DELETE', `/networks/${net.uuid}`);
+    expect(r.status).toBe(204);
+  }).toPass({ timeout: 60_000 });
+}

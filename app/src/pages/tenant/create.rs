@@ -139,7 +139,8 @@ fn Networks(
     result: Signal<Option<Result<(), PortalError>>>,
 ) -> impl IntoView {
     if list.is_empty() {
-        return ().into_any();
+        // The server's defaults apply; where it has none for you, it says so here.
+        return view! { <FieldError result=result field="networks"/> }.into_any();
     }
     view! {
         <fieldset class="networks" aria-describedby="networks-error">
@@ -150,7 +151,7 @@ fn Networks(
                 let id = format!("net-{}", n.uuid);
                 view! {
                     <div class="field check" data-network=n.name.clone()>
-                        <input type="checkbox" id=id.clone() name=format!("networks[{}]", n.uuid) value="on" checked=n.default/>
+                        <input type="checkbox" id=id.clone() name=format!("networks[net-{}]", n.uuid) value="on" checked=n.default/>
                         <label for=id>
                             <strong>{n.name.clone()}</strong>
                             " " <code>{n.subnet.clone()}</code>
