@@ -1116,6 +1116,8 @@ pub enum Console {
     },
     /// Not placed yet, destroyed, or its node did not answer: said calmly, not an error.
     Unavailable(String),
+    /// No such VM for the caller: the page says so already, the panel stays away.
+    Hidden,
 }
 
 #[server(prefix = "/portal/fn")]

@@ -30,7 +30,13 @@ pub fn InstancePage() -> impl IntoView {
     let tick = RwSignal::new(0u32);
     let console = load(
         move || (params.read().get("uuid").unwrap_or_default(), tick.get()),
-        |(uuid, _)| get_console(uuid),
+        |(uuid, _)| async move {
+            match get_console(uuid).await {
+                // Not found or not allowed: the page itself says so, once.
+                Err(e) if e.code.page_status().is_some() => Ok(Console::Hidden),
+                other => other,
+            }
+        },
     );
     follow_console(data, tick);
     let confirming = move || q.read().get("confirm").as_deref() == Some("destroy");
@@ -93,12 +99,9 @@ pub fn InstancePage() -> impl IntoView {
                 }
             </Loaded>
             <FormStatus result=Signal::derive(move || destroy.value().get())/>
-            <section class="console" data-testid="console" aria-labelledby="console-h">
-                <h2 id="console-h">"Console"</h2>
-                <Loaded data=console quiet=true let:c>
-                    <ConsoleView c=c/>
-                </Loaded>
-            </section>
+            <Loaded data=console quiet=true let:c>
+                <ConsoleView c=c/>
+            </Loaded>
         </Guard>
     }
 }
@@ -184,9 +187,11 @@ fn copy_text(text: &str) -> bool {
     true
 }
 
+/// The console panel: the end of the VM's serial console, or why there is none now.
 #[component]
 fn ConsoleView(c: Console) -> impl IntoView {
-    match c {
+    let body = match c {
+        Console::Hidden => return ().into_any(),
         Console::Output { text, read_at } if !text.is_empty() => view! {
             <div class="console-scroll">
                 <pre data-testid="console-output">{text}</pre>
@@ -202,7 +207,14 @@ fn ConsoleView(c: Console) -> impl IntoView {
             <p class="muted" data-testid="console-unavailable">"The console is not available now (" {why} ")."</p>
         }
         .into_any(),
+    };
+    view! {
+        <section class="console" data-testid="console" aria-labelledby="console-h">
+            <h2 id="console-h">"Console"</h2>
+            {body}
+        </section>
     }
+    .into_any()
 }
 
 /// Moves `tick` on every 2 s while the VM is provisioning, and during the first minute
