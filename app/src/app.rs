@@ -67,11 +67,14 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/admin/packages") view=admin::packages::PackagesPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/images") view=admin::images::ImagesPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/images/:uuid") view=admin::images::ImagePage ssr=ssr.clone()/>
+                    <Route path=path!("/admin/networks") view=admin::networks::NetworksPage ssr=ssr.clone()/>
+                    <Route path=path!("/admin/networks/:uuid") view=admin::networks::NetworkPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/accounts") view=admin::accounts::AccountsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/vms") view=admin::vms::VmsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/jobs") view=admin::jobs::JobsPage ssr=ssr.clone()/>
                     <Route path=path!("/instances") view=tenant::instances::InstancesPage ssr=ssr.clone()/>
                     <Route path=path!("/instances/new") view=tenant::create::CreatePage ssr=ssr.clone()/>
+                    <Route path=path!("/keys") view=tenant::keys::KeysPage ssr=ssr.clone()/>
                     <Route path=path!("/instances/:uuid") view=tenant::detail::InstancePage ssr=ssr/>
                 </Routes>
             </Layout>

@@ -725,12 +725,20 @@ pub async fn usable_images() -> Result<Vec<passage_model::images::Image>, Portal
 }
 
 #[server(prefix = "/portal/fn")]
+#[allow(clippy::too_many_arguments)]
 pub async fn create_instance(
     csrf: String,
     alias: String,
     // A form without a chosen package has no `package` field at all.
     package: Option<String>,
     image: Option<String>,
+    // `networks[net-UUID]` for each box checked (a key that starts with a digit would be
+    // read as a list index).
+    #[server(default)] networks: BTreeMap<String, String>,
+    // Set when the form offered networks: then none checked means none at all, while a
+    // form that offered none leaves the choice to the server's defaults.
+    #[server(default)] networks_offered: Option<String>,
+    #[server(default)] user_data: String,
 ) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let Some(package) = package.as_deref().and_then(optional) else {
@@ -739,6 +747,32 @@ pub async fn create_instance(
     let Some(image) = image.as_deref().and_then(optional) else {
         return Err(invalid("image", "Choose an image."));
     };
+    let networks: BTreeMap<String, String> = networks
+        .into_iter()
+        .map(|(k, v)| (k.strip_prefix("net-").unwrap_or(&k).to_string(), v))
+        .collect();
+    let networks = if networks_offered.is_some() {
+        // The primary NIC is the first: the order the form lists them in (defaults first).
+        let offered = usable_networks().await?;
+        let mut chosen: Vec<passage_model::networks::NetworkChoice> = offered
+            .iter()
+            .filter(|n| networks.contains_key(&n.uuid.to_string()))
+            .map(|n| passage_model::networks::NetworkChoice::Named(n.uuid.to_string()))
+            .collect();
+        // One the list no longer shows goes to the API as sent, which says what is wrong.
+        for k in networks.keys() {
+            if !offered.iter().any(|n| n.uuid.to_string() == *k) {
+                chosen.push(passage_model::networks::NetworkChoice::Named(k.clone()));
+            }
+        }
+        Some(chosen)
+    } else {
+        None
+    };
+    let metadata = optional(&user_data).map(|_| {
+        // Line endings as a browser posts them (CRLF) are not what cloud-init expects.
+        BTreeMap::from([("user-data".to_string(), user_data.replace("\r\n", "\n"))])
+    });
     let vm = api::CreateVm {
         alias: alias.trim().to_string(),
         package: Some(package.to_string()),
@@ -748,10 +782,23 @@ pub async fn create_instance(
         server_uuid: None,
         vcpus: None,
         memory_mib: None,
-        networks: None,
-        metadata: None,
+        networks,
+        metadata,
     };
-    let vm: Vm = be::send(Method::POST, "/vms", &vm).await?;
+    let vm: Vm =
+        be::send(Method::POST, "/vms", &vm)
+            .await
+            .map_err(|e| match e.field.as_deref() {
+                Some(f) if f.starts_with("networks") => PortalError {
+                    field: Some("networks".into()),
+                    ..e
+                },
+                Some(f) if f.starts_with("metadata") => PortalError {
+                    field: Some("user_data".into()),
+                    ..e
+                },
+                _ => e,
+            })?;
     leptos_axum::redirect(&format!("/instances/{}", vm.uuid));
     Ok(())
 }
@@ -761,6 +808,10 @@ pub struct Instance {
     pub vm: Vm,
     pub job: Option<Job>,
     pub package: Option<String>,
+    /// Who to log in as: the image's `default_user` tag, else `root`.
+    pub login_user: String,
+    /// The names of the networks of its NICs, by uuid, where the caller may read them.
+    pub network_names: BTreeMap<String, String>,
 }
 
 #[server(prefix = "/portal/fn")]
@@ -777,7 +828,33 @@ pub async fn get_instance(uuid: String) -> Result<Instance, PortalError> {
             .map(|p| p.name),
         None => None,
     };
-    Ok(Instance { vm, job, package })
+    let login_user = match vm.image_uuid {
+        Some(i) => be::get::<passage_model::images::Image>(&format!("/images/{i}"))
+            .await
+            .ok()
+            .and_then(|img| img.tags.get("default_user").cloned()),
+        None => None,
+    }
+    .filter(|u| !u.trim().is_empty())
+    .unwrap_or_else(|| "root".to_string());
+    let mut network_names = BTreeMap::new();
+    for nic in &vm.nics {
+        let id = nic.network_uuid.to_string();
+        if network_names.contains_key(&id) {
+            continue;
+        }
+        if let Ok(n) = be::get::<passage_model::networks::Network>(&format!("/networks/{id}")).await
+        {
+            network_names.insert(id, n.name);
+        }
+    }
+    Ok(Instance {
+        vm,
+        job,
+        package,
+        login_user,
+        network_names,
+    })
 }
 
 #[server(prefix = "/portal/fn")]
@@ -787,4 +864,277 @@ pub async fn destroy_instance(csrf: String, uuid: String) -> Result<(), PortalEr
     be::call(Method::DELETE, &path, None).await?;
     leptos_axum::redirect(&format!("/instances/{uuid}"));
     Ok(())
+}
+
+// ---- operator: networks ----
+
+/// A network and how many of its addresses are in use.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NetworkRow {
+    pub network: passage_model::networks::Network,
+    pub in_use: u64,
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn list_networks(offset: Option<u64>) -> Result<Page<NetworkRow>, PortalError> {
+    use passage_model::networks::{Network, NetworkIp};
+    let off = offset.unwrap_or(0);
+    let p = be::list::<Network>(&format!("/networks?limit={PAGE_SIZE}&offset={off}")).await?;
+    let seen = off + p.items.len() as u64;
+    let mut items = Vec::with_capacity(p.items.len());
+    for network in p.items {
+        let in_use = be::list::<NetworkIp>(&format!("/networks/{}/ips?limit=1", network.uuid))
+            .await
+            .map(|p| p.total)
+            .unwrap_or(0);
+        items.push(NetworkRow { network, in_use });
+    }
+    Ok(Page {
+        next: (seen < p.total).then(|| seen.to_string()),
+        total: p.total,
+        items,
+    })
+}
+
+/// A comma- or space-separated list from a form field, without the empty entries.
+#[cfg(feature = "ssr")]
+fn words(s: &str) -> Vec<String> {
+    s.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+#[server(prefix = "/portal/fn")]
+#[allow(clippy::too_many_arguments)]
+pub async fn create_network(
+    csrf: String,
+    name: String,
+    subnet: String,
+    #[server(default)] gateway: String,
+    #[server(default)] provision_start_ip: String,
+    #[server(default)] provision_end_ip: String,
+    #[server(default)] resolvers: String,
+    #[server(default)] vlan_id: String,
+    bridge: String,
+    #[server(default)] mtu: String,
+    // An unchecked box sends nothing.
+    #[server(default)] public: Option<String>,
+    #[server(default)] default: Option<String>,
+    #[server(default)] owner_uuids: String,
+    #[server(default)] description: String,
+) -> Result<(), PortalError> {
+    use passage_model::networks::{CreateNetwork, Network};
+    be::check_csrf(&csrf)?;
+    let owners = words(&owner_uuids)
+        .iter()
+        .map(|o| {
+            o.parse::<AccountId>()
+                .map_err(|_| invalid("owner_uuids", format!("{o:?} is not an account UUID")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let req = CreateNetwork {
+        name: name.trim().to_string(),
+        subnet: subnet.trim().to_string(),
+        gateway: optional(&gateway).map(str::to_string),
+        provision_start_ip: optional(&provision_start_ip).map(str::to_string),
+        provision_end_ip: optional(&provision_end_ip).map(str::to_string),
+        resolvers: words(&resolvers),
+        vlan_id: match optional(&vlan_id) {
+            Some(v) => number("vlan_id", v)?,
+            None => 0,
+        },
+        bridge: bridge.trim().to_string(),
+        mtu: optional(&mtu).map(|m| number("mtu", m)).transpose()?,
+        public: public.is_some(),
+        owner_uuids: owners,
+        default: default.is_some(),
+        description: optional(&description).map(str::to_string),
+    };
+    let n: Network = be::send(Method::POST, "/networks", &req)
+        .await
+        .map_err(|e| {
+            // `resolvers[2]`, `owner_uuids[0]`: the form has one field for the list.
+            match e.field.as_deref().and_then(|f| f.split_once('[')) {
+                Some((f, _)) => PortalError {
+                    field: Some(f.to_string()),
+                    ..e
+                },
+                None => e,
+            }
+        })?;
+    leptos_axum::redirect(&format!("/admin/networks/{}", n.uuid));
+    Ok(())
+}
+
+/// One address of a network in use, with its VM and owner said by name.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AddressRow {
+    pub ip: std::net::Ipv4Addr,
+    pub mac: String,
+    pub vm_uuid: passage_model::VmId,
+    /// The VM's alias, when it can still be read.
+    pub vm_alias: Option<String>,
+    pub vm_state: Option<String>,
+    pub owner_uuid: AccountId,
+    pub owner: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NetworkDetail {
+    pub network: passage_model::networks::Network,
+    /// The owners allowed on it, by login.
+    pub owners: Vec<String>,
+    pub addresses: Page<AddressRow>,
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn get_network(uuid: String, offset: Option<u64>) -> Result<NetworkDetail, PortalError> {
+    use passage_model::networks::{Network, NetworkIp};
+    let uuid = be::segment(&uuid)?;
+    let network: Network = be::get(&format!("/networks/{uuid}")).await?;
+    let off = offset.unwrap_or(0);
+    let p = be::list::<NetworkIp>(&format!(
+        "/networks/{uuid}/ips?limit={PAGE_SIZE}&offset={off}"
+    ))
+    .await?;
+    let mut logins: BTreeMap<AccountId, String> = BTreeMap::new();
+    let mut owners = Vec::with_capacity(network.owner_uuids.len());
+    for o in &network.owner_uuids {
+        owners.push(login_of(&mut logins, *o).await);
+    }
+    let seen = off + p.items.len() as u64;
+    let mut items = Vec::with_capacity(p.items.len());
+    for ip in p.items {
+        let vm = be::get::<Vm>(&format!("/vms/{}", ip.vm_uuid)).await.ok();
+        items.push(AddressRow {
+            ip: ip.ip,
+            mac: ip.mac,
+            vm_uuid: ip.vm_uuid,
+            vm_alias: vm.as_ref().map(|v| v.alias.clone()),
+            vm_state: vm.map(|v| v.state.as_str().to_string()),
+            owner_uuid: ip.owner_uuid,
+            owner: login_of(&mut logins, ip.owner_uuid).await,
+        });
+    }
+    Ok(NetworkDetail {
+        network,
+        owners,
+        addresses: Page {
+            next: (seen < p.total).then(|| seen.to_string()),
+            total: p.total,
+            items,
+        },
+    })
+}
+
+/// An account's login, looked up once per page.
+#[cfg(feature = "ssr")]
+async fn login_of(logins: &mut BTreeMap<AccountId, String>, a: AccountId) -> String {
+    if let Some(l) = logins.get(&a) {
+        return l.clone();
+    }
+    let l = match be::get::<Account>(&format!("/accounts/{a}")).await {
+        Ok(acc) => acc.login,
+        Err(_) => crate::fmt::short_uuid(&a.to_string()).to_string(),
+    };
+    logins.insert(a, l.clone());
+    l
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn delete_network(csrf: String, uuid: String) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    be::delete(&format!("/networks/{}", be::segment(&uuid)?))
+        .await
+        .map_err(|e| {
+            // Addresses in use: not a clash of names, a network that cannot go yet.
+            if e.is(ErrorCode::Conflict) {
+                PortalError::new(ErrorCode::InvalidState, e.message)
+            } else {
+                e
+            }
+        })?;
+    leptos_axum::redirect("/admin/networks");
+    Ok(())
+}
+
+// ---- SSH keys ----
+
+#[server(prefix = "/portal/fn")]
+pub async fn list_keys() -> Result<Vec<passage_model::keys::SshKey>, PortalError> {
+    // An account holds at most 100 keys: one page has them all.
+    Ok(be::list("/keys?limit=1000").await?.items)
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn add_key(csrf: String, name: String, key: String) -> Result<(), PortalError> {
+    use passage_model::keys::{CreateSshKey, SshKey};
+    be::check_csrf(&csrf)?;
+    if optional(&key).is_none() {
+        return Err(invalid(
+            "key",
+            "Paste a public key, a line such as the one in ~/.ssh/id_ed25519.pub.",
+        ));
+    }
+    let req = CreateSshKey {
+        name: optional(&name).map(str::to_string),
+        key: key.trim().to_string(),
+    };
+    be::send::<SshKey>(Method::POST, "/keys", &req).await?;
+    Ok(())
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn delete_key(csrf: String, name: String) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    if name.is_empty() || name.contains('/') {
+        return Err(PortalError::new(ErrorCode::ResourceNotFound, "no such key"));
+    }
+    be::delete(&format!("/keys/{}", crate::fmt::urlencode(&name))).await?;
+    leptos_axum::redirect("/keys");
+    Ok(())
+}
+
+// ---- tenant: networks and console ----
+
+/// The networks the caller may put an instance on, the defaults first.
+#[server(prefix = "/portal/fn")]
+pub async fn usable_networks() -> Result<Vec<passage_model::networks::Network>, PortalError> {
+    let mut all: Vec<passage_model::networks::Network> =
+        be::list("/networks?limit=1000").await?.items;
+    all.sort_by_key(|n| !n.default);
+    Ok(all)
+}
+
+/// A VM's console, or why there is none now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Console {
+    Output {
+        text: String,
+        read_at: chrono::DateTime<chrono::Utc>,
+    },
+    /// Not placed yet, destroyed, or its node did not answer: said calmly, not an error.
+    Unavailable(String),
+    /// No such VM for the caller: the page says so already, the panel stays away.
+    Hidden,
+}
+
+#[server(prefix = "/portal/fn")]
+pub async fn get_console(uuid: String) -> Result<Console, PortalError> {
+    let path = format!("/vms/{}/console", be::segment(&uuid)?);
+    match be::get::<passage_model::api::VmConsole>(&path).await {
+        Ok(c) => Ok(Console::Output {
+            text: c.output,
+            read_at: c.read_at,
+        }),
+        Err(e) if e.is(ErrorCode::InvalidState) || e.is(ErrorCode::Conflict) => {
+            // Not an error of the page's: a script's call answers 200.
+            if let Some(res) = use_context::<leptos_axum::ResponseOptions>() {
+                res.set_status(http::StatusCode::OK);
+            }
+            Ok(Console::Unavailable(e.message))
+        }
+        Err(e) => Err(e),
+    }
 }

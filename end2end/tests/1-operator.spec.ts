@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, GPUS, NODES, PACKAGE, VARIANT, api, apiToken, hydrated, signIn, watchConsole } from './helpers';
+import { ADMIN_PASSWORD, GPUS, IMAGE, NODES, PACKAGE, VARIANT, api, apiToken, hydrated, signIn, watchConsole } from './helpers';
 
 test('operator: sign in, variant, package, tenant, servers and devices with correct counts', async ({ page }) => {
   const problems = watchConsole(page);
@@ -293,5 +293,83 @@ test('operator: create an image, upload its file with progress, see its VMs, dis
   const gone = await api(admin, 'DELETE', `/packages/${pkg.body.uuid}`);
   expect(gone.status).toBe(204);
   await api(admin, 'DELETE', `/images/${bad.body.uuid}`);
+  expect(problems).toEqual([]);
+});
+
+test('operator: a network made in the portal, listed, its addresses in use, refused deletion while in use', async ({ page }) => {
+  const problems = watchConsole(page);
+  const admin = await apiToken('admin', ADMIN_PASSWORD());
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Networks', exact: true }).click();
+  await expect(page.getByRole('heading', { name: 'Networks', exact: true })).toBeVisible();
+  await hydrated(page);
+
+  // A subnet the service refuses: its reason next to the field, nothing made.
+  await page.locator('#n-name').fill('e2e-ops');
+  await page.locator('#n-subnet').fill('10.77.0.0/33');
+  await page.getByRole('button', { name: 'Create network' }).click();
+  await expect(page.locator('#subnet-error')).not.toBeEmpty();
+  await expect(page.locator('tr[data-network="e2e-ops"]')).toHaveCount(0);
+
+  // Simulated nodes have the bridge br0, the form's default.
+  await page.locator('#n-subnet').fill('10.77.0.0/24');
+  await page.locator('#n-gateway').fill('10.77.0.1');
+  await page.locator('#n-start').fill('10.77.0.10');
+  await page.locator('#n-end').fill('10.77.0.50');
+  await page.locator('#n-resolvers').fill('10.77.0.1, 9.9.9.9');
+  await page.locator('#n-description').fill('made in the portal');
+  await page.getByRole('button', { name: 'Create network' }).click();
+  await expect(page).toHaveURL(/\/admin\/networks\/[0-9a-f-]{36}$/);
+  const uuid = page.url().split('/').pop() as string;
+  await expect(page.getByRole('heading', { name: 'Network e2e-ops' })).toBeVisible();
+  await expect(page.getByTestId('address-count')).toHaveText('(0)');
+  await expect(page.locator('.facts')).toContainText('10.77.0.10 – 10.77.0.50');
+  await expect(page.locator('.facts')).toContainText('10.77.0.1, 9.9.9.9');
+
+  // The list shows it.
+  await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Networks', exact: true }).click();
+  const row = page.locator('tr[data-network="e2e-ops"]');
+  await expect(row).toContainText('10.77.0.0/24');
+  await expect(row).toContainText('br0');
+  await expect(row.getByTestId('in-use')).toHaveText('0');
+
+  // A VM on it holds an address: the network's page says which, and whose.
+  const vm = await api(admin, 'POST', '/vms', { alias: 'on-e2e-ops', package: PACKAGE, image: IMAGE, networks: ['e2e-ops'] });
+  expect(vm.status).toBe(202);
+  const vmUuid = vm.body.uuid as string;
+  await page.goto(`/admin/networks/${uuid}`);
+  const addr = page.getByTestId('addresses').locator(`tr[data-vm="${vmUuid}"]`);
+  await expect(addr).toHaveAttribute('data-ip', /^10\.77\.0\.(1\d|[2-4]\d|50)$/);
+  await expect(addr).toContainText(/([0-9a-f]{2}:){5}[0-9a-f]{2}/);
+  await expect(addr.getByRole('link', { name: 'on-e2e-ops' })).toHaveAttribute('href', `/instances/${vmUuid}`);
+  await expect(addr).toContainText('admin');
+  await expect(page.getByTestId('address-count')).toHaveText('(1)');
+  const ip = (await addr.getAttribute('data-ip')) as string;
+
+  // The operator's VM list shows its address.
+  await page.goto('/admin/vms');
+  await expect(page.locator(`tr[data-vm="${vmUuid}"]`).getByTestId('ips')).toHaveText(ip);
+
+  // Deleting it while the address is held: asked first, then refused with the reason.
+  await page.goto(`/admin/networks/${uuid}`);
+  await hydrated(page);
+  await page.getByRole('link', { name: 'Delete network' }).click();
+  await expect(page.getByRole('heading', { name: 'Delete e2e-ops?' })).toBeVisible();
+  await page.getByRole('button', { name: 'Yes, delete e2e-ops' }).click();
+  await expect(page.locator('.error')).toContainText('in use');
+  await page.goto('/admin/networks');
+  await expect(page.locator('tr[data-network="e2e-ops"]').getByTestId('in-use')).toHaveText('1');
+
+  // Once the VM is gone, so is its address, and the network can go.
+  expect((await api(admin, 'DELETE', `/vms/${vmUuid}`)).status).toBe(202);
+  await expect(async () => {
+    const r = await api(admin, 'GET', `/networks/${uuid}/ips`);
+    expect(r.body).toEqual([]);
+  }).toPass({ timeout: 60_000 });
+  await page.goto(`/admin/networks/${uuid}?confirm=delete`);
+  await hydrated(page);
+  await page.getByRole('button', { name: 'Yes, delete e2e-ops' }).click();
+  await expect(page).toHaveURL(/\/admin\/networks$/);
+  await expect(page.locator('tr[data-network="e2e-ops"]')).toHaveCount(0);
   expect(problems).toEqual([]);
 });

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { PACKAGE, ensureCatalog, hydrated, newTenant, operatorContext, signIn, watchConsole } from './helpers';
+import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, hydrated, newTenant, operatorContext, removeNetwork, signIn, sshKey, watchConsole } from './helpers';
 
 test.beforeAll(async () => {
   await ensureCatalog();
@@ -99,5 +99,88 @@ test('tenant: creating without a package says to choose one; a lone fitting pack
   await page.getByRole('link', { name: 'Destroy instance' }).click();
   await page.getByRole('button', { name: 'Yes, destroy chosen-1' }).click();
   await expect(page.getByTestId('vm-state')).toHaveText('destroyed', { timeout: 60_000 });
+  expect(problems).toEqual([]);
+});
+
+test('tenant: SSH keys; an instance on a chosen network with user-data shows its address, ssh command and console', async ({ page }) => {
+  const problems = watchConsole(page);
+  const admin = await apiToken('admin', ADMIN_PASSWORD());
+  // A public network on the simulated nodes' bridge, not a default one.
+  const net = await api(admin, 'POST', '/networks', {
+    name: 'e2e-tenants', subnet: '10.78.0.0/24', gateway: '10.78.0.1', bridge: 'br0', public: true,
+  });
+  expect([201, 409]).toContain(net.status);
+  const t = await newTenant('keys', 1);
+  await signIn(page, t.login, t.password);
+
+  // Keys: a bad one is refused with the parser's reason next to the field.
+  await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'SSH keys' }).click();
+  await expect(page.getByRole('heading', { name: 'SSH keys' })).toBeVisible();
+  await expect(page.getByText('You have no SSH keys yet')).toBeVisible();
+  await hydrated(page);
+  await page.locator('#k-name').fill('broken');
+  await page.locator('#k-key').fill('ssh-ed25519 not-a-key');
+  await page.getByRole('button', { name: 'Add key' }).click();
+  await expect(page.locator('#key-error')).not.toBeEmpty();
+  await expect(page.locator('tr[data-key="broken"]')).toHaveCount(0);
+
+  // Good ones are listed with their fingerprints.
+  for (const name of ['laptop', 'spare']) {
+    await page.locator('#k-name').fill(name);
+    await page.locator('#k-key').fill(sshKey(`${name}@e2e`));
+    await page.getByRole('button', { name: 'Add key' }).click();
+    await expect(page.locator(`tr[data-key="${name}"]`).getByTestId('fingerprint')).toHaveText(/^SHA256:[A-Za-z0-9+/]{43}$/);
+  }
+  await expect(page.locator('#key-error')).toBeEmpty();
+
+  // Deleting one asks first.
+  await page.getByRole('link', { name: 'Delete spare' }).click();
+  await page.getByRole('button', { name: 'Yes, delete spare' }).click();
+  await expect(page.locator('tr[data-key="spare"]')).toHaveCount(0);
+  await expect(page.locator('tr[data-key="laptop"]')).toBeVisible();
+
+  // Create on the network, with user-data.
+  await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Create instance' }).click();
+  await hydrated(page);
+  const box = page.locator('.networks [data-network="e2e-tenants"]').getByRole('checkbox');
+  await expect(box).not.toBeChecked();
+  await box.check();
+  await page.locator('#alias').fill('net-1');
+  await page.locator(`.offer[data-package="${PACKAGE}"]`).getByRole('radio').check();
+  await page.locator('#user_data').fill('#cloud-config\nruncmd:\n  - echo hello\n');
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page).toHaveURL(/\/instances\/[0-9a-f-]{36}$/);
+  const uuid = page.url().split('/').pop() as string;
+  await expect(page.getByRole('heading', { name: 'Instance net-1' })).toBeVisible();
+
+  // Its address on that network, primary, and the command to log in (the e2e image
+  // names no default user: root).
+  const nic = page.getByTestId('nics').locator('li[data-primary="true"]');
+  await expect(nic).toContainText(/10\.78\.0\.\d+ on e2e-tenants/);
+  await expect(nic).toContainText('primary');
+  const ip = (await nic.getAttribute('data-ip')) as string;
+  await expect(page.getByTestId('ssh-command')).toHaveText(`ssh root@${ip}`);
+  await expect(page.getByRole('button', { name: 'Copy' })).toBeVisible();
+  const vm = await api(admin, 'GET', `/vms/${uuid}`);
+  expect(vm.body.primary_ip).toBe(ip);
+  const nets = await api(admin, 'GET', '/networks');
+  const netUuid = (nets.body as Array<{ uuid: string; name: string }>).find((n) => n.name === 'e2e-tenants')?.uuid;
+  expect(vm.body.nics.map((n: { network_uuid: string }) => n.network_uuid)).toEqual([netUuid]);
+
+  // The console panel is there while it boots and runs, and shows no error.
+  await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
+  const consolePanel = page.getByTestId('console');
+  await expect(consolePanel).toBeVisible();
+  await expect(consolePanel.getByRole('heading', { name: 'Console' })).toBeVisible();
+  await expect(consolePanel.locator('.error')).toHaveCount(0);
+
+  // Destroyed: calmly said to have no console, and its address is free again.
+  await page.getByRole('link', { name: 'Destroy instance' }).click();
+  await page.getByRole('button', { name: 'Yes, destroy net-1' }).click();
+  await expect(page.getByTestId('vm-state')).toHaveText('destroyed', { timeout: 60_000 });
+  await page.reload();
+  await expect(consolePanel.getByTestId('console-unavailable')).toBeVisible();
+  await expect(page.getByTestId('ssh-command')).toHaveCount(0);
+  await removeNetwork('e2e-tenants');
   expect(problems).toEqual([]);
 });

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, PACKAGE, ensureCatalog, newTenant, signIn } from './helpers';
+import { ADMIN_PASSWORD, PACKAGE, api, apiToken, ensureCatalog, newTenant, removeNetwork, signIn, sshKey } from './helpers';
 
 test.use({ javaScriptEnabled: false });
 
@@ -89,4 +89,49 @@ test('without JavaScript: an operator creates an image and is shown the upload a
   await page.getByRole('button', { name: 'Yes, delete plain-image@1' }).click();
   await expect(page).toHaveURL(/\/admin\/images$/);
   await expect(page.locator('tr[data-image="plain-image"]')).toHaveCount(0);
+});
+
+test('without JavaScript: SSH keys, and an instance on a chosen network', async ({ page }) => {
+  const admin = await apiToken('admin', ADMIN_PASSWORD());
+  const net = await api(admin, 'POST', '/networks', {
+    name: 'e2e-tenants', subnet: '10.78.0.0/24', gateway: '10.78.0.1', bridge: 'br0', public: true,
+  });
+  expect([201, 409]).toContain(net.status);
+  const t = await newTenant('nojs-net', 1);
+  await signIn(page, t.login, t.password);
+
+  await page.goto('/keys');
+  await page.locator('#k-name').fill('bad');
+  await page.locator('#k-key').fill('ssh-rsa AAAA');
+  await page.getByRole('button', { name: 'Add key' }).click();
+  await expect(page.locator('#key-error')).not.toBeEmpty();
+  await page.locator('#k-name').fill('desk');
+  await page.locator('#k-key').fill(sshKey('desk@e2e'));
+  await page.getByRole('button', { name: 'Add key' }).click();
+  await expect(page.locator('tr[data-key="desk"]').getByTestId('fingerprint')).toHaveText(/^SHA256:/);
+  await page.getByRole('link', { name: 'Delete desk' }).click();
+  await page.getByRole('button', { name: 'Yes, delete desk' }).click();
+  await expect(page.locator('tr[data-key="desk"]')).toHaveCount(0);
+
+  await page.goto('/instances/new');
+  await page.locator('#alias').fill('plain-net');
+  await page.locator(`.offer[data-package="${PACKAGE}"]`).getByRole('radio').check();
+  await page.locator('.networks [data-network="e2e-tenants"]').getByRole('checkbox').check();
+  await page.locator('#user_data').fill('#!/bin/sh\necho hello\n');
+  await page.getByRole('button', { name: 'Create instance' }).click();
+  await expect(page).toHaveURL(/\/instances\/[0-9a-f-]{36}$/);
+  const nic = page.getByTestId('nics').locator('li[data-primary="true"]');
+  await expect(nic).toContainText(/10\.78\.0\.\d+ on e2e-tenants/);
+  const ip = (await nic.getAttribute('data-ip')) as string;
+  await expect(page.getByTestId('ssh-command')).toHaveText(`ssh root@${ip}`);
+  await expect(page.getByTestId('console')).toBeVisible();
+  await expect(page.getByTestId('console').locator('.error')).toHaveCount(0);
+
+  await page.getByRole('link', { name: 'Destroy instance' }).click();
+  await page.getByRole('button', { name: 'Yes, destroy plain-net' }).click();
+  await expect(async () => {
+    await page.reload();
+    await expect(page.getByTestId('vm-state')).toHaveText(/destroying|destroyed/, { timeout: 1000 });
+  }).toPass({ timeout: 60_000 });
+  await removeNetwork('e2e-tenants');
 });

@@ -8,6 +8,7 @@ const STAFF_PAGES: Array<[string, string]> = [
   ['/admin/variants', 'Variants'],
   ['/admin/packages', 'Packages'],
   ['/admin/images', 'Images'],
+  ['/admin/networks', 'Networks'],
   ['/admin/accounts', 'Accounts'],
   ['/admin/vms', 'VMs'],
   ['/admin/jobs', 'Jobs'],
@@ -54,7 +55,7 @@ test('the menu marks only the page you are on', async ({ page }) => {
   const t = await newTenant('menu');
   await page.context().clearCookies();
   await signIn(page, t.login, t.password);
-  for (const [path, name] of [['/instances', 'My instances'], ['/instances/new', 'Create instance']]) {
+  for (const [path, name] of [['/instances', 'My instances'], ['/instances/new', 'Create instance'], ['/keys', 'SSH keys']]) {
     await page.goto(path);
     expect(await marked(page), path).toEqual({ current: [name], underlined: [name] });
   }

@@ -1,4 +1,5 @@
 import { Page, expect, Browser, BrowserContext } from '@playwright/test';
+import * as crypto from 'crypto';
 
 export const URL = () => process.env.PASSAGE_URL as string;
 export const ADMIN_PASSWORD = () => process.env.PASSAGE_ADMIN_PASSWORD as string;
@@ -81,4 +82,31 @@ export async function operatorContext(browser: Browser): Promise<{ ctx: BrowserC
   const page = await ctx.newPage();
   await signIn(page, 'admin', ADMIN_PASSWORD());
   return { ctx, page };
+}
+
+/** A fresh ed25519 public key in OpenSSH's one-line form. */
+export function sshKey(comment: string): string {
+  const { publicKey } = crypto.generateKeyPairSync('ed25519');
+  const raw = Buffer.from(publicKey.export({ format: 'jwk' }).x as string, 'base64url');
+  const part = (b: Buffer) => {
+    const len = Buffer.alloc(4);
+    len.writeUInt32BE(b.length);
+    return Buffer.concat([len, b]);
+  };
+  const blob = Buffer.concat([part(Buffer.from('ssh-ed25519')), part(raw)]);
+  return `ssh-ed25519 ${blob.toString('base64')} ${comment}`;
+}
+
+/** Deletes the network `name` once no VM holds an address on it (a destroyed VM frees
+ * its address when its destroy job ends). Left behind, a network that is not a default
+ * makes every later VM that names no network fail. */
+export async function removeNetwork(name: string): Promise<void> {
+  const t = await apiToken('admin', ADMIN_PASSWORD());
+  const nets = await api(t, 'GET', '/networks');
+  const net = (nets.body as Array<{ uuid: string; name: string }>).find((n) => n.name === name);
+  if (!net) return;
+  await expect(async () => {
+    const r = await api(t, 'DELETE', `/networks/${net.uuid}`);
+    expect(r.status).toBe(204);
+  }).toPass({ timeout: 60_000 });
 }

@@ -14,6 +14,7 @@ const STAFF_LINKS: &[(&str, &str)] = &[
     ("/admin/variants", "Variants"),
     ("/admin/packages", "Packages"),
     ("/admin/images", "Images"),
+    ("/admin/networks", "Networks"),
     ("/admin/accounts", "Accounts"),
     ("/admin/vms", "VMs"),
     ("/admin/jobs", "Jobs"),
@@ -22,6 +23,7 @@ const STAFF_LINKS: &[(&str, &str)] = &[
 const TENANT_LINKS: &[(&str, &str)] = &[
     ("/instances", "My instances"),
     ("/instances/new", "Create instance"),
+    ("/keys", "SSH keys"),
 ];
 
 /// How a menu link relates to the page shown.

@@ -2,6 +2,7 @@ pub mod accounts;
 pub mod devices;
 pub mod images;
 pub mod jobs;
+pub mod networks;
 pub mod overview;
 pub mod packages;
 pub mod servers;

@@ -2,7 +2,8 @@ use crate::components::errors::{FieldError, FormStatus, Loaded};
 use crate::components::guard::{Audience, Guard};
 use crate::components::widgets::CsrfField;
 use crate::data::load;
-use crate::rpc::{CreateInstance, Offer, offers, usable_images};
+use crate::error::PortalError;
+use crate::rpc::{CreateInstance, Offer, offers, usable_images, usable_networks};
 use leptos::prelude::*;
 use leptos_meta::Title;
 
@@ -11,6 +12,7 @@ pub fn CreatePage() -> impl IntoView {
     let create = ServerAction::<CreateInstance>::new();
     let data = load(move || create.version().get(), |_| offers());
     let images = load(move || create.version().get(), |_| usable_images());
+    let networks = load(move || create.version().get(), |_| usable_networks());
     let result = Signal::derive(move || create.value().get());
     view! {
         <Title text="Create instance · Passage"/>
@@ -39,6 +41,16 @@ pub fn CreatePage() -> impl IntoView {
                         <Offers list=list/>
                     </Loaded>
                 </fieldset>
+                <Loaded data=networks let:list>
+                    <Networks list=list result=result/>
+                </Loaded>
+                <div class="field wide">
+                    <label for="user_data">"User data " <span class="muted">"(optional)"</span></label>
+                    <textarea id="user_data" name="user_data" rows="6" spellcheck="false"
+                        placeholder="#cloud-config" aria-describedby="user_data-hint user_data-error"></textarea>
+                    <span id="user_data-hint" class="muted">"Given to cloud-init at first boot: a #cloud-config document or a script."</span>
+                    <FieldError result=result field="user_data"/>
+                </div>
                 <FormStatus result=result/>
                 <button type="submit" disabled=move || create.pending().get()>
                     {move || if create.pending().get() { "Creating…" } else { "Create instance" }}
@@ -117,4 +129,39 @@ fn Offers(list: Vec<Offer>) -> impl IntoView {
         })
         .collect_view()
         .into_any()
+}
+
+/// The networks the instance gets an address on, the defaults checked already; the
+/// first one checked is its primary. With none offered, the server's defaults apply.
+#[component]
+fn Networks(
+    list: Vec<passage_model::networks::Network>,
+    result: Signal<Option<Result<(), PortalError>>>,
+) -> impl IntoView {
+    if list.is_empty() {
+        // The server's defaults apply; where it has none for you, it says so here.
+        return view! { <FieldError result=result field="networks"/> }.into_any();
+    }
+    view! {
+        <fieldset class="networks" aria-describedby="networks-error">
+            <legend>"Networks"</legend>
+            <input type="hidden" name="networks_offered" value="1"/>
+            <FieldError result=result field="networks"/>
+            {list.into_iter().map(|n| {
+                let id = format!("net-{}", n.uuid);
+                view! {
+                    <div class="field check" data-network=n.name.clone()>
+                        <input type="checkbox" id=id.clone() name=format!("networks[net-{}]", n.uuid) value="on" checked=n.default/>
+                        <label for=id>
+                            <strong>{n.name.clone()}</strong>
+                            " " <code>{n.subnet.clone()}</code>
+                            {n.default.then(|| view! { " " <span class="muted">"(default)"</span> })}
+                            {n.description.clone().map(|d| view! { " · " <span class="muted">{d}</span> })}
+                        </label>
+                    </div>
+                }
+            }).collect_view()}
+        </fieldset>
+    }
+    .into_any()
 }

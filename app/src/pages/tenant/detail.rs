@@ -4,7 +4,7 @@ use crate::components::widgets::{Badge, CsrfField};
 use crate::data::{load, poll};
 use crate::fmt;
 use crate::pages::admin::jobs::JobSteps;
-use crate::rpc::{DestroyInstance, get_instance};
+use crate::rpc::{Console, DestroyInstance, Instance, get_console, get_instance};
 use leptos::prelude::*;
 use leptos_meta::Title;
 use leptos_router::hooks::{use_params_map, use_query_map};
@@ -25,13 +25,27 @@ pub fn InstancePage() -> impl IntoView {
     );
     // Job steps and device states move on their own: follow them until the VM settles.
     poll(data, 1000);
+    // The console is read from the VM's node: again every 2 s while it boots and for the
+    // first minute it runs, never once it is gone.
+    let tick = RwSignal::new(0u32);
+    let console = load(
+        move || (params.read().get("uuid").unwrap_or_default(), tick.get()),
+        |(uuid, _)| async move {
+            match get_console(uuid).await {
+                // Not found or not allowed: the page itself says so, once.
+                Err(e) if e.code.page_status().is_some() => Ok(Console::Hidden),
+                other => other,
+            }
+        },
+    );
+    follow_console(data, tick);
     let confirming = move || q.read().get("confirm").as_deref() == Some("destroy");
     view! {
         <Title text="Instance · Passage"/>
         <Guard audience=Audience::Anyone>
             <Loaded data=data let:i>
                 {
-                let vm = i.vm;
+                let vm = i.vm.clone();
                 let uuid = vm.uuid.to_string();
                 let state = vm.state.as_str();
                 let gone = matches!(state, "destroying" | "destroyed");
@@ -44,6 +58,7 @@ pub fn InstancePage() -> impl IntoView {
                         <dt>"Size"</dt><dd>{vm.vcpus} " vCPUs, " {vm.memory_mib} " MiB"</dd>
                         <dt>"Created"</dt><dd>{fmt::time(&vm.created_at)}</dd>
                     </dl>
+                    <Addresses i=i.clone() gone=gone/>
                     <h2>"Assigned devices"</h2>
                     {if vm.assigned_devices.is_empty() {
                         view! { <p>"None."</p> }.into_any()
@@ -84,6 +99,157 @@ pub fn InstancePage() -> impl IntoView {
                 }
             </Loaded>
             <FormStatus result=Signal::derive(move || destroy.value().get())/>
+            <Loaded data=console quiet=true let:c>
+                <ConsoleView c=c/>
+            </Loaded>
         </Guard>
+    }
+}
+
+/// Its addresses, the primary marked, and the command that logs in to it.
+#[component]
+fn Addresses(i: Instance, gone: bool) -> impl IntoView {
+    let vm = i.vm;
+    if vm.nics.is_empty() {
+        return view! {
+            <h2>"Addresses"</h2>
+            <p>"None: this instance is on no network."</p>
+        }
+        .into_any();
+    }
+    let ssh = vm
+        .primary_ip
+        .filter(|_| !gone)
+        .map(|ip| format!("ssh {}@{ip}", i.login_user));
+    view! {
+        <h2>"Addresses"</h2>
+        <ul class="nics" data-testid="nics">
+            {vm.nics.iter().map(|n| {
+                let net = n.network_uuid.to_string();
+                let name = i.network_names.get(&net).cloned()
+                    .unwrap_or_else(|| fmt::short_uuid(&net).to_string());
+                view! {
+                    <li data-ip=n.ip.to_string() data-primary=n.primary.to_string()>
+                        <code>{n.ip.to_string()}</code>
+                        " on " {name}
+                        " · MAC " <code>{n.mac.clone()}</code>
+                        {n.primary.then(|| view! { " " <span class="badge s-primary">"primary"</span> })}
+                    </li>
+                }
+            }).collect_view()}
+        </ul>
+        {ssh.map(|cmd| view! { <SshCommand cmd=cmd/> })}
+    }
+    .into_any()
+}
+
+/// The command to paste into a terminal, with a button that copies it.
+#[component]
+fn SshCommand(cmd: String) -> impl IntoView {
+    let copied = RwSignal::new(None::<bool>);
+    #[cfg(feature = "hydrate")]
+    let on_copy = {
+        let cmd = cmd.clone();
+        move |_: leptos::ev::MouseEvent| copied.set(Some(copy_text(&cmd)))
+    };
+    #[cfg(not(feature = "hydrate"))]
+    let on_copy = move |_: leptos::ev::MouseEvent| copied.set(None);
+    view! {
+        <p class="ssh">
+            <span class="muted">"Log in with "</span>
+            <code data-testid="ssh-command">{cmd}</code>
+            " "
+            <button type="button" class="copy" on:click=on_copy aria-describedby="copy-status">"Copy"</button>
+            " "
+            <span id="copy-status" class="muted" role="status">
+                {move || match copied.get() {
+                    Some(true) => "Copied.",
+                    Some(false) => "Select the command and copy it.",
+                    None => "",
+                }}
+            </span>
+        </p>
+    }
+}
+
+/// Puts `text` on the clipboard; false where the browser offers no clipboard (a page
+/// not served over HTTPS or from this machine).
+#[cfg(feature = "hydrate")]
+fn copy_text(text: &str) -> bool {
+    let Some(w) = web_sys::window() else {
+        return false;
+    };
+    let clip = w.navigator().clipboard();
+    if clip.is_undefined() || clip.is_null() {
+        return false;
+    }
+    let _ = clip.write_text(text);
+    true
+}
+
+/// The console panel: the end of the VM's serial console, or why there is none now.
+#[component]
+fn ConsoleView(c: Console) -> impl IntoView {
+    let body = match c {
+        Console::Hidden => return ().into_any(),
+        Console::Output { text, read_at } if !text.is_empty() => view! {
+            <div class="console-scroll">
+                <pre data-testid="console-output">{text}</pre>
+            </div>
+            <p class="muted">"Read " {fmt::time(&read_at)} "."</p>
+        }
+        .into_any(),
+        Console::Output { .. } => {
+            view! { <p class="muted" data-testid="console-empty">"Nothing on the console yet."</p> }
+                .into_any()
+        }
+        Console::Unavailable(why) => view! {
+            <p class="muted" data-testid="console-unavailable">"The console is not available now (" {why} ")."</p>
+        }
+        .into_any(),
+    };
+    view! {
+        <section class="console" data-testid="console" aria-labelledby="console-h">
+            <h2 id="console-h">"Console"</h2>
+            {body}
+        </section>
+    }
+    .into_any()
+}
+
+/// Moves `tick` on every 2 s while the VM is provisioning, and during the first minute
+/// after the page loaded while it runs; not at all once it is stopping or gone.
+fn follow_console(data: crate::data::Data<Instance>, tick: RwSignal<u32>) {
+    #[cfg(feature = "hydrate")]
+    {
+        use passage_model::api::VmState;
+        Effect::new(move |_| {
+            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u32));
+            if let Ok(h) = set_interval_with_handle(
+                move || {
+                    let n = ticks.get() + 1;
+                    ticks.set(n);
+                    let state = data
+                        .get_untracked()
+                        .and_then(|r| r.ok())
+                        .map(|i| i.vm.state);
+                    let follow = match state {
+                        Some(VmState::Provisioning) => true,
+                        Some(VmState::Running) => n <= 30,
+                        _ => false,
+                    };
+                    if follow {
+                        tick.update(|t| *t += 1);
+                    }
+                },
+                std::time::Duration::from_millis(2000),
+            ) {
+                on_cleanup(move || h.clear());
+            }
+        });
+    }
+    #[cfg(not(feature = "hydrate"))]
+    {
+        let _ = (data, tick);
     }
 }

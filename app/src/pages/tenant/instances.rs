@@ -34,6 +34,7 @@ pub fn VmTable(vms: Vec<Vm>, show_owner: bool) -> impl IntoView {
                     <th scope="col">"Alias"</th>
                     <th scope="col">"State"</th>
                     <th scope="col">"Devices"</th>
+                    <th scope="col">"Addresses"</th>
                     {show_owner.then(|| view! { <th scope="col">"Owner"</th> })}
                     <th scope="col">"Created"</th>
                 </tr>
@@ -47,6 +48,11 @@ pub fn VmTable(vms: Vec<Vm>, show_owner: bool) -> impl IntoView {
                             <th scope="row"><a href=format!("/instances/{uuid}")>{v.alias.clone()}</a></th>
                             <td><Badge state=v.state.as_str()/></td>
                             <td>{v.assigned_devices.len()}</td>
+                            <td data-testid="ips">
+                                {if v.nics.is_empty() { "-".to_string() } else {
+                                    v.nics.iter().map(|n| n.ip.to_string()).collect::<Vec<_>>().join(", ")
+                                }}
+                            </td>
                             {show_owner.then(|| view! {
                                 <td><a href=format!("/admin/vms?owner={owner}")><code>{fmt::short_uuid(&owner).to_string()}</code></a></td>
                             })}

@@ -1,3 +1,4 @@
 pub mod create;
 pub mod detail;
 pub mod instances;
+pub mod keys;
