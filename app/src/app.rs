@@ -69,6 +69,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/admin/images/:uuid") view=admin::images::ImagePage ssr=ssr.clone()/>
                     <Route path=path!("/admin/networks") view=admin::networks::NetworksPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/networks/:uuid") view=admin::networks::NetworkPage ssr=ssr.clone()/>
+                    <Route path=path!("/admin/networks/:uuid/edit") view=admin::networks::NetworkEditPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/accounts") view=admin::accounts::AccountsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/vms") view=admin::vms::VmsPage ssr=ssr.clone()/>
                     <Route path=path!("/admin/jobs") view=admin::jobs::JobsPage ssr=ssr.clone()/>

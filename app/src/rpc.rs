@@ -926,13 +926,7 @@ pub async fn create_network(
 ) -> Result<(), PortalError> {
     use passage_model::networks::{CreateNetwork, Network};
     be::check_csrf(&csrf)?;
-    let owners = words(&owner_uuids)
-        .iter()
-        .map(|o| {
-            o.parse::<AccountId>()
-                .map_err(|_| invalid("owner_uuids", format!("{o:?} is not an account UUID")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let owners = owner_ids(&owner_uuids).await?;
     let req = CreateNetwork {
         name: name.trim().to_string(),
         subnet: subnet.trim().to_string(),
@@ -953,17 +947,90 @@ pub async fn create_network(
     };
     let n: Network = be::send(Method::POST, "/networks", &req)
         .await
-        .map_err(|e| {
-            // `resolvers[2]`, `owner_uuids[0]`: the form has one field for the list.
-            match e.field.as_deref().and_then(|f| f.split_once('[')) {
-                Some((f, _)) => PortalError {
-                    field: Some(f.to_string()),
-                    ..e
-                },
-                None => e,
-            }
-        })?;
+        .map_err(list_field)?;
     leptos_axum::redirect(&format!("/admin/networks/{}", n.uuid));
+    Ok(())
+}
+
+/// `resolvers[2]`, `owner_uuids[0]`: the form has one field for the list.
+#[cfg(feature = "ssr")]
+fn list_field(e: PortalError) -> PortalError {
+    match e.field.as_deref().and_then(|f| f.split_once('[')) {
+        Some((f, _)) => PortalError {
+            field: Some(f.to_string()),
+            ..e
+        },
+        None => e,
+    }
+}
+
+/// The owners field: account logins or UUIDs, comma- or space-separated. Logins are
+/// looked up in the account list (the API has no lookup by login), read once and only
+/// when one is given.
+#[cfg(feature = "ssr")]
+async fn owner_ids(field: &str) -> Result<Vec<AccountId>, PortalError> {
+    let mut by_login: Option<BTreeMap<String, AccountId>> = None;
+    let mut out = Vec::new();
+    for w in words(field) {
+        if let Ok(id) = w.parse::<AccountId>() {
+            out.push(id);
+            continue;
+        }
+        if by_login.is_none() {
+            let mut all = BTreeMap::new();
+            loop {
+                let p = be::list::<Account>(&format!("/accounts?limit=1000&offset={}", all.len()))
+                    .await?;
+                let got = p.items.len();
+                all.extend(p.items.into_iter().map(|a| (a.login, a.uuid)));
+                if got == 0 || all.len() as u64 >= p.total {
+                    break;
+                }
+            }
+            by_login = Some(all);
+        }
+        match by_login.as_ref().and_then(|m| m.get(&w)) {
+            Some(id) => out.push(*id),
+            None => {
+                return Err(invalid(
+                    "owner_uuids",
+                    format!("no account has the login {w:?}"),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[server(prefix = "/portal/fn")]
+#[allow(clippy::too_many_arguments)]
+pub async fn update_network(
+    csrf: String,
+    uuid: String,
+    name: String,
+    #[server(default)] resolvers: String,
+    #[server(default)] mtu: String,
+    #[server(default)] public: Option<String>,
+    #[server(default)] default: Option<String>,
+    #[server(default)] owner_uuids: String,
+    #[server(default)] description: String,
+) -> Result<(), PortalError> {
+    use passage_model::networks::{Network, UpdateNetwork};
+    be::check_csrf(&csrf)?;
+    let path = format!("/networks/{}", be::segment(&uuid)?);
+    let req = UpdateNetwork {
+        name: Some(name.trim().to_string()),
+        resolvers: Some(words(&resolvers)),
+        mtu: optional(&mtu).map(|m| number("mtu", m)).transpose()?,
+        public: Some(public.is_some()),
+        owner_uuids: Some(owner_ids(&owner_uuids).await?),
+        default: Some(default.is_some()),
+        description: Some(description.trim().to_string()),
+    };
+    be::send::<Network>(Method::PATCH, &path, &req)
+        .await
+        .map_err(list_field)?;
+    leptos_axum::redirect(&path.replace("/networks", "/admin/networks"));
     Ok(())
 }
 
@@ -1001,7 +1068,14 @@ pub async fn get_network(uuid: String, offset: Option<u64>) -> Result<NetworkDet
     let mut logins: BTreeMap<AccountId, String> = BTreeMap::new();
     let mut owners = Vec::with_capacity(network.owner_uuids.len());
     for o in &network.owner_uuids {
-        owners.push(login_of(&mut logins, *o).await);
+        // The whole UUID where the login cannot be read: the edit form sends these back.
+        owners.push(match be::get::<Account>(&format!("/accounts/{o}")).await {
+            Ok(a) => {
+                logins.insert(a.uuid, a.login.clone());
+                a.login
+            }
+            Err(_) => o.to_string(),
+        });
     }
     let seen = off + p.items.len() as u64;
     let mut items = Vec::with_capacity(p.items.len());

@@ -1,5 +1,5 @@
 import { test, expect } from '@playwright/test';
-import { ADMIN_PASSWORD, GPUS, IMAGE, NODES, PACKAGE, VARIANT, api, apiToken, hydrated, signIn, watchConsole } from './helpers';
+import { ADMIN_PASSWORD, GPUS, IMAGE, NODES, PACKAGE, VARIANT, api, apiToken, hydrated, newTenant, signIn, watchConsole } from './helpers';
 
 test('operator: sign in, variant, package, tenant, servers and devices with correct counts', async ({ page }) => {
   const problems = watchConsole(page);
@@ -296,7 +296,7 @@ test('operator: create an image, upload its file with progress, see its VMs, dis
   expect(problems).toEqual([]);
 });
 
-test('operator: a network made in the portal, listed, its addresses in use, refused deletion while in use', async ({ page }) => {
+test('operator: a network made in the portal, listed, its addresses in use, refused deletion while in use, edited', async ({ page }) => {
   const problems = watchConsole(page);
   const admin = await apiToken('admin', ADMIN_PASSWORD());
   await signIn(page, 'admin', ADMIN_PASSWORD());
@@ -366,10 +366,47 @@ test('operator: a network made in the portal, listed, its addresses in use, refu
     const r = await api(admin, 'GET', `/networks/${uuid}/ips`);
     expect(r.body).toEqual([]);
   }).toPass({ timeout: 60_000 });
+
+  // Edited: the form holds its values, keeps the subnet read-only, refuses a bad MTU and
+  // an unknown owner next to their fields, and takes owners by login.
+  const owner = await newTenant('e2e-netowner');
+  await page.goto(`/admin/networks/${uuid}`);
+  await hydrated(page);
+  await page.getByRole('link', { name: 'Edit network' }).click();
+  await expect(page).toHaveURL(new RegExp(`/admin/networks/${uuid}/edit$`));
+  await expect(page.getByRole('heading', { name: 'Edit network e2e-ops' })).toBeVisible();
+  await expect(page.locator('#n-name')).toHaveValue('e2e-ops');
+  await expect(page.locator('#n-resolvers')).toHaveValue('10.77.0.1, 9.9.9.9');
+  await expect(page.locator('#n-mtu')).toHaveValue('1500');
+  await expect(page.locator('#n-description')).toHaveValue('made in the portal');
+  await expect(page.locator('#n-subnet')).toHaveCount(0);
+  await expect(page.locator('.facts')).toContainText('10.77.0.0/24');
+  await hydrated(page);
+  await page.locator('#n-mtu').fill('100');
+  await page.getByRole('button', { name: 'Save network' }).click();
+  await expect(page.locator('#mtu-error')).not.toBeEmpty();
+  await page.locator('#n-mtu').fill('9000');
+  await page.locator('#n-owners').fill('no-such-login-e2e');
+  await page.getByRole('button', { name: 'Save network' }).click();
+  await expect(page.locator('#owner_uuids-error')).toContainText('no-such-login-e2e');
+  await expect(page.locator('#mtu-error')).toBeEmpty();
+  await page.locator('#n-name').fill('e2e-ops2');
+  await page.locator('#n-resolvers').fill('1.1.1.1 8.8.8.8');
+  await page.locator('#n-owners').fill(owner.login);
+  await page.getByRole('button', { name: 'Save network' }).click();
+  await expect(page).toHaveURL(new RegExp(`/admin/networks/${uuid}$`));
+  await expect(page.getByRole('heading', { name: 'Network e2e-ops2' })).toBeVisible();
+  await expect(page.locator('.facts')).toContainText('1.1.1.1, 8.8.8.8');
+  await expect(page.locator('.facts')).toContainText('9000');
+  await expect(page.getByTestId('owners')).toHaveText(owner.login);
+  const saved = await api(admin, 'GET', `/networks/${uuid}`);
+  expect(saved.body.owner_uuids).toEqual([owner.uuid]);
+  expect(saved.body.mtu).toBe(9000);
+
   await page.goto(`/admin/networks/${uuid}?confirm=delete`);
   await hydrated(page);
-  await page.getByRole('button', { name: 'Yes, delete e2e-ops' }).click();
+  await page.getByRole('button', { name: 'Yes, delete e2e-ops2' }).click();
   await expect(page).toHaveURL(/\/admin\/networks$/);
-  await expect(page.locator('tr[data-network="e2e-ops"]')).toHaveCount(0);
+  await expect(page.locator('tr[data-network="e2e-ops2"]')).toHaveCount(0);
   expect(problems).toEqual([]);
 });

@@ -135,3 +135,24 @@ test('without JavaScript: SSH keys, and an instance on a chosen network', async 
   }).toPass({ timeout: 60_000 });
   await removeNetwork('e2e-tenants');
 });
+
+test('without JavaScript: an operator edits a network, its owners by login', async ({ page }) => {
+  const admin = await apiToken('admin', ADMIN_PASSWORD());
+  const net = await api(admin, 'POST', '/networks', { name: 'e2e-nojs-edit', subnet: '10.79.0.0/24', bridge: 'br0' });
+  expect(net.status).toBe(201);
+  const uuid = net.body.uuid as string;
+  const t = await newTenant('nojs-owner');
+  await signIn(page, 'admin', ADMIN_PASSWORD());
+  await page.goto(`/admin/networks/${uuid}`);
+  await page.getByRole('link', { name: 'Edit network' }).click();
+  await page.locator('#n-owners').fill('nobody-here-e2e');
+  await page.getByRole('button', { name: 'Save network' }).click();
+  await expect(page.locator('#owner_uuids-error')).toContainText('nobody-here-e2e');
+  await page.locator('#n-owners').fill(t.login);
+  await page.locator('#n-description').fill('edited without scripts');
+  await page.getByRole('button', { name: 'Save network' }).click();
+  await expect(page).toHaveURL(new RegExp(`/admin/networks/${uuid}$`));
+  await expect(page.getByTestId('owners')).toHaveText(t.login);
+  await expect(page.locator('.facts')).toContainText('edited without scripts');
+  await removeNetwork('e2e-nojs-edit');
+});

@@ -1,5 +1,5 @@
 //! Networks for operators: the list with a form for a new one, and each network's page
-//! with the addresses in use and its deletion.
+//! with the addresses in use, its edit form and its deletion.
 
 use crate::components::errors::{FieldError, FormStatus, Loaded};
 use crate::components::guard::{Audience, Guard};
@@ -8,7 +8,8 @@ use crate::components::widgets::{Badge, CsrfField};
 use crate::data::{load, poll};
 use crate::error::PortalError;
 use crate::rpc::{
-    CreateNetwork, DeleteNetwork, NetworkDetail, NetworkRow, get_network, list_networks,
+    CreateNetwork, DeleteNetwork, NetworkDetail, NetworkRow, UpdateNetwork, get_network,
+    list_networks,
 };
 use leptos::prelude::*;
 use leptos_meta::Title;
@@ -44,14 +45,7 @@ pub fn NetworksPage() -> impl IntoView {
                 <ActionForm action=create>
                     <CsrfField/>
                     {FIELDS.iter().map(|f| view! { <TextField f=*f result=result/> }).collect_view()}
-                    <div class="field check">
-                        <input id="n-public" name="public" type="checkbox"/>
-                        <label for="n-public">"Public: every tenant may use it"</label>
-                    </div>
-                    <div class="field check">
-                        <input id="n-default" name="default" type="checkbox"/>
-                        <label for="n-default">"Default: new VMs that name no network get an address on it"</label>
-                    </div>
+                    <Checks public=false default=false/>
                     <FormStatus result=result/>
                     <button type="submit">"Create network"</button>
                 </ActionForm>
@@ -122,14 +116,21 @@ const FIELDS: [Text; 11] = [
         "owner_uuids",
         "Owners",
         "",
-        "account UUIDs, comma-separated: who may use a non-public network",
+        "account logins or UUIDs, comma-separated: who may use a non-public network",
     ),
     ("n-description", "description", "Description", "", ""),
 ];
 
 #[component]
-fn TextField(f: Text, result: Signal<Option<Result<(), PortalError>>>) -> impl IntoView {
-    let (id, name, label, value, hint) = f;
+fn TextField(
+    f: Text,
+    result: Signal<Option<Result<(), PortalError>>>,
+    /// The value shown instead of the field's initial one.
+    #[prop(optional)]
+    value: Option<String>,
+) -> impl IntoView {
+    let (id, name, label, initial, hint) = f;
+    let value = value.unwrap_or_else(|| initial.to_string());
     let hint_id = format!("{name}-hint");
     let described = if hint.is_empty() {
         format!("{name}-error")
@@ -143,6 +144,33 @@ fn TextField(f: Text, result: Signal<Option<Result<(), PortalError>>>) -> impl I
             {(!hint.is_empty()).then(|| view! { <span id=hint_id class="muted">{hint}</span> })}
             <FieldError result=result field=name/>
         </div>
+    }
+}
+
+/// The form's two boxes: public, default.
+#[component]
+fn Checks(public: bool, default: bool) -> impl IntoView {
+    view! {
+        <div class="field check">
+            <input id="n-public" name="public" type="checkbox" checked=public/>
+            <label for="n-public">"Public: every tenant may use it"</label>
+        </div>
+        <div class="field check">
+            <input id="n-default" name="default" type="checkbox" checked=default/>
+            <label for="n-default">"Default: new VMs that name no network get an address on it"</label>
+        </div>
+    }
+}
+
+/// What a network keeps for good (the API changes none of it): its subnet, gateway,
+/// range, bridge and VLAN, as terms of a `<dl>`.
+fn fixed(n: &Network) -> impl IntoView + use<> {
+    view! {
+        <dt>"Subnet"</dt><dd><code>{n.subnet.clone()}</code></dd>
+        <dt>"Gateway"</dt><dd>{n.gateway.map(|g| g.to_string()).unwrap_or_else(|| "-".into())}</dd>
+        <dt>"Range"</dt><dd>{format!("{} – {}", n.provision_start_ip, n.provision_end_ip)}</dd>
+        <dt>"Bridge"</dt><dd><code>{n.bridge.clone()}</code></dd>
+        <dt>"VLAN"</dt><dd>{if n.vlan_id == 0 { "untagged".to_string() } else { n.vlan_id.to_string() }}</dd>
     }
 }
 
@@ -260,18 +288,15 @@ fn NetworkView(
     view! {
         <h1>"Network " {n.name.clone()}</h1>
         <dl class="facts">
-            <dt>"Subnet"</dt><dd><code>{n.subnet.clone()}</code></dd>
-            <dt>"Gateway"</dt><dd>{n.gateway.map(|g| g.to_string()).unwrap_or_else(|| "-".into())}</dd>
-            <dt>"Range"</dt><dd>{format!("{} – {}", n.provision_start_ip, n.provision_end_ip)}</dd>
+            {fixed(&n)}
             <dt>"Resolvers"</dt><dd>{resolvers}</dd>
-            <dt>"Bridge"</dt><dd><code>{n.bridge.clone()}</code></dd>
-            <dt>"VLAN"</dt><dd>{if n.vlan_id == 0 { "untagged".to_string() } else { n.vlan_id.to_string() }}</dd>
             <dt>"MTU"</dt><dd>{n.mtu}</dd>
-            <dt>"Used by"</dt><dd>{who}</dd>
+            <dt>"Used by"</dt><dd data-testid="owners">{who}</dd>
             <dt>"Default"</dt><dd>{if n.default { "yes: new VMs that name no network get an address on it" } else { "no" }}</dd>
             <dt>"UUID"</dt><dd><code>{uuid.clone()}</code></dd>
             {n.description.clone().map(|t| view! { <dt>"Description"</dt><dd>{t}</dd> })}
         </dl>
+        <p><a class="button" href=format!("/admin/networks/{uuid}/edit")>"Edit network"</a></p>
         <h2>"Addresses in use " <span class="muted" data-testid="address-count">{format!("({in_use})")}</span></h2>
         {if page.items.is_empty() {
             view! { <p>"None: no VM holds an address on this network."</p> }.into_any()
@@ -350,5 +375,63 @@ fn Delete(
         } else {
             view! { <p><a class="button danger" href=ask>"Delete network"</a></p> }.into_any()
         }
+    }
+}
+
+/// The edit form on a page of its own: the network's page reloads every few seconds,
+/// which would wipe what is being typed.
+#[component]
+pub fn NetworkEditPage() -> impl IntoView {
+    let params = use_params_map();
+    let update = ServerAction::<UpdateNetwork>::new();
+    let data = load(
+        move || params.read().get("uuid").unwrap_or_default(),
+        |uuid| get_network(uuid, None),
+    );
+    view! {
+        <Title text="Edit network · Passage"/>
+        <Guard audience=Audience::Staff>
+            <Loaded data=data let:d>
+                <EditForm d=d update=update/>
+            </Loaded>
+        </Guard>
+    }
+}
+
+#[component]
+fn EditForm(d: NetworkDetail, update: ServerAction<UpdateNetwork>) -> impl IntoView {
+    let result = Signal::derive(move || update.value().get());
+    let n = d.network;
+    let uuid = n.uuid.to_string();
+    let resolvers: Vec<String> = n.resolvers.iter().map(|r| r.to_string()).collect();
+    // Name, resolvers, MTU, owners (by login), description.
+    let values = [
+        n.name.clone(),
+        resolvers.join(", "),
+        n.mtu.to_string(),
+        d.owners.join(", "),
+        n.description.clone().unwrap_or_default(),
+    ];
+    let fields = [FIELDS[0], FIELDS[5], FIELDS[8], FIELDS[9], FIELDS[10]];
+    view! {
+        <h1>"Edit network " {n.name.clone()}</h1>
+        <section class="card" aria-labelledby="net-fixed-h">
+            <h2 id="net-fixed-h">"Fixed"</h2>
+            <p class="muted">"A network keeps these: for others, make a new network."</p>
+            <dl class="facts">{fixed(&n)}</dl>
+        </section>
+        <section class="card" aria-labelledby="net-edit-h">
+            <h2 id="net-edit-h">"Settings"</h2>
+            <ActionForm action=update>
+                <CsrfField/>
+                <input type="hidden" name="uuid" value=uuid.clone()/>
+                {fields.into_iter().zip(values).map(|(f, v)| view! { <TextField f=f result=result value=v/> }).collect_view()}
+                <Checks public=n.public default=n.default/>
+                <FormStatus result=result/>
+                <button type="submit">"Save network"</button>
+                " "
+                <a href=format!("/admin/networks/{uuid}")>"Cancel"</a>
+            </ActionForm>
+        </section>
     }
 }
