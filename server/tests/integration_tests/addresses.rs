@@ -265,3 +265,63 @@ async fn racers_for_the_last_address(backend: Backend) {
     assert_eq!(gpus, 1);
 }
 both!(racers_for_the_last_address, racers_for_the_last_address);
+
+/// A bridge that went from its node after the node reported it: the VM is placed there,
+/// its launch fails with the node's words, and the provision gives the address back.
+/// The node reports its bridges with each heartbeat, and one that lands between the
+/// bridge going and the creation makes placement refuse instead; then the bridge comes
+/// back and the test tries again, so it passes only through the failed launch.
+async fn a_failed_launch_gives_its_address_back(backend: Backend) {
+    let mut s = TestServer::start(backend, fast_config()).await;
+    let node = s.add_node(2).await;
+    s.h100_catalog(1).await;
+    let (_, alice) = s.tenant("alice").await;
+    let alice = s.with(&alice);
+    let lan: Network = s
+        .post(
+            "/v1/networks",
+            &json!({"name": "lan", "subnet": "10.52.0.0/24", "bridge": "br0",
+                    "public": true, "default": true}),
+        )
+        .await
+        .ok(201);
+    let bridge = node.sysfs.join("class/net/br0");
+    let hidden = node.sysfs.join("class/net/.br0-gone");
+    for _ in 0..5 {
+        std::fs::rename(&bridge, &hidden).unwrap();
+        let r = create(
+            &alice,
+            json!({"alias": "v", "package": "gpu-1x", "image": "test-image"}),
+        )
+        .await;
+        if r.status == 409 {
+            // The report came first: put the bridge back, and give the next report
+            // (each second) and the servers' bridges cache (one second) time to see it.
+            std::fs::rename(&hidden, &bridge).unwrap();
+            tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+            continue;
+        }
+        let vm = r.ok(202);
+        assert!(vm.primary_ip.is_some(), "{vm:?}");
+        let job = s.wait_job(vm.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Failed, "{job:?}");
+        let launch = job.steps.iter().find(|st| st.name == "launch").unwrap();
+        let why = launch.error.as_deref().unwrap_or("");
+        assert!(
+            why.contains("br0"),
+            "the node's words name the bridge: {why}"
+        );
+        assert!(
+            ips(&s, &lan).await.is_empty(),
+            "the failed provision gave its address back"
+        );
+        let v: Vm = alice.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+        assert_eq!(v.state, passage_model::api::VmState::Failed);
+        return;
+    }
+    panic!("the node's report beat every creation; the launch never failed");
+}
+both!(
+    a_failed_launch_gives_its_address_back,
+    a_failed_launch_gives_its_address_back
+);
