@@ -25,13 +25,13 @@ mod common;
 
 use chrono::{DateTime, Utc};
 use clap::Parser;
-use common::post;
+use common::guests::{Api, Cleanup, median};
 use passage_model::api::{Job, JobState, JobStep, Vm, VmState};
 use rand::{RngCore, SeedableRng};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -82,48 +82,6 @@ struct Round {
     rss_growth_mib: f64,
     disk2_ms: f64,
     nothing_fetched: bool,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-/// The processes this bench started; killed when it ends, however it ends. QEMU
-/// processes outlive an agent by design, so those of the bench's VMs are killed too.
-struct Cleanup {
-    children: Vec<Child>,
-    qemu_dir: PathBuf,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for c in self.children.iter_mut().rev() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let Ok(dirs) = std::fs::read_dir(&self.qemu_dir) else {
-            return;
-        };
-        for d in dirs.flatten() {
-            let Ok(pid) = std::fs::read_to_string(d.path().join("qemu.pid")) else {
-                continue;
-            };
-            let pid = pid.trim();
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let name = d.file_name().to_string_lossy().to_string();
-            if String::from_utf8_lossy(&cmdline).contains(&name) {
-                let _ = Command::new("kill").arg(pid).status();
-            }
-        }
-    }
 }
 
 /// `/proc/PID/…` of a process.
@@ -269,53 +227,7 @@ fn field(line: &str, key: &str) -> Option<String> {
     )
 }
 
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
-
 impl Api {
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        let r = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "GET {path}: {}", r.status());
-        r.json().await.unwrap()
-    }
-
-    async fn post(&self, path: &str, body: Value) -> Value {
-        let (st, v) = post(
-            &self.http,
-            &format!("{}{path}", self.base),
-            Some(&self.token),
-            body,
-        )
-        .await;
-        assert!((200..300).contains(&st), "POST {path}: {st} {v}");
-        v
-    }
-
-    /// Polls `f` every 20 ms until it answers, or panics after `limit`.
-    async fn wait<T, F, Fut>(&self, what: &str, limit: Duration, mut f: F) -> T
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Option<T>>,
-    {
-        let t = Instant::now();
-        loop {
-            if let Some(v) = f().await {
-                return v;
-            }
-            assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     /// A VM from `image`; answers it running and its provision's job.
     async fn provision(&self, alias: &str, image: &str, limit: Duration) -> (Vm, Job) {
         let vm: Vm = serde_json::from_value(
@@ -427,7 +339,7 @@ async fn round(a: &Args) -> Round {
     std::os::unix::fs::symlink(w.join("agent"), &state).unwrap();
     let mut cleanup = Cleanup {
         children: Vec::new(),
-        qemu_dir: state.join("qemu"),
+        qemu_dirs: vec![state.join("qemu")],
     };
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(

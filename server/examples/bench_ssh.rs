@@ -43,15 +43,16 @@
 mod common;
 
 use clap::Parser;
+use common::guests::{Api, Cleanup, median};
 use common::post;
 use node_agent::hypervisor::{QemuConfig, VmFiles, qemu_argv};
 use passage_model::VmId;
 use passage_model::api::{Job, JobState, Server, Vm, VmState};
 use passage_model::protocol::VmSpec;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BRIDGE: &str = "psg-bench0";
@@ -85,18 +86,6 @@ struct Args {
     /// How long a provision, a boot to `ssh` or a destroy may take.
     #[arg(long, default_value_t = 900)]
     limit_secs: u64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn sh(cmd: &mut Command) -> String {
@@ -190,97 +179,6 @@ fn wait_ssh(key: &Path, host: Ipv4Addr, t0: Instant, limit: Duration) -> Option<
         std::thread::sleep(POLL.saturating_sub(tick.elapsed()));
     }
     None
-}
-
-/// The processes this bench started; killed when it ends, however it ends. QEMU
-/// processes outlive an agent by design, so those of the bench's VMs are killed too.
-struct Cleanup {
-    children: Vec<Child>,
-    qemu_dirs: Vec<PathBuf>,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for c in self.children.iter_mut().rev() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for dir in &self.qemu_dirs {
-            let Ok(dirs) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            for d in dirs.flatten() {
-                let Ok(pid) = std::fs::read_to_string(d.path().join("qemu.pid")) else {
-                    continue;
-                };
-                let pid = pid.trim();
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                let name = d.file_name().to_string_lossy().to_string();
-                if String::from_utf8_lossy(&cmdline).contains(&name) {
-                    let _ = Command::new("kill").arg(pid).status();
-                }
-            }
-        }
-    }
-}
-
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
-
-impl Api {
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        let r = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "GET {path}: {}", r.status());
-        r.json().await.unwrap()
-    }
-
-    async fn post(&self, path: &str, body: Value) -> Value {
-        let (st, v) = post(
-            &self.http,
-            &format!("{}{path}", self.base),
-            Some(&self.token),
-            body,
-        )
-        .await;
-        assert!((200..300).contains(&st), "POST {path}: {st} {v}");
-        v
-    }
-
-    async fn delete(&self, path: &str) {
-        let r = self
-            .http
-            .delete(format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "DELETE {path}: {}", r.status());
-    }
-
-    /// Polls `f` every 50 ms until it answers, or panics after `limit`.
-    async fn wait<T, F, Fut>(&self, what: &str, limit: Duration, mut f: F) -> T
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Option<T>>,
-    {
-        let t = Instant::now();
-        loop {
-            if let Some(v) = f().await {
-                return v;
-            }
-            assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
 }
 
 async fn login(http: &reqwest::Client, base: &str, user: &str, password: &str) -> String {

@@ -275,22 +275,7 @@ fn ssh(p: &Ssh) -> Result<()> {
         Some(i) => i.clone(),
         None => crate::test_image::ensure()?,
     };
-    println!("==> building server, node-agent and bench_ssh (release)");
-    util::run_checked(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "passage-server",
-        "-p",
-        "node-agent",
-        "--bin",
-        "server",
-        "--bin",
-        "node-agent",
-        "--example",
-        "bench_ssh",
-    ]))?;
-    let release = target_dir()?.join("release");
+    let release = build_with_agent("bench_ssh")?;
     // Not the system's temp dir: that may be a tmpfs, which no real node's disks are.
     let work = match &p.work_dir {
         Some(d) => d.clone(),
@@ -309,13 +294,10 @@ fn ssh(p: &Ssh) -> Result<()> {
     util::run_checked(&mut cmd)
 }
 
-/// `bench_images` needs the agent binary beside the server, and QEMU, `qemu-img` and
-/// curl on the machine.
-fn images(p: &Images) -> Result<()> {
-    crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
-    crate::test::ensure_tool("qemu-img", "qemu-utils")?;
-    crate::test::ensure_tool("curl", "curl")?;
-    println!("==> building server, node-agent and bench_images (release)");
+/// Builds `server`, `node-agent` and the example `name` in release mode; answers their
+/// folder.
+fn build_with_agent(name: &str) -> Result<std::path::PathBuf> {
+    println!("==> building server, node-agent and {name} (release)");
     util::run_checked(cargo().args([
         "build",
         "--release",
@@ -328,9 +310,18 @@ fn images(p: &Images) -> Result<()> {
         "--bin",
         "node-agent",
         "--example",
-        "bench_images",
+        name,
     ]))?;
-    let release = target_dir()?.join("release");
+    Ok(target_dir()?.join("release"))
+}
+
+/// `bench_images` needs the agent binary beside the server, and QEMU, `qemu-img` and
+/// curl on the machine.
+fn images(p: &Images) -> Result<()> {
+    crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
+    crate::test::ensure_tool("qemu-img", "qemu-utils")?;
+    crate::test::ensure_tool("curl", "curl")?;
+    let release = build_with_agent("bench_images")?;
     // Not the system's temp dir: that may be a tmpfs, where `cp` and fsync cost nothing.
     let work = match &p.work_dir {
         Some(d) => d.clone(),

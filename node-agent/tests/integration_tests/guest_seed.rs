@@ -93,7 +93,9 @@ fn reported(console: &str, key: &str) -> Vec<String> {
     let prefix = format!("PASSAGE-CI-{key}=");
     let mut out: Vec<String> = console
         .lines()
-        .filter_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
+        // Anywhere in a line: a script's output may land after the login prompt getty
+        // printed without a line break.
+        .filter_map(|l| l.split_once(&prefix).map(|(_, v)| v.trim().to_string()))
         .collect();
     // cloud-init copies the script's output to the console too: each once.
     out.dedup();
@@ -188,11 +190,17 @@ async fn applies_the_seed_inside(image: std::path::PathBuf) {
     })
     .await;
     let at_final = t.elapsed();
-    let console = if console.lines().any(|l| l.trim() == "PASSAGE-CI-DONE") {
+    let console = if console
+        .lines()
+        .any(|l| l.trim().ends_with("PASSAGE-CI-DONE"))
+    {
         console
     } else {
         // The script runs in the final stage, before its message; this is a safeguard.
-        wait_for(&files, "PASSAGE-CI-DONE", |l| l == "PASSAGE-CI-DONE").await
+        wait_for(&files, "PASSAGE-CI-DONE", |l| {
+            l.ends_with("PASSAGE-CI-DONE")
+        })
+        .await
     };
     eprintln!(
         "QEMU start to the passage-report line: {:.1}s; to cloud-init's final stage: {:.1}s",

@@ -2,6 +2,8 @@
 //! synthetic fleet registered through the agent API, percentiles.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod guests;
+
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -39,6 +39,9 @@ async fn own_keys_are_kept_apart(backend: Backend) {
         k.md5_fingerprint,
         "52:84:f6:9d:76:79:e4:e4:d1:9e:96:c5:76:fa:ee:ac"
     );
+    // Creation times are in milliseconds, and keys made in the same one list by name:
+    // this one is a millisecond newer at least.
+    tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     let r = alice
         .post::<SshKey>("/v1/keys", &json!({"name": "work", "key": RSA_2048}))
         .await;
