@@ -72,9 +72,35 @@ pub(super) async fn two_gpu_package(op: &Client, name: &str) {
     .ok(201);
 }
 
+/// The guests of an agent's state directory: QEMU outlives its agent by design, so a
+/// test that ends (or fails) before its VMs are destroyed kills them when this drops.
+pub(super) struct Guests {
+    pub(super) state: PathBuf,
+}
+
+impl Drop for Guests {
+    fn drop(&mut self) {
+        let Ok(dirs) = std::fs::read_dir(self.state.join("qemu")) else {
+            return;
+        };
+        for d in dirs.flatten() {
+            let Ok(pid) = std::fs::read_to_string(d.path().join("qemu.pid")) else {
+                continue;
+            };
+            let pid = pid.trim();
+            // Only a QEMU of this VM's: a pid file may outlive its process.
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let name = d.file_name().to_string_lossy().into_owned();
+            if String::from_utf8_lossy(&cmdline).contains(&name) {
+                let _ = Command::new("kill").arg(pid).status();
+            }
+        }
+    }
+}
+
 /// A node: a generated tree with two H100s and the real agent running QEMU (emulated),
-/// registered with its two GPUs. Answers the agent and its state directory.
-pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, PathBuf) {
+/// registered with its two GPUs. Answers the agent and its guests.
+pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, Guests) {
     let agent_bin = node_agent_bin();
     let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
     let sysfs = db.dir.path().join("sysfs");
@@ -105,7 +131,7 @@ pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, Pa
     })
     .await
     .expect("the node registered with two GPUs");
-    (agent, state)
+    (agent, Guests { state })
 }
 
 /// The VM's provision job once it has succeeded or failed (five minutes at most: an
@@ -413,7 +439,8 @@ async fn a_guest_boots_through_the_whole_system() {
     let img = upload_image(&base, &token, &image, "debian-test", "root").await;
     let size = std::fs::metadata(&image).unwrap().len();
     two_gpu_package(&op, "boot-2x").await;
-    let (_agent, state) = qemu_node(&db, &base, &op).await;
+    let (_agent, guests) = qemu_node(&db, &base, &op).await;
+    let state = guests.state.clone();
 
     let vm: Vm = op
         .post(

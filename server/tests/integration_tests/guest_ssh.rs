@@ -157,7 +157,7 @@ async fn walk(image: &Path) {
         .await
         .ok(201);
 
-    let (_agent, _) = qemu_node(&db, &base, &op).await;
+    let (_agent, _guests) = qemu_node(&db, &base, &op).await;
 
     // Create → ssh answers.
     let started = Instant::now();
@@ -244,8 +244,13 @@ async fn walk(image: &Path) {
     assert_eq!(again.primary_ip, Some(addr));
     // A VM is destroyed once its provision has ended (a VM has one job at a time).
     provision_ended(&op, &again).await;
-    tenant
-        .delete::<Vm>(&format!("/v1/vms/{}", again.uuid))
-        .await
-        .ok(202);
+    let again_path = format!("/v1/vms/{}", again.uuid);
+    tenant.delete::<Vm>(&again_path).await.ok(202);
+    wait_for(Duration::from_secs(120), || async {
+        let v: Vm = tenant.get(&again_path).await.ok(200);
+        (v.state == VmState::Destroyed).then_some(())
+    })
+    .await
+    .expect("the second VM was destroyed");
+    assert!(our_taps().is_empty(), "taps left: {:?}", our_taps());
 }
