@@ -275,7 +275,6 @@ fn ssh(p: &Ssh) -> Result<()> {
         Some(i) => i.clone(),
         None => crate::test_image::ensure()?,
     };
-    let release = build_with_agent("bench_ssh")?;
     // Not the system's temp dir: that may be a tmpfs, which no real node's disks are.
     let work = match &p.work_dir {
         Some(d) => d.clone(),
@@ -285,18 +284,12 @@ fn ssh(p: &Ssh) -> Result<()> {
     f.add("--image", Some(image))
         .add("--work-dir", Some(work))
         .number("--rounds", p.rounds);
-    let mut cmd = Command::new(release.join("examples/bench_ssh"));
-    cmd.arg("--server-bin")
-        .arg(release.join("server"))
-        .arg("--agent-bin")
-        .arg(release.join("node-agent"))
-        .args(&f.0);
-    util::run_checked(&mut cmd)
+    example_with_agent("bench_ssh", &f.0)
 }
 
-/// Builds `server`, `node-agent` and the example `name` in release mode; answers their
-/// folder.
-fn build_with_agent(name: &str) -> Result<std::path::PathBuf> {
+/// Builds `server`, `node-agent` and the example `name` in release mode, and runs the
+/// example with both binaries and `args`.
+fn example_with_agent(name: &str, args: &[OsString]) -> Result<()> {
     println!("==> building server, node-agent and {name} (release)");
     util::run_checked(cargo().args([
         "build",
@@ -312,7 +305,14 @@ fn build_with_agent(name: &str) -> Result<std::path::PathBuf> {
         "--example",
         name,
     ]))?;
-    Ok(target_dir()?.join("release"))
+    let release = target_dir()?.join("release");
+    let mut cmd = Command::new(release.join("examples").join(name));
+    cmd.arg("--server-bin")
+        .arg(release.join("server"))
+        .arg("--agent-bin")
+        .arg(release.join("node-agent"))
+        .args(args);
+    util::run_checked(&mut cmd)
 }
 
 /// `bench_images` needs the agent binary beside the server, and QEMU, `qemu-img` and
@@ -321,7 +321,6 @@ fn images(p: &Images) -> Result<()> {
     crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
     crate::test::ensure_tool("qemu-img", "qemu-utils")?;
     crate::test::ensure_tool("curl", "curl")?;
-    let release = build_with_agent("bench_images")?;
     // Not the system's temp dir: that may be a tmpfs, where `cp` and fsync cost nothing.
     let work = match &p.work_dir {
         Some(d) => d.clone(),
@@ -332,13 +331,7 @@ fn images(p: &Images) -> Result<()> {
         .add("--page-cache", p.page_cache.clone())
         .add("--work-dir", Some(work))
         .number("--rounds", p.rounds);
-    let mut cmd = Command::new(release.join("examples/bench_images"));
-    cmd.arg("--server-bin")
-        .arg(release.join("server"))
-        .arg("--agent-bin")
-        .arg(release.join("node-agent"))
-        .args(&f.0);
-    util::run_checked(&mut cmd)
+    example_with_agent("bench_images", &f.0)
 }
 
 /// Runs one of the server's benchmark examples (`server/examples/<name>.rs`) against a
