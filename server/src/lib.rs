@@ -61,6 +61,7 @@ pub async fn start(
         .await
         .map_err(|e| anyhow::anyhow!("resuming jobs: {e}"))?;
     workflows::reconcile::spawn_loops(ctx.clone());
+    store::statistics::spawn(&ctx.db);
     services::wake_on_notify(&ctx);
     let listener = tokio::net::TcpListener::bind(listen)
         .await

@@ -126,7 +126,11 @@ pub fn start_server(server_bin: &str, db: &str) -> (Child, String) {
             std::env::temp_dir().join(format!("passage-bench-images-{}", std::process::id())),
         )
         .env("PASSAGE_ADMIN_PASSWORD", ADMIN_PASSWORD)
-        .env("RUST_LOG", "error");
+        // Errors only, unless a run is being traced (`BENCH_RUST_LOG=passage_server::…=debug`).
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_RUST_LOG").unwrap_or("error".into()),
+        );
     spawn_server(&mut cmd)
 }
 

@@ -26,6 +26,7 @@ pub mod reserve;
 pub mod room;
 pub mod servers;
 pub mod sql;
+pub mod statistics;
 pub mod tasks;
 pub mod variants;
 pub mod vgpus;

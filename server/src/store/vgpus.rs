@@ -159,18 +159,21 @@ async fn open_once(
     // the request, not of the fleet. Pack takes GPUs from as few servers as it can, so it
     // stops at the server where the free GPUs counted so far reach that number ($7):
     // the devices of two or three servers, not of twenty, for a batch's sixteen GPUs.
+    // The running count is taken over the first servers only, after the `LIMIT`: a
+    // window over the whole ordered list made Postgres check every server's room first
+    // (1,250 room checks for a batch, about 2.5 ms of its opening's 4 ms).
     let order = match policy {
         Policy::Pack => "ASC",
         Policy::Spread => "DESC",
     };
     let sql = format!(
-        "WITH h AS MATERIALIZED (SELECT uuid FROM (SELECT f.server_uuid AS uuid, \
-         SUM(f.free) OVER (ORDER BY f.free {order}, f.server_uuid ROWS UNBOUNDED PRECEDING) \
-         - f.free AS before FROM free_devices f \
+        "WITH h AS MATERIALIZED (SELECT uuid FROM (SELECT uuid, \
+         SUM(free) OVER (ORDER BY free {order}, uuid ROWS UNBOUNDED PRECEDING) - free AS before \
+         FROM (SELECT f.server_uuid AS uuid, f.free FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
          WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0 \
          AND ($6 IS NULL OR f.server_uuid = $6) \
-         AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) w WHERE w.before < $7) \
+         AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) c) w WHERE w.before < $7) \
          SELECT d.server_uuid, d.id, d.generation, d.details, d.variant \
          FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.parent IS NULL AND {}",
         has_room_sql(fit.alloc, "$3", "$4"),
@@ -276,6 +279,20 @@ async fn open_once(
     let reason = |n: u32| format!("hosts {n} vGPU(s) of type {vgpu_type:?} (variant {name})");
     let (joins, whole): (Vec<Eligible>, Vec<Eligible>) =
         eligible.iter().cloned().partition(|e| e.4);
+    if let (Db::Postgres(pool), true) = (db, joins.is_empty()) {
+        let reasons: Vec<String> = whole.iter().map(|e| reason(e.3)).collect();
+        let won = open_whole_pg(pool, &whole, &reasons, &name, parent, to.as_str(), now).await?;
+        let opened = eligible
+            .iter()
+            .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
+            .map(|(server, gpu, _, slots, _)| Opened {
+                server: *server,
+                gpu: gpu.clone(),
+                slots: *slots,
+            })
+            .collect();
+        return Ok((opened, found));
+    }
     let postgres = db.backend() == "postgres";
     in_tx!(db, |tx| {
         if postgres {
@@ -456,6 +473,85 @@ async fn open_once(
         tx.add_free(&free).await?;
         Ok((opened, found))
     })
+}
+
+/// The opening of whole GPUs on Postgres as one statement over arrays: each GPU's
+/// conditional `unassigned → shared`, its slots, its event and both counts of the
+/// free-device index, for the GPUs whose write won. One text whatever the batch, so it
+/// is planned once per connection; the statements of the general path (a `VALUES` list
+/// per chunk, a text per size) were about half of a vGPU placement batch's time there:
+/// 7–18 ms against 6–9 ms for the batch's own write, measured at 1,250 × 8.
+async fn open_whole_pg(
+    pool: &sqlx::PgPool,
+    whole: &[Eligible],
+    reasons: &[String],
+    variant: &str,
+    parent: &str,
+    to: &str,
+    now: i64,
+) -> StoreResult<std::collections::HashSet<(String, String)>> {
+    // Every GPU's slots are named now; those of a GPU that loses its write are not
+    // inserted (the join on `won`).
+    let mut slot_gpus: (Vec<String>, Vec<String>, Vec<String>) = Default::default();
+    for (server, gpu, _, n, _) in whole {
+        for _ in 0..*n {
+            slot_gpus.0.push(server.to_string());
+            slot_gpus.1.push(gpu.to_string());
+            slot_gpus
+                .2
+                .push(gpu.with_vgpu(uuid::Uuid::new_v4()).to_string());
+        }
+    }
+    let sql = "WITH won AS (UPDATE devices SET state = $1, generation = devices.generation + 1, \
+         updated_at = $2 \
+         FROM UNNEST($3::text[], $4::text[], $5::int8[], $6::text[]) AS v(s, id, g, why) \
+         WHERE devices.server_uuid = v.s AND devices.id = v.id AND devices.generation = v.g \
+         AND devices.parent IS NULL AND devices.state = 'unassigned' \
+         AND devices.missing = 0 AND devices.taint IS NULL \
+         RETURNING devices.server_uuid, devices.id, devices.bdf, devices.vendor, \
+         devices.device, devices.subvendor, devices.subsystem, devices.revision, \
+         devices.class, devices.numa_node, devices.iommu_group, v.why), \
+         slots AS (INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
+         subsystem, revision, class, driver, numa_node, iommu_group, variant, \
+         state, used_by, generation, missing, taint, updated_at, details, parent) \
+         SELECT w.server_uuid, x.slot, w.bdf, w.vendor, w.device, w.subvendor, \
+         w.subsystem, w.revision, w.class, NULL, w.numa_node, w.iommu_group, $9, \
+         'unassigned', NULL, 0, 0, NULL, $2, NULL, w.id \
+         FROM won w JOIN UNNEST($7::text[], $8::text[], $11::text[]) AS x(s, gpu, slot) \
+         ON x.s = w.server_uuid AND x.gpu = w.id RETURNING server_uuid), \
+         ev AS (INSERT INTO device_events (server_uuid, device, from_state, to_state, \
+         reason, at) SELECT w.server_uuid, w.id, 'unassigned', $1, w.why, $2 FROM won w \
+         RETURNING 1), \
+         less AS (UPDATE free_devices SET free = free_devices.free - c.n \
+         FROM (SELECT server_uuid, COUNT(*) AS n FROM won GROUP BY server_uuid) c \
+         WHERE free_devices.server_uuid = c.server_uuid AND free_devices.variant = $10 \
+         RETURNING 1), \
+         more AS (INSERT INTO free_devices (server_uuid, variant, free) \
+         SELECT server_uuid, $9, COUNT(*) FROM slots GROUP BY server_uuid \
+         ON CONFLICT (server_uuid, variant) DO UPDATE \
+         SET free = free_devices.free + excluded.free RETURNING 1) \
+         SELECT server_uuid, id FROM won";
+    let mut tx = pool.begin().await?;
+    // As in the general path: an opening need not wait for the disk.
+    sqlx::query("SET LOCAL synchronous_commit = off")
+        .execute(&mut *tx)
+        .await?;
+    let won: Vec<(String, String)> = sqlx::query_as(sql)
+        .bind(to)
+        .bind(now)
+        .bind(whole.iter().map(|e| e.0.to_string()).collect::<Vec<_>>())
+        .bind(whole.iter().map(|e| e.1.to_string()).collect::<Vec<_>>())
+        .bind(whole.iter().map(|e| e.2).collect::<Vec<_>>())
+        .bind(reasons)
+        .bind(&slot_gpus.0)
+        .bind(&slot_gpus.1)
+        .bind(variant)
+        .bind(parent)
+        .bind(&slot_gpus.2)
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(won.into_iter().collect())
 }
 
 /// A GPU that a mixing variant can join, as [`joinable`] finds it.

@@ -1106,3 +1106,66 @@ async fn a_first_in_line_write_goes_ahead_of_queued_writers() {
         placer + 1
     );
 }
+
+/// Postgres: a table filled from empty (a fleet joining) gets its planner statistics
+/// gathered by the server's keeper, at most once per interval, without waiting for
+/// autovacuum's round.
+#[tokio::test]
+async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
+    use passage_server::store::statistics;
+    let tdb = TestDb::new(Backend::Postgres).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    let Db::Postgres(pool) = &db else {
+        panic!("a Postgres database")
+    };
+    let analyzed = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables WHERE relname = 'servers'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let mut last = std::collections::HashMap::new();
+    assert!(!analyzed().await);
+    assert!(
+        !statistics::analyze_due(pool, &mut last)
+            .await
+            .unwrap()
+            .contains(&"servers".to_string()),
+        "an empty table is not due"
+    );
+    sqlx::query(
+        "INSERT INTO servers (uuid, hostname, credential_hash, created_at) \
+         SELECT 'srv-' || g, 'cn-' || g, 'cred-' || g, 0 FROM generate_series(1, 1000) g",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    // A backend reports its counts of changed rows to the statistics within seconds.
+    let t = std::time::Instant::now();
+    loop {
+        let done = statistics::analyze_due(pool, &mut last).await.unwrap();
+        if done.contains(&"servers".to_string()) {
+            break;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "1,000 new servers were not analyzed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(analyzed().await);
+    sqlx::query("UPDATE servers SET hostname = hostname || '-x'")
+        .execute(pool)
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(
+        !statistics::analyze_due(pool, &mut last)
+            .await
+            .unwrap()
+            .contains(&"servers".to_string()),
+        "analyzed again within the interval"
+    );
+}

@@ -1,0 +1,115 @@
+//! Planner statistics on Postgres that follow the fleet as it grows. Autovacuum
+//! re-analyzes a table only on its round (a minute by default) and only after a tenth of
+//! its rows changed, so for the first minute after 1,250 nodes join, placement is planned
+//! from the statistics of a nearly empty `devices` table: the reservation's read of a
+//! batch's servers then walked the whole placement index (3.5 ms a batch against 0.1 ms),
+//! and 10,000 vGPU placements ran at 1,880–2,060/s instead of 2,260–2,440/s (measured
+//! with `cargo xtask bench placement --backend postgres --vgpu-slots 4`). Postgres's own
+//! advice after a bulk load is to run `ANALYZE`; a fleet joining is one.
+//!
+//! SQLite plans without gathered statistics: nothing to do there.
+
+use super::{Db, StoreResult};
+use std::time::{Duration, Instant};
+
+/// The tables placement, reservations and jobs read by key and by state.
+const TABLES: &[&str] = &[
+    "servers",
+    "devices",
+    "free_devices",
+    "vms",
+    "jobs",
+    "job_steps",
+    "tasks",
+];
+
+/// How often the counts of changed rows are read.
+const EVERY: Duration = Duration::from_secs(2);
+
+/// A table is analyzed again once this many rows changed since its last analysis, and
+/// at least a fifth of its rows: as it grows, analyses come further apart.
+const MIN_CHANGES: i64 = 500;
+
+/// A table is analyzed at most this often: a placement storm changes every device row
+/// within seconds, and each analysis makes every connection plan its statements again.
+const AT_MOST_EVERY: Duration = Duration::from_secs(10);
+
+/// Whether a table with `live` rows, `changed` of them since its last analysis, is due.
+pub fn due(changed: i64, live: i64) -> bool {
+    changed >= MIN_CHANGES && changed.saturating_mul(5) >= live
+}
+
+/// On Postgres, keeps the statistics of [`TABLES`] current for as long as the process
+/// runs; on SQLite, nothing.
+pub fn spawn(db: &Db) {
+    let Db::Postgres(pool) = db else {
+        return;
+    };
+    let pool = pool.clone();
+    tokio::spawn(async move {
+        let mut last: std::collections::HashMap<String, Instant> = Default::default();
+        loop {
+            tokio::time::sleep(EVERY).await;
+            if pool.is_closed() {
+                return;
+            }
+            match analyze_due(&pool, &mut last).await {
+                Ok(done) if !done.is_empty() => {
+                    tracing::debug!(tables = ?done, "planner statistics gathered again");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "reading or gathering planner statistics"),
+            }
+        }
+    });
+}
+
+/// Analyzes those of [`TABLES`] that are [`due`] and were not analyzed by this process in
+/// the last [`AT_MOST_EVERY`]; answers their names.
+pub async fn analyze_due(
+    pool: &sqlx::PgPool,
+    last: &mut std::collections::HashMap<String, Instant>,
+) -> StoreResult<Vec<String>> {
+    let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT relname::text, n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables \
+         WHERE schemaname = current_schema() AND relname = ANY($1::text[])",
+    )
+    .bind(TABLES)
+    .fetch_all(pool)
+    .await?;
+    let mut done = Vec::new();
+    for (table, changed, live) in rows {
+        // Only names of the list reach the statement: it takes no parameter there.
+        let Some(name) = TABLES.iter().find(|t| **t == table) else {
+            continue;
+        };
+        let recent = last.get(*name).is_some_and(|t| t.elapsed() < AT_MOST_EVERY);
+        if recent || !due(changed, live) {
+            continue;
+        }
+        sqlx::query(&format!("ANALYZE {name}"))
+            .execute(pool)
+            .await?;
+        last.insert(name.to_string(), Instant::now());
+        done.push(name.to_string());
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_is_due_after_enough_changes_and_a_fifth_of_its_rows() {
+        assert!(!due(0, 0));
+        assert!(
+            !due(MIN_CHANGES - 1, 0),
+            "a few hundred rows: autovacuum's work"
+        );
+        assert!(due(MIN_CHANGES, 0), "a table filled from empty");
+        assert!(due(10_000, 10_000));
+        assert!(due(2_000, 10_000));
+        assert!(!due(1_999, 10_000), "under a fifth of its rows");
+    }
+}
