@@ -282,16 +282,7 @@ async fn open_once(
     if let (Db::Postgres(pool), true) = (db, joins.is_empty()) {
         let reasons: Vec<String> = whole.iter().map(|e| reason(e.3)).collect();
         let won = open_whole_pg(pool, &whole, &reasons, &name, parent, to.as_str(), now).await?;
-        let opened = eligible
-            .iter()
-            .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
-            .map(|(server, gpu, _, slots, _)| Opened {
-                server: *server,
-                gpu: gpu.clone(),
-                slots: *slots,
-            })
-            .collect();
-        return Ok((opened, found));
+        return Ok((opened_of(&eligible, &won), found));
     }
     let postgres = db.backend() == "postgres";
     in_tx!(db, |tx| {
@@ -386,15 +377,7 @@ async fn open_once(
                 won.extend(hit);
             }
         }
-        let opened: Vec<Opened> = eligible
-            .iter()
-            .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
-            .map(|(server, gpu, _, slots, _)| Opened {
-                server: *server,
-                gpu: gpu.clone(),
-                slots: *slots,
-            })
-            .collect();
+        let opened = opened_of(&eligible, &won);
         let slots: Vec<(String, String, String)> = opened
             .iter()
             .flat_map(|o| {
@@ -473,6 +456,22 @@ async fn open_once(
         tx.add_free(&free).await?;
         Ok((opened, found))
     })
+}
+
+/// The GPUs of `eligible` whose write won (by server and path, as the statements answer).
+fn opened_of(
+    eligible: &[Eligible],
+    won: &std::collections::HashSet<(String, String)>,
+) -> Vec<Opened> {
+    eligible
+        .iter()
+        .filter(|(server, gpu, ..)| won.contains(&(server.to_string(), gpu.to_string())))
+        .map(|(server, gpu, _, slots, _)| Opened {
+            server: *server,
+            gpu: gpu.clone(),
+            slots: *slots,
+        })
+        .collect()
 }
 
 /// The opening of whole GPUs on Postgres as one statement over arrays: each GPU's

@@ -1113,26 +1113,46 @@ async fn a_first_in_line_write_goes_ahead_of_queued_writers() {
 #[tokio::test]
 async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
     use passage_server::store::statistics;
+    use std::time::{Duration, Instant};
+    async fn servers_analyzed(
+        pool: &sqlx::PgPool,
+        last: &mut std::collections::HashMap<String, Instant>,
+    ) -> bool {
+        statistics::analyze_due(pool, last)
+            .await
+            .unwrap()
+            .iter()
+            .any(|t| t == "servers")
+    }
+    /// Waits until the statistics count `n` rows of `servers` changed since its last
+    /// analysis: a backend reports its counts within seconds.
+    async fn changes_counted(pool: &sqlx::PgPool, n: i64) {
+        let t = Instant::now();
+        loop {
+            let changed: i64 = sqlx::query_scalar(
+                "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relname = 'servers'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if changed >= n {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{n} changes never counted"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     let tdb = TestDb::new(Backend::Postgres).await;
     let db = Db::connect(&tdb.url).await.unwrap();
     let Db::Postgres(pool) = &db else {
         panic!("a Postgres database")
     };
-    let analyzed = || async {
-        sqlx::query_scalar::<_, bool>(
-            "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables WHERE relname = 'servers'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap()
-    };
     let mut last = std::collections::HashMap::new();
-    assert!(!analyzed().await);
     assert!(
-        !statistics::analyze_due(pool, &mut last)
-            .await
-            .unwrap()
-            .contains(&"servers".to_string()),
+        !servers_analyzed(pool, &mut last).await,
         "an empty table is not due"
     );
     sqlx::query(
@@ -1142,30 +1162,30 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
     .execute(pool)
     .await
     .unwrap();
-    // A backend reports its counts of changed rows to the statistics within seconds.
-    let t = std::time::Instant::now();
-    loop {
-        let done = statistics::analyze_due(pool, &mut last).await.unwrap();
-        if done.contains(&"servers".to_string()) {
-            break;
-        }
-        assert!(
-            t.elapsed() < std::time::Duration::from_secs(30),
-            "1,000 new servers were not analyzed"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-    assert!(analyzed().await);
+    changes_counted(pool, 1000).await;
+    assert!(
+        servers_analyzed(pool, &mut last).await,
+        "1,000 new rows are due"
+    );
+    let manual: bool = sqlx::query_scalar(
+        "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables WHERE relname = 'servers'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert!(manual);
+    // Due again by count, but analyzed by this keeper a moment ago.
     sqlx::query("UPDATE servers SET hostname = hostname || '-x'")
         .execute(pool)
         .await
         .unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    changes_counted(pool, 1000).await;
     assert!(
-        !statistics::analyze_due(pool, &mut last)
-            .await
-            .unwrap()
-            .contains(&"servers".to_string()),
+        !servers_analyzed(pool, &mut last).await,
         "analyzed again within the interval"
+    );
+    assert!(
+        servers_analyzed(pool, &mut std::collections::HashMap::new()).await,
+        "the same changes are due for a keeper that did not just analyze"
     );
 }
