@@ -159,12 +159,18 @@ async fn open_once(
     // the request, not of the fleet. Pack takes GPUs from as few servers as it can, so it
     // stops at the server where the free GPUs counted so far reach that number ($7):
     // the devices of two or three servers, not of twenty, for a batch's sixteen GPUs.
-    // The running count is taken over the first servers only, after the `LIMIT`: a
-    // window over the whole ordered list made Postgres check every server's room first
-    // (1,250 room checks for a batch, about 2.5 ms of its opening's 4 ms).
+    // The running count is taken over the first servers only, after the `LIMIT`, so
+    // that the servers can be read in the index's order and the read can stop there.
     let order = match policy {
         Policy::Pack => "ASC",
         Policy::Spread => "DESC",
+    };
+    // One text with a server and one without: `$6 IS NULL OR …` in a single text made
+    // Postgres expect a handful of rows and sort them all instead of walking the index
+    // in order (1.5 ms against 0.1 ms a batch at 1,250 servers).
+    let only_sql = match only {
+        Some(_) => "AND f.server_uuid = $6",
+        None => "AND CAST($6 AS TEXT) IS NULL",
     };
     let sql = format!(
         "WITH h AS MATERIALIZED (SELECT uuid FROM (SELECT uuid, \
@@ -172,7 +178,7 @@ async fn open_once(
          FROM (SELECT f.server_uuid AS uuid, f.free FROM free_devices f \
          JOIN servers s ON s.uuid = f.server_uuid \
          WHERE f.variant = $1 AND f.free > 0 AND s.last_heartbeat >= $2 AND s.disabled = 0 \
-         AND ($6 IS NULL OR f.server_uuid = $6) \
+         {only_sql} \
          AND {} ORDER BY f.free {order}, f.server_uuid LIMIT $5) c) w WHERE w.before < $7) \
          SELECT d.server_uuid, d.id, d.generation, d.details, d.variant \
          FROM h CROSS JOIN devices d WHERE d.server_uuid = h.uuid AND d.parent IS NULL AND {}",
