@@ -187,8 +187,7 @@ fn walk_tree(
     // Discovery is all small reads, each a system call; spread over a few threads it
     // finishes in a fraction of the time on a host with hundreds of functions. The
     // calling thread takes the first share itself.
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
+    let workers = cpus()
         .clamp(1, MAX_WORKERS)
         .min(names.len().div_ceil(MIN_PER_WORKER).max(1));
     let chunk = names.len().div_ceil(workers).max(1);
@@ -288,9 +287,21 @@ fn fill_group_members(root: &Path, out: &mut Discovery, mut groups: HashMap<u32,
     }
 }
 
-/// Threads for one discovery pass, and the fewest functions worth a thread of their own.
+/// Threads for one discovery pass, and the fewest functions worth a thread of their own:
+/// starting and joining a thread costs about as much as reading a few dozen functions,
+/// so a node with a GPU or eight and their bridges (about 33) reads them on one.
 const MAX_WORKERS: usize = 4;
-const MIN_PER_WORKER: usize = 32;
+const MIN_PER_WORKER: usize = 64;
+
+/// The CPUs this process may use, read once: `available_parallelism` reads the cgroup's
+/// quota files on every call, and a server simulating a fleet makes hundreds of passes
+/// a second.
+fn cpus() -> usize {
+    static CPUS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+    });
+    *CPUS
+}
 
 /// What every worker of a pass shares.
 struct Walk<'a> {

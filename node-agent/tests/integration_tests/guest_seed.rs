@@ -90,16 +90,7 @@ async fn wait_for(files: &VmFiles, what: &str, done: impl Fn(&str) -> bool) -> S
 
 /// The values the console shows for `PASSAGE-CI-<key>=`, in order.
 fn reported(console: &str, key: &str) -> Vec<String> {
-    let prefix = format!("PASSAGE-CI-{key}=");
-    let mut out: Vec<String> = console
-        .lines()
-        // Anywhere in a line: a script's output may land after the login prompt getty
-        // printed without a line break.
-        .filter_map(|l| l.split_once(&prefix).map(|(_, v)| v.trim().to_string()))
-        .collect();
-    // cloud-init copies the script's output to the console too: each once.
-    out.dedup();
-    out
+    super::reported(console, &format!("PASSAGE-CI-{key}"))
 }
 
 /// The guest's NIC is a real tap on a bridge `br0` holding the gateway's address, in a
@@ -184,7 +175,7 @@ async fn applies_the_seed_inside(image: std::path::PathBuf) {
     })
     .await;
     let at_report = t.elapsed();
-    assert!(report.lines().any(|l| l.trim() == "PASSAGE-EDU-COUNT=0"));
+    assert_eq!(super::reported(&report, "PASSAGE-EDU-COUNT"), ["0"]);
     let console = wait_for(&files, "cloud-init's final message", |l| {
         l.contains("Cloud-init v.") && l.contains("finished at")
     })
