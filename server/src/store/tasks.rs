@@ -12,6 +12,19 @@ pub async fn enqueue(
     task: &Task,
 ) -> StoreResult<TaskId> {
     let id = TaskId::new_random();
+    enqueue_as(db, id, server, job, task).await?;
+    Ok(id)
+}
+
+/// [`enqueue`] under an id the caller chose, so that it can wait for the result's
+/// wake-up before the task exists.
+pub async fn enqueue_as(
+    db: &Db,
+    id: TaskId,
+    server: ServerId,
+    job: Option<JobId>,
+    task: &Task,
+) -> StoreResult<()> {
     let payload = serde_json::to_string(task).map_err(corrupt)?;
     on_write!(db, |p| sqlx::query(
         "INSERT INTO tasks (uuid, server_uuid, job_uuid, kind, payload, state, created_at) \
@@ -26,7 +39,7 @@ pub async fn enqueue(
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;
-    Ok(id)
+    Ok(())
 }
 
 /// The Postgres channels replicas tell each other on (`NOTIFY`): a task queued for a node

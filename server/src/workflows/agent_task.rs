@@ -4,7 +4,7 @@ use super::StepError;
 use crate::services::Ctx;
 use crate::store::tasks;
 use passage_model::protocol::{Task, TaskResult};
-use passage_model::{JobId, ServerId};
+use passage_model::{JobId, ServerId, TaskId};
 use std::time::Duration;
 
 /// Waits for a successful answer; the node's refusal is one, in its own words.
@@ -35,7 +35,13 @@ pub async fn run_raw(
     task: Task,
 ) -> Result<TaskResult, StepError> {
     let name = task.name();
-    let id = tasks::enqueue(&ctx.jobs_db, server, job, &task)
+    let id = TaskId::new_random();
+    let waker = ctx.task_done.handle(&id);
+    // Made before the task exists, so no wake-up of its result can come before it: the
+    // first look at the database waits for one (a result cannot be there sooner), which
+    // saves a read per task.
+    let mut done = std::pin::pin!(waker.notified());
+    tasks::enqueue_as(&ctx.jobs_db, id, server, job, &task)
         .await
         .map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
     ctx.tasks_queued.wake(&server);
@@ -45,9 +51,15 @@ pub async fn run_raw(
         tracing::warn!(%server, error = %e, "announcing a task");
     }
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
-    let waker = ctx.task_done.handle(&id);
     loop {
-        let done = waker.notified();
+        let until = match ctx.replica_poll() {
+            // Polling as well covers a result whose announcement was lost.
+            Some(every) => deadline.min(tokio::time::Instant::now() + every),
+            None => deadline,
+        };
+        let _ = tokio::time::timeout_at(until, done.as_mut()).await;
+        // Before the look, so that a wake-up between the look and the wait is not lost.
+        done.set(waker.notified());
         match tasks::result(&ctx.jobs_db, id).await {
             Ok(Some(r)) => return Ok(r),
             Ok(None) => {}
@@ -61,12 +73,6 @@ pub async fn run_raw(
                 timeout_for(ctx, &task).as_secs()
             )));
         }
-        let until = match ctx.replica_poll() {
-            // Polling as well covers a result whose announcement was lost.
-            Some(every) => deadline.min(tokio::time::Instant::now() + every),
-            None => deadline,
-        };
-        let _ = tokio::time::timeout_at(until, done).await;
     }
 }
 
