@@ -139,7 +139,8 @@ impl Discoverer {
         } else {
             FdBudget::none()
         };
-        let (mut found, next) = walk_tree(sysfs_root, &prev, &budget)?;
+        let threads = cpus().clamp(1, MAX_WORKERS);
+        let (mut found, next) = walk_tree(sysfs_root, &prev, &budget, threads)?;
         fill_mig_modes(sysfs_root, &self.nvidia_smi, &mut found);
         *self.lock() = next;
         Ok(found)
@@ -155,6 +156,7 @@ fn walk_tree(
     sysfs_root: &Path,
     prev: &Memory,
     budget: &FdBudget,
+    threads: usize,
 ) -> Result<(Discovery, Memory), DiscoveryError> {
     let root = fs::canonicalize(sysfs_root).map_err(|source| DiscoveryError::Root {
         path: sysfs_root.to_path_buf(),
@@ -187,8 +189,8 @@ fn walk_tree(
     // Discovery is all small reads, each a system call; spread over a few threads it
     // finishes in a fraction of the time on a host with hundreds of functions. The
     // calling thread takes the first share itself.
-    let workers = cpus()
-        .clamp(1, MAX_WORKERS)
+    let workers = threads
+        .max(1)
         .min(names.len().div_ceil(MIN_PER_WORKER).max(1));
     let chunk = names.len().div_ceil(workers).max(1);
     let parts: Vec<Part> = if workers == 1 {
@@ -640,6 +642,34 @@ mod tests {
             .unwrap()
             .iommu_group_members
             .clone()
+    }
+
+    /// A pass shared among threads reports what one thread alone reports, on a tree large
+    /// enough for several (each takes at least `MIN_PER_WORKER` functions).
+    #[test]
+    fn threads_split_a_pass_without_changing_it() {
+        use crate::fake::{FakeOptions, generate_with};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let spec = FakeSpec {
+            gpus: 48,
+            ..FakeSpec::default()
+        };
+        let opts = FakeOptions {
+            gpu_audio: true,
+            ..FakeOptions::default()
+        };
+        generate_with(&root, &spec, &opts).unwrap();
+        let pass = |threads| walk_tree(&root, &Memory::default(), &FdBudget::none(), threads);
+        let (alone, _) = pass(1).unwrap();
+        assert!(
+            alone.devices.len() > 3 * MIN_PER_WORKER,
+            "{}",
+            alone.devices.len()
+        );
+        let (shared, _) = pass(MAX_WORKERS).unwrap();
+        assert_eq!(shared, alone);
+        assert!(alone.skipped.is_empty(), "{:?}", alone.skipped);
     }
 
     /// A warm discoverer sees every change a host can make between passes, and what it

@@ -118,6 +118,7 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
     );
     cfg.accel = "tcg".into();
     let hv = Arc::new(QemuHypervisor::open(cfg.clone(), &state).unwrap());
+    let _stop = super::StopOnDrop(hv.as_ref());
     let images = ImageService::new(&state, 10, Arc::new(DirSource::new(&src)));
     let exec = Arc::new(
         Executor::new(Binder::new(open_sysfs(&root).unwrap(), &state), hv.clone())

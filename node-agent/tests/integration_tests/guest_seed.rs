@@ -137,6 +137,7 @@ async fn applies_the_seed_inside(image: std::path::PathBuf) {
     let mut cfg = QemuConfig::from_path(None).unwrap();
     cfg.accel = "tcg".into();
     let hv = QemuHypervisor::open(cfg, &state).unwrap();
+    let _stop = super::StopOnDrop(&hv);
 
     let hostname = "ci-guest-1";
     let spec = VmSpec {

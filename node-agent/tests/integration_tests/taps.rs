@@ -130,6 +130,7 @@ fn taps_on_bridges_inside() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path();
     let h = QemuHypervisor::open(cfg.clone(), state).unwrap();
+    let _stop = super::StopOnDrop(&h);
     // Opened now: opening removes the taps of ours that its own state dir does not run,
     // as an agent restarting on this node would.
     let mut broken = cfg.clone();

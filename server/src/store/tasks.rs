@@ -5,20 +5,9 @@ use crate::{on_read, on_write};
 use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
 use passage_model::{JobId, ServerId, TaskId};
 
+/// Queues `task` for `server`'s agent under `id`, which the caller chooses so that it can
+/// wait for the result's wake-up before the task exists.
 pub async fn enqueue(
-    db: &Db,
-    server: ServerId,
-    job: Option<JobId>,
-    task: &Task,
-) -> StoreResult<TaskId> {
-    let id = TaskId::new_random();
-    enqueue_as(db, id, server, job, task).await?;
-    Ok(id)
-}
-
-/// [`enqueue`] under an id the caller chose, so that it can wait for the result's
-/// wake-up before the task exists.
-pub async fn enqueue_as(
     db: &Db,
     id: TaskId,
     server: ServerId,

@@ -41,7 +41,7 @@ pub async fn run_raw(
     // first look at the database waits for one (a result cannot be there sooner), which
     // saves a read per task.
     let mut done = std::pin::pin!(waker.notified());
-    tasks::enqueue_as(&ctx.jobs_db, id, server, job, &task)
+    tasks::enqueue(&ctx.jobs_db, id, server, job, &task)
         .await
         .map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
     ctx.tasks_queued.wake(&server);

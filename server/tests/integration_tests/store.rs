@@ -814,7 +814,9 @@ async fn tasks_are_taken_oldest_first_and_once(b: Backend) {
         let task = Task::StopVm {
             vm_uuid: VmId::new_ordered(),
         };
-        queued.push(tasks::enqueue(&db, server, None, &task).await.unwrap());
+        let id = passage_model::TaskId::new_random();
+        tasks::enqueue(&db, id, server, None, &task).await.unwrap();
+        queued.push(id);
         // Distinct creation times, so "oldest first" has one answer.
         tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     }
