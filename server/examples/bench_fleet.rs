@@ -99,7 +99,11 @@ fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
         // Not ./images on Postgres: the bench's files stay out of the clone.
         .env("PASSAGE_IMAGE_DIR", sim_dir.with_file_name("images"))
         .env("PASSAGE_ADMIN_PASSWORD", common::ADMIN_PASSWORD)
-        .env("RUST_LOG", "error");
+        // Errors only, unless a run is being traced (`BENCH_RUST_LOG=sqlx::query=debug`).
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_RUST_LOG").unwrap_or("error".into()),
+        );
     common::spawn_server(&mut cmd)
 }
 

@@ -13,12 +13,12 @@ pub use tasks::Executor;
 use crate::host::{Binder, Discoverer, open_sysfs};
 use crate::hypervisor::{self, HypervisorKind};
 use crate::scrub::{ScrubEnv, ScrubOverrides};
-use passage_model::PciDevice;
 use passage_model::TaskId;
 use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, MAX_TASK_DEVICES, PROTOCOL_VERSION,
     RegisterRequest, Task, TaskEnvelope, TaskProgress,
 };
+use passage_model::{PciAddress, PciDevice};
 use std::collections::HashSet;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -333,8 +333,45 @@ impl Agent {
     /// to remember once the server has them. When more than functions' attributes changed
     /// (a function came or went, the host's resources or its bridges, nothing reported
     /// yet), the whole inventory is uploaded here instead and nothing is returned.
-    async fn changed_functions(&self) -> Result<Option<Changes>, AgentError> {
+    ///
+    /// `rebound`: the functions a bind or unbind touched, read again alone when nothing
+    /// else can have changed (see [`Discoverer::try_rediscover`]).
+    async fn changed_functions(
+        &self,
+        rebound: Option<Vec<PciAddress>>,
+    ) -> Result<Option<Changes>, AgentError> {
         let mut last = self.last_inventory.lock().await;
+        if let (Some(addrs), Some(before)) = (rebound, last.as_ref()) {
+            let (root, disc) = (self.sysfs_root.clone(), self.discoverer.clone());
+            let prev = before.devices.clone();
+            let read =
+                tokio::task::spawn_blocking(move || disc.try_rediscover(&root, &addrs, &prev))
+                    .await;
+            match read {
+                Ok(Ok(Some(now))) => {
+                    let devices: Vec<PciDevice> = before
+                        .devices
+                        .iter()
+                        .zip(&now)
+                        .filter(|(a, b)| a != b)
+                        .map(|(_, b)| b.clone())
+                        .collect();
+                    let after = InventoryReport {
+                        devices: now,
+                        ..before.clone()
+                    };
+                    return Ok(Some(Changes {
+                        devices,
+                        before: before.clone(),
+                        after,
+                    }));
+                }
+                // Only a whole pass can tell: below.
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => warn!(error = %e, "reading rebound functions failed"),
+                Err(e) => warn!(error = %e, "reading rebound functions panicked"),
+            }
+        }
         let Some(found) = self.discover(last.as_ref()).await else {
             return Ok(None);
         };
@@ -463,13 +500,19 @@ impl Agent {
         // waiting for it sees them as they are now, without a whole inventory pass. VFs
         // made or taken down change the functions themselves: the whole inventory goes
         // first (`changed_functions` sees that).
-        let changes = if matches!(
-            env.task,
-            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. } | Task::SetVfs { .. }
-        ) {
-            self.changed_functions().await?
-        } else {
-            None
+        let changes = match &env.task {
+            Task::BindPassthrough { devices, .. } | Task::UnbindPassthrough { devices, .. } => {
+                // vGPU slots change their GPU's vGPUs: those come with a whole pass.
+                let functions = devices.iter().all(|d| d.vgpu().is_none()).then(|| {
+                    let mut a: Vec<PciAddress> = devices.iter().map(|d| d.address()).collect();
+                    a.sort();
+                    a.dedup();
+                    a
+                });
+                self.changed_functions(functions).await?
+            }
+            Task::SetVfs { .. } => self.changed_functions(None).await?,
+            _ => None,
         };
         if let Some(c) = &changes {
             result.devices = c.devices.clone();

@@ -154,7 +154,7 @@ fn bounded_name(s: &str) -> Option<String> {
 /// node-agent/Cargo.toml). Names change between versions (e.g. "Virtio block device"
 /// became "Virtio 1.0 block device"), so comparisons with a host's pciutils are exact
 /// only when its database has this version.
-pub const PCI_IDS_VERSION: &str = "2022.11.25";
+pub const PCI_IDS_VERSION: &str = "2025.07.11";
 
 /// Names from the pci.ids database compiled into the agent.
 pub fn vendor_name(vendor: HexId) -> Option<String> {
@@ -474,6 +474,12 @@ mod tests {
             Some("NVIDIA Corporation")
         );
         assert!(device_name(HexId(0x10de), HexId(0x1db4)).is_some_and(|n| n.contains("V100")),);
+        // An H200 seen on a real host (10de:2335, driver 580.159.04): the database the
+        // agent shipped before 2025 had no name for it.
+        assert_eq!(
+            device_name(HexId(0x10de), HexId(0x2335)).as_deref(),
+            Some("GH100 [H200 SXM 141GB]")
+        );
         assert_eq!(vendor_name(HexId(0xfff0)), None);
         assert_eq!(device_name(HexId(0x10de), HexId(0xfffe)), None);
         assert_eq!(

@@ -146,6 +146,75 @@ impl Discoverer {
         Ok(found)
     }
 
+    /// Reads again only the functions at `addrs` (those a task just rebound), with this
+    /// discoverer's memory, which keeps every other function's: `before` with those
+    /// functions as they are now. A whole pass over a GPU node's few dozen functions
+    /// after every bind and unbind was the largest part of a simulated fleet's agent
+    /// work. `None` where only a whole pass can say what the node has: a function gone
+    /// or unreadable, one that moved to another IOMMU group (its members are read with
+    /// the whole tree), or one hosting vGPUs (MIG mode comes with a whole pass).
+    pub fn try_rediscover(
+        &self,
+        sysfs_root: &Path,
+        addrs: &[PciAddress],
+        before: &[PciDevice],
+    ) -> Result<Option<Vec<PciDevice>>, DiscoveryError> {
+        let root = fs::canonicalize(sysfs_root).map_err(|source| DiscoveryError::Root {
+            path: sysfs_root.to_path_buf(),
+            source,
+        })?;
+        let list = root.join("bus/pci/devices");
+        let list_dir = AttrDir::open(&list).map_err(|source| DiscoveryError::List {
+            path: list.clone(),
+            source,
+        })?;
+        let mut memory = std::mem::take(&mut *self.lock());
+        let budget = if self.keep_open {
+            FdBudget::from_rlimit()
+        } else {
+            FdBudget::none()
+        };
+        let mut notes = Vec::new();
+        let (shared, slots) = Shared::load(&root, &memory.slots, &mut notes);
+        let names: Vec<std::ffi::OsString> = addrs.iter().map(|a| a.to_string().into()).collect();
+        let part = walk(
+            &Walk {
+                root: &root,
+                list: &list_dir,
+                shared: &shared,
+                prev: &memory.functions,
+                budget: &budget,
+            },
+            &names,
+        );
+        memory.slots = slots;
+        let sound = part.skipped.is_empty() && part.devices.len() == addrs.len();
+        let mut now = before.to_vec();
+        let mut whole = !sound;
+        for mut d in part.devices {
+            let Some(old) = now.iter_mut().find(|o| o.id == d.id) else {
+                whole = true;
+                break;
+            };
+            let members = old.details.as_ref().map(|x| x.iommu_group_members.clone());
+            match (d.details.as_mut(), members) {
+                (Some(x), Some(members))
+                    if old.iommu_group == d.iommu_group && x.vgpu.is_none() =>
+                {
+                    x.iommu_group_members = members;
+                }
+                _ => {
+                    whole = true;
+                    break;
+                }
+            }
+            *old = d;
+        }
+        memory.functions.extend(part.cached);
+        *self.lock() = memory;
+        Ok((!whole).then_some(now))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
         // The maps hold no invariant a panicking pass could break.
         self.memory.lock().unwrap_or_else(|p| p.into_inner())
@@ -670,6 +739,85 @@ mod tests {
         let (shared, _) = pass(MAX_WORKERS).unwrap();
         assert_eq!(shared, alone);
         assert!(alone.skipped.is_empty(), "{:?}", alone.skipped);
+    }
+
+    /// Reading only the functions a task rebound gives what a whole pass gives, and
+    /// declines (`None`) where only a whole pass can tell.
+    #[test]
+    fn a_partial_pass_reads_rebound_functions_as_a_whole_pass_does() {
+        use crate::fake::{FakeOptions, generate_with};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let opts = FakeOptions {
+            gpu_audio: true,
+            ..FakeOptions::default()
+        };
+        generate_with(&root, &FakeSpec::default(), &opts).unwrap();
+        let disc = Discoverer::new();
+        let first = disc.discover(&root).devices;
+        let gpus: Vec<&PciDevice> = first.iter().filter(|d| d.class.is_gpu_like()).collect();
+        let (gpu, other) = (gpus[0], gpus[1]);
+        let audio = first
+            .iter()
+            .find(|d| d.address().function == 1 && gpu.id.parents() == d.id.parents())
+            .unwrap();
+        let both = [gpu.address(), audio.address()];
+
+        // A bind of the GPU and its audio function, then an unbind.
+        relink(&dev_dir(&root, gpu), "driver", "vfio-pci");
+        relink(&dev_dir(&root, audio), "driver", "vfio-pci");
+        let bound = disc.try_rediscover(&root, &both, &first).unwrap().unwrap();
+        assert_eq!(bound, discover(&root).devices);
+        assert_eq!(
+            bound
+                .iter()
+                .find(|d| d.id == gpu.id)
+                .unwrap()
+                .driver
+                .as_deref(),
+            Some("vfio-pci")
+        );
+        assert_eq!(
+            bound
+                .iter()
+                .filter(|d| **d != first[first.iter().position(|f| f.id == d.id).unwrap()])
+                .count(),
+            2,
+            "only the rebound functions changed"
+        );
+        fs::remove_file(dev_dir(&root, gpu).join("driver")).unwrap();
+        let unbound = disc
+            .try_rediscover(&root, &[gpu.address()], &bound)
+            .unwrap()
+            .unwrap();
+        assert_eq!(unbound, discover(&root).devices);
+        // The memory it kept serves the next whole pass.
+        assert_eq!(disc.discover(&root).devices, unbound);
+
+        // A function that is not there, or not in what was reported before.
+        let nowhere: PciAddress = "0000:ee:1f.7".parse().unwrap();
+        assert_eq!(
+            disc.try_rediscover(&root, &[nowhere], &unbound).unwrap(),
+            None
+        );
+        let without: Vec<PciDevice> = unbound
+            .iter()
+            .filter(|d| d.id != other.id)
+            .cloned()
+            .collect();
+        assert_eq!(
+            disc.try_rediscover(&root, &[other.address()], &without)
+                .unwrap(),
+            None
+        );
+        // A function moved to another IOMMU group: its group's members come with a
+        // whole pass.
+        relink(&dev_dir(&root, audio), "iommu_group", "999");
+        assert_eq!(
+            disc.try_rediscover(&root, &[audio.address()], &unbound)
+                .unwrap(),
+            None
+        );
     }
 
     /// A warm discoverer sees every change a host can make between passes, and what it

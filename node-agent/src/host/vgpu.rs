@@ -567,6 +567,9 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert!(m[&"0000:3b:00.0".parse().unwrap()]);
         assert!(!m[&"0000:5e:00.0".parse().unwrap()]);
+        // What a real H200 host printed (driver 580.159.04), byte for byte.
+        let m = parse_mig_query("00000000:00:06.0, Disabled\n");
+        assert_eq!(m.get(&"0000:00:06.0".parse().unwrap()), Some(&false));
     }
 
     proptest! {

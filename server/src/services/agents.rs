@@ -36,8 +36,10 @@ pub async fn register(ctx: &Ctx, req: RegisterRequest) -> ApiResult<RegisterResp
         &req.hostname,
         &sha256_hex(&credential),
     )
-    .await?
-    .ok_or_else(|| {
+    .await;
+    // A re-admitted node's old credential stops working here at once.
+    ctx.node_credentials.clear();
+    let server = server?.ok_or_else(|| {
         ApiError::new(
             ErrorCode::Unauthorized,
             "join token invalid, expired or already used",
@@ -55,9 +57,17 @@ pub async fn server_from_credential(ctx: &Ctx, credential: &str) -> ApiResult<Se
     if !credential.starts_with(NODE_CREDENTIAL_PREFIX) || credential.len() > 128 {
         return Err(ApiError::unauthorized());
     }
-    servers::by_credential(&ctx.db, &sha256_hex(credential))
+    let hash = sha256_hex(credential);
+    if let Some(server) = ctx.node_credentials.get(&hash) {
+        return Ok(server);
+    }
+    // Only a credential that matched is kept: an unknown one is read again each time, so
+    // a node admitted a moment ago is let in at once.
+    let server = servers::by_credential(&ctx.db, &hash)
         .await?
-        .ok_or_else(ApiError::unauthorized)
+        .ok_or_else(ApiError::unauthorized)?;
+    ctx.node_credentials.put(&hash, server);
+    Ok(server)
 }
 
 pub async fn heartbeat(
@@ -205,6 +215,7 @@ pub async fn task_result(
         .await?;
     }
     tasks::complete(&ctx.db, server, task, &result).await?;
+    ctx.task_results.deliver(task, &result);
     ctx.task_done.wake(&task);
     if let Err(e) = tasks::announce(&ctx.db, tasks::DONE_CHANNEL, &task.to_string()).await {
         // The waiting replica looks again within its poll interval.
@@ -234,7 +245,9 @@ pub async fn task_progress(
 /// A node replaces its own credential; the old one stops working at once.
 pub async fn rotate_credential(ctx: &Ctx, server: ServerId) -> ApiResult<RegisterResponse> {
     let credential = new_secret(NODE_CREDENTIAL_PREFIX);
-    servers::set_credential(&ctx.db, server, &sha256_hex(&credential)).await?;
+    let set = servers::set_credential(&ctx.db, server, &sha256_hex(&credential)).await;
+    ctx.node_credentials.clear();
+    set?;
     tracing::info!(%server, "node credential rotated");
     Ok(RegisterResponse {
         server_uuid: server,

@@ -16,6 +16,7 @@ pub mod networks;
 pub mod ops;
 pub mod placer;
 pub mod servers;
+pub mod task_results;
 pub mod vm_ops;
 pub mod vms;
 pub mod wakers;
@@ -41,6 +42,8 @@ pub struct Services {
     pub tasks_queued: wakers::Wakers<passage_model::ServerId>,
     /// Wakes the job step waiting on a task when its result arrives.
     pub task_done: wakers::Wakers<passage_model::TaskId>,
+    /// Results for the job steps of this process that wait for them.
+    pub task_results: task_results::TaskResults,
     pub metrics: metrics::Metrics,
     /// This process among replicas: the owner named in job leases.
     pub instance: String,
@@ -58,6 +61,10 @@ pub struct Services {
     pub audit: batcher::Batcher<audit::Pending>,
     /// Live tokens by the SHA-256 of their secret.
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
+    /// Nodes by the SHA-256 of their credential: every agent request (a poll and a result
+    /// per task, heartbeats) is authenticated, and a fleet's job steps spent a statement
+    /// on each. Forgotten whole when this process writes any credential.
+    pub node_credentials: cache::TtlCache<passage_model::ServerId>,
     /// Packages by the uuid or name they were asked for by.
     pub packages: cache::TtlCache<passage_model::api::Package>,
     /// Servers whose heartbeat this process wrote within [`cache::TTL`]: a node polls for
@@ -146,6 +153,7 @@ impl Services {
             cfg,
             tasks_queued: wakers::Wakers::default(),
             task_done: wakers::Wakers::default(),
+            task_results: task_results::TaskResults::default(),
             metrics: metrics::Metrics::default(),
             instance: uuid::Uuid::new_v4().to_string(),
             stopping: std::sync::atomic::AtomicBool::new(false),
@@ -155,6 +163,7 @@ impl Services {
             placer: placer::Placer::new(placer::LINGER),
             audit: batcher::Batcher::new(audit::LINGER),
             tokens: cache::TtlCache::default(),
+            node_credentials: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),
             heartbeats: cache::TtlCache::default(),
             bridges: cache::TtlCache::default(),

@@ -349,7 +349,9 @@ pub async fn revoke_credential(ctx: &Ctx, caller: &Caller, uuid: ServerId) -> Ap
     caller.require_operator()?;
     // No SHA-256 hex digest has this form, so no credential matches it.
     let unusable = format!("revoked:{}", uuid::Uuid::new_v4());
-    servers::set_credential(&ctx.db, uuid, &unusable).await?;
+    let set = servers::set_credential(&ctx.db, uuid, &unusable).await;
+    ctx.node_credentials.clear();
+    set?;
     tracing::warn!(server = %uuid, by = %caller.account.login, "node credential revoked");
     Ok(())
 }

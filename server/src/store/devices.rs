@@ -382,6 +382,7 @@ macro_rules! impl_device_tx {
                 let server_s = server.to_string();
                 let vm_s = vm.map(|v| v.to_string());
                 let mut moved = Vec::new();
+                let mut free_change = super::reserve::free_index::Taken::new();
                 for id in ids {
                     let row: Option<(String, Option<String>, i64)> = sqlx::query_as(
                         "SELECT state, used_by, generation FROM devices \
@@ -405,10 +406,14 @@ macro_rules! impl_device_tx {
                         continue;
                     }
                     let new_used_by = if to.is_held() { used_by.clone() } else { None };
-                    let n = sqlx::query(
+                    // What else decides whether the device is placeable, as of the row's
+                    // lock: the free index then changes by what this move made of it.
+                    let row: Option<(Option<String>, i64)> = sqlx::query_as(
                         "UPDATE devices SET state = $3, used_by = $4, \
                          generation = generation + 1, updated_at = $5 \
-                         WHERE server_uuid = $1 AND id = $2 AND generation = $6",
+                         WHERE server_uuid = $1 AND id = $2 AND generation = $6 \
+                         RETURNING variant, \
+                         CAST(CASE WHEN missing = 0 AND taint IS NULL THEN 1 ELSE 0 END AS BIGINT)",
                     )
                     .bind(&server_s)
                     .bind(id)
@@ -416,11 +421,15 @@ macro_rules! impl_device_tx {
                     .bind(&new_used_by)
                     .bind(now)
                     .bind(generation)
-                    .execute(&mut **self)
-                    .await?
-                    .rows_affected();
-                    if n != 1 {
+                    .fetch_optional(&mut **self)
+                    .await?;
+                    let Some((variant, sound)) = row else {
                         return Err(StoreError::Retry);
+                    };
+                    if let Some(variant) = variant.filter(|_| sound == 1) {
+                        let free = |s: DeviceState| i64::from(s == DeviceState::Unassigned);
+                        *free_change.entry((server_s.clone(), variant)).or_insert(0) +=
+                            free(to) - free(from);
                     }
                     if from.is_held() && !to.is_held() {
                         if let Some(holder) = &used_by {
@@ -448,9 +457,7 @@ macro_rules! impl_device_tx {
                         to,
                     });
                 }
-                if !moved.is_empty() {
-                    self.refresh_free(server).await?;
-                }
+                self.add_free(&free_change).await?;
                 Ok(moved)
             }
         }
@@ -539,16 +546,21 @@ pub async fn apply_inventory(
     let cpus = host.map(|h| i64::from(h.cpus));
     let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
     in_tx!(db, |tx| {
-        sqlx::query(
-            "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
-             memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
-        )
-        .bind(&server_s)
-        .bind(now)
-        .bind(cpus)
-        .bind(memory)
-        .execute(&mut *tx)
-        .await?;
+        // A task's changed functions come with its result, which is no heartbeat: the
+        // agent's own heartbeats say it is alive. On Postgres the write stays, for its row
+        // lock: it orders concurrent reports of one node, as SQLite's one writer does.
+        if coverage == Coverage::Whole || host.is_some() || matches!(db, Db::Postgres(_)) {
+            sqlx::query(
+                "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
+                 memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
+            )
+            .bind(&server_s)
+            .bind(now)
+            .bind(cpus)
+            .bind(memory)
+            .execute(&mut *tx)
+            .await?;
+        }
         let variants: Vec<super::variants::VariantRow> = sqlx::query_as(super::variants::LIST_ALL)
             .fetch_all(&mut *tx)
             .await?;
@@ -571,7 +583,10 @@ pub async fn apply_inventory(
         let known: HashMap<&str, &KnownRow> =
             known.iter().map(|k| (k.row.id.as_str(), k)).collect();
         let shared = shared_functions(known.values().map(|k| &k.row));
-        let mut changed = false;
+        // Whether a device may have become placeable or stopped being so (a new one, a
+        // variant, `missing` or `taint` changed): only then is the free index recounted.
+        // A driver change alone (every bind and unbind) leaves it as it is.
+        let mut recount = false;
         for d in report {
             let id = d.id.to_string();
             let details = d
@@ -583,7 +598,7 @@ pub async fn apply_inventory(
             let matched = classify(&variants, d, pf_variant(&shared, d)).map(|v| v.name.clone());
             match known.get(id.as_str()) {
                 None => {
-                    changed = true;
+                    recount = true;
                     sqlx::query(
                         "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
                          subsystem, revision, class, driver, numa_node, iommu_group, variant, \
@@ -625,7 +640,7 @@ pub async fn apply_inventory(
                     if health.is_none() && k.same_as(d, &variant, &details) {
                         continue;
                     }
-                    changed = true;
+                    recount |= health.is_some() || k.row.missing != 0 || k.row.variant != variant;
                     sqlx::query(
                         "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
                          subsystem = $6, revision = $7, class = $8, driver = $9, \
@@ -670,7 +685,7 @@ pub async fn apply_inventory(
             if coverage == Coverage::Changed || k.missing != 0 || reported.contains(&k.id) {
                 continue;
             }
-            changed = true;
+            recount = true;
             // A free VF gone with its function's `sriov_numvfs` is no loss: it goes.
             if k.is_vf() && matches!(k.state.as_str(), "unassigned" | "disabled") {
                 sqlx::query(
@@ -698,7 +713,7 @@ pub async fn apply_inventory(
             .execute(&mut *tx)
             .await?;
         }
-        if changed {
+        if recount {
             tx.refresh_free(server).await?;
         }
         Ok(Applied {

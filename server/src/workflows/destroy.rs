@@ -15,10 +15,12 @@ impl Workflow for Destroy {
     const KIND: JobKind = JobKind::Destroy;
     type Step = DestroyStep;
     type Payload = ();
+    // A VM being destroyed keeps its server, devices and image until the job is done;
+    // the devices it still holds are read apart, where a step needs them.
+    const KEEPS_VM: bool = true;
 
     async fn action(ctx: &Ctx, run: &Run<Self>, step: DestroyStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;
-        let held = held(ctx, &vm).await?;
         let job = Some(run.job);
         let Some(server) = vm.server_uuid else {
             // Never placed: nothing on any node to stop or clean.
@@ -33,8 +35,11 @@ impl Workflow for Destroy {
                 let task = Task::StopVm { vm_uuid: vm.uuid };
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
-            DestroyStep::Unbind if held.is_empty() => Ok(()),
             DestroyStep::Unbind => {
+                let held = held(ctx, &vm).await?;
+                if held.is_empty() {
+                    return Ok(());
+                }
                 let devices = held.iter().filter_map(|d| d.parse().ok()).collect();
                 let task = Task::UnbindPassthrough {
                     vm_uuid: vm.uuid,
@@ -44,6 +49,7 @@ impl Workflow for Destroy {
             }
             DestroyStep::DeleteDisk => super::disk::delete(ctx, server, job, &vm).await,
             DestroyStep::Release => {
+                let held = held(ctx, &vm).await?;
                 vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held).await?;
                 // The last VM built from a deleted image: its file may go now.
                 crate::services::images::vm_destroyed(ctx, vm.image_uuid).await;

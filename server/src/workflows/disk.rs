@@ -5,7 +5,7 @@
 use super::agent_task;
 use super::error::StepError;
 use crate::services::Ctx;
-use crate::store::{images, packages};
+use crate::store::images;
 use passage_model::api::Vm;
 use passage_model::images::ImageState;
 use passage_model::protocol::{DiskSpec, ImageRef, Task};
@@ -31,8 +31,9 @@ pub async fn spec(ctx: &Ctx, vm: &Vm) -> Result<Option<DiskSpec>, StepError> {
             img.state.as_str()
         )));
     }
+    // Through the cache creations read packages by: a package never changes, only goes.
     let package_gib = match vm.package_uuid {
-        Some(p) => packages::get(&ctx.jobs_db, p)
+        Some(p) => crate::services::catalog::find_package(ctx, &p.to_string())
             .await
             .ok()
             .map(|p| p.disk_gib),

@@ -50,6 +50,11 @@ pub trait Workflow: Sized + Send + Sync + 'static {
     /// Where the job's last step leaves its VM, a moment before the job is marked done
     /// (see `services::vms::settled`); `None` when the last step does not set the VM's state.
     const LEADS_TO: Option<VmState> = None;
+    /// Whether a run may read its VM once and keep it: true where no step changes, and
+    /// nothing else changes while the job runs, a field of the VM that a later step or
+    /// undo reads (its devices, server, image, NICs, size). Each step read it again before,
+    /// five reads per VM for a provision and five for a destroy.
+    const KEEPS_VM: bool = false;
 
     /// Runs `step`. It must be idempotent: run twice, the second run succeeds and changes
     /// nothing more (the generic tests run every action twice).
@@ -99,6 +104,8 @@ pub struct Run<W: Workflow> {
     pub payload: W::Payload,
     /// Each step, with its state and whether it ever started.
     steps: Vec<(W::Step, StepState, bool)>,
+    /// The VM as first read, for a workflow that [`Workflow::KEEPS_VM`].
+    kept_vm: tokio::sync::OnceCell<Vm>,
 }
 
 impl<W: Workflow> Run<W> {
@@ -130,6 +137,7 @@ impl<W: Workflow> Run<W> {
             owner: rec.owner,
             payload,
             steps,
+            kept_vm: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -148,12 +156,17 @@ impl<W: Workflow> Run<W> {
             .is_some_and(|(_, st, _)| *st == StepState::Succeeded)
     }
 
-    /// The VM the job works on, as it is now.
+    /// The VM the job works on, as it is now (as it was first read, for a workflow that
+    /// [`Workflow::KEEPS_VM`]).
     pub async fn vm(&self, ctx: &Ctx) -> Result<Vm, StepError> {
         let id = self
             .vm
             .ok_or_else(|| StepError::Broken(format!("the {} job has no VM", W::KIND)))?;
-        Ok(crate::store::vms::get(&ctx.jobs_db, id).await?)
+        let read = || async { crate::store::vms::get(&ctx.jobs_db, id).await };
+        if W::KEEPS_VM {
+            return Ok(self.kept_vm.get_or_try_init(read).await?.clone());
+        }
+        Ok(read().await?)
     }
 
     fn set(&mut self, idx: usize, state: StepState) {

@@ -116,6 +116,10 @@ impl Workflow for Provision {
     type Step = ProvisionStep;
     type Payload = ();
     const LEADS_TO: Option<VmState> = Some(VmState::Running);
+    // A provisioning VM's devices, server, image, NICs and size are fixed from its
+    // creation; only `mark_used`, the last step, writes its state. Keys and metadata are
+    // read apart, as they are now.
+    const KEEPS_VM: bool = true;
 
     async fn action(ctx: &Ctx, run: &Run<Self>, step: ProvisionStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;

@@ -163,15 +163,12 @@ async fn pipelines(
 ) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, StepError>
 {
     let variants = crate::store::variants::list(&ctx.jobs_db).await?;
-    let devs = devices::for_server(&ctx.jobs_db, server).await?;
+    // Only the devices scrubbed: a server's whole device list per scrub was most of
+    // what a fleet's destroys read.
+    let of = devices::variants_of(&ctx.jobs_db, server, ids).await?;
     let mut out = std::collections::BTreeMap::new();
-    for d in devs {
-        let id = d.pci.id.to_string();
-        if !ids.contains(&id) {
-            continue;
-        }
-        let steps = d
-            .variant
+    for (id, variant) in of {
+        let steps = variant
             .as_ref()
             .and_then(|name| variants.iter().find(|v| &v.name == name))
             .and_then(|v| v.scrub.clone());

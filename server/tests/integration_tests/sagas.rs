@@ -428,6 +428,7 @@ async fn faults(b: Backend, kind: JobKind) {
         settle(&sc.s, &sc.nodes).await;
         let after = snapshot(&sc.s, &sc.nodes, sc.tenant).await;
         invariants(&after, &sc.nodes, &what);
+        sc.s.assert_free_index_exact(&what).await;
         check_failed(&sc, kind, step, &after).await;
         // Unwinding again, twice, changes nothing.
         for _ in 0..2 {
@@ -457,6 +458,8 @@ async fn twice(b: Backend, kind: JobKind) {
     settle(&sc.s, &sc.nodes).await;
     let after = snapshot(&sc.s, &sc.nodes, sc.tenant).await;
     invariants(&after, &sc.nodes, &format!("{kind} run twice"));
+    sc.s.assert_free_index_exact(&format!("{kind} run twice"))
+        .await;
     check_succeeded(&sc, kind, &after).await;
     for n in &sc.nodes {
         let events: Vec<DeviceEventRecord> =

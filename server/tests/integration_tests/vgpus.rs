@@ -248,7 +248,7 @@ async fn race_for_the_last_vgpu_slot(b: Backend) {
         ),
         (4, 0, 4, 1)
     );
-    assert_free_index_exact(&s).await;
+    s.assert_free_index_exact("vGPUs").await;
     // The slots keep the type they were made for.
     s.put::<Variant>(
         "/v1/variants/H100_10C",
@@ -663,29 +663,6 @@ async fn mig_catalog(s: &TestServer, sliced: bool) {
     }
 }
 
-/// The free-device index, which openings and joins keep by adding and subtracting, as
-/// a recount of the devices would make it (rows of 0 left out).
-async fn assert_free_index_exact(s: &TestServer) {
-    use passage_server::store::Db;
-    let kept = "SELECT server_uuid, variant, CAST(free AS BIGINT) FROM free_devices \
-                WHERE free <> 0 ORDER BY 1, 2";
-    let counted = "SELECT server_uuid, variant, CAST(COUNT(*) AS BIGINT) FROM devices \
-                   WHERE variant IS NOT NULL AND state = 'unassigned' AND missing = 0 \
-                   AND taint IS NULL GROUP BY server_uuid, variant ORDER BY 1, 2";
-    type Rows = Vec<(String, String, i64)>;
-    let (kept, counted): (Rows, Rows) = match &s.ctx.db {
-        Db::Sqlite { read, .. } => (
-            sqlx::query_as(kept).fetch_all(read).await.unwrap(),
-            sqlx::query_as(counted).fetch_all(read).await.unwrap(),
-        ),
-        Db::Postgres(p) => (
-            sqlx::query_as(kept).fetch_all(p).await.unwrap(),
-            sqlx::query_as(counted).fetch_all(p).await.unwrap(),
-        ),
-    };
-    assert_eq!(kept, counted, "the free-device index against a recount");
-}
-
 /// The vGPU type ids the VFs of the vendor-VFIO `gpu` carry now, sorted.
 fn vf_types(node: &crate::common::Node, gpu: &DevicePath) -> Vec<String> {
     let dir = node_agent::host::device_dir(&node.sysfs, gpu);
@@ -743,7 +720,7 @@ async fn mig_types_switch_the_gpu_and_mix(b: Backend) {
         }
     };
     assert_eq!(cap("H100_1G").await, (4, 3, 1), "1G: 2 slots + 2 joinable");
-    assert_free_index_exact(&s).await;
+    s.assert_free_index_exact("vGPUs").await;
     assert_eq!(
         cap("H100_2G").await,
         (2, 1, 1),
@@ -873,7 +850,7 @@ async fn mixing_types_race_for_one_gpu(b: Backend) {
         gpus_in(&s.device_states(server).await, DeviceState::Shared).len(),
         1
     );
-    assert_free_index_exact(&s).await;
+    s.assert_free_index_exact("vGPUs").await;
 }
 both!(
     mixing_types_race_for_one_gpu_on,
