@@ -741,10 +741,8 @@ mod tests {
         assert!(alone.skipped.is_empty(), "{:?}", alone.skipped);
     }
 
-    /// Reading only the functions a task rebound gives what a whole pass gives, and
-    /// declines (`None`) where only a whole pass can tell.
-    #[test]
-    fn a_partial_pass_reads_rebound_functions_as_a_whole_pass_does() {
+    /// A generated tree whose GPUs each have an HDMI audio function in their IOMMU group.
+    fn tree_with_gpu_audio() -> (tempfile::TempDir, PathBuf) {
         use crate::fake::{FakeOptions, generate_with};
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("sys");
@@ -753,6 +751,14 @@ mod tests {
             ..FakeOptions::default()
         };
         generate_with(&root, &FakeSpec::default(), &opts).unwrap();
+        (dir, root)
+    }
+
+    /// Reading only the functions a task rebound gives what a whole pass gives, and
+    /// declines (`None`) where only a whole pass can tell.
+    #[test]
+    fn a_partial_pass_reads_rebound_functions_as_a_whole_pass_does() {
+        let (_dir, root) = tree_with_gpu_audio();
         let disc = Discoverer::new();
         let first = disc.discover(&root).devices;
         let gpus: Vec<&PciDevice> = first.iter().filter(|d| d.class.is_gpu_like()).collect();
@@ -824,14 +830,7 @@ mod tests {
     /// reports is what a cold pass reports.
     #[test]
     fn a_warm_discoverer_sees_what_changes() {
-        use crate::fake::{FakeOptions, generate_with};
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("sys");
-        let opts = FakeOptions {
-            gpu_audio: true,
-            ..FakeOptions::default()
-        };
-        generate_with(&root, &FakeSpec::default(), &opts).unwrap();
+        let (dir, root) = tree_with_gpu_audio();
         let disc = Discoverer::new();
         let pass = |what: &str| {
             let warm = disc.discover(&root);
