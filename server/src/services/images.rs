@@ -118,7 +118,7 @@ pub async fn update(
 ) -> ApiResult<Image> {
     caller.require_operator()?;
     req.validate()?;
-    Ok(store::update(
+    let r = store::update(
         &ctx.db,
         uuid,
         store::Changes {
@@ -128,7 +128,9 @@ pub async fn update(
             requirements: req.requirements.as_ref(),
         },
     )
-    .await?)
+    .await;
+    ctx.images.clear();
+    Ok(r?)
 }
 
 /// An image no VM was built from goes (record and, unless another image shares it, its
@@ -137,11 +139,13 @@ pub async fn update(
 pub async fn delete(ctx: &Ctx, caller: &Caller, uuid: ImageId) -> ApiResult<()> {
     caller.require_operator()?;
     let img = store::get(&ctx.db, uuid).await?;
-    if store::any_vm(&ctx.db, uuid).await? {
-        store::disable(&ctx.db, uuid).await?;
+    let gone = if store::any_vm(&ctx.db, uuid).await? {
+        store::disable(&ctx.db, uuid).await
     } else {
-        store::delete(&ctx.db, uuid).await?;
-    }
+        store::delete(&ctx.db, uuid).await
+    };
+    ctx.images.clear();
+    gone?;
     if let Some(sha) = &img.sha256 {
         release_file(ctx, sha).await?;
     }
@@ -351,7 +355,9 @@ async fn receive(
         .map_err(|e| io_error("moving an upload into place", e))?;
     up.tmp = None;
     sync_dir(dir).await;
-    match store::activate(&ctx.db, uuid, &sha, size).await {
+    let activated = store::activate(&ctx.db, uuid, &sha, size).await;
+    ctx.images.clear();
+    match activated {
         Ok(img) => {
             up.finished = true;
             tracing::info!(%uuid, sha256 = %sha, size, "image active");

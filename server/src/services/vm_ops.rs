@@ -32,7 +32,7 @@ async fn begin<W: Workflow>(
     let job = JobId::new_random();
     let new = workflows::new_job::<W>(job, Some(vm.uuid), Some(vm.owner_uuid), payload)
         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let vm = vms::begin_job(&ctx.db, vm.uuid, from, new, claim, ctx.cfg.alloc).await?;
+    let vm = vms::begin_job(&ctx.api_db, vm.uuid, from, new, claim, ctx.cfg.alloc).await?;
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
 }

@@ -565,21 +565,36 @@ pub async fn apply_inventory(
             .fetch_all(&mut *tx)
             .await?;
         let variants = super::variants::views(variants)?;
-        let known: Vec<KnownRow> = sqlx::query_as(&format!(
+        // A task's few changed functions need only their own rows, and the shared
+        // functions whose VFs they may be: not every function of the node, each with
+        // its details, twice per VM.
+        let only = match coverage {
+            Coverage::Whole => String::new(),
+            Coverage::Changed if report.is_empty() => " AND d.state = 'shared'".to_string(),
+            Coverage::Changed => format!(
+                " AND (d.state = 'shared' OR d.id IN ({}))",
+                page::marks(2, report.len())
+            ),
+        };
+        let sql = format!(
             "SELECT {}, CAST(CASE WHEN d.state = 'used' \
              AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
              (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
              AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
              FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
-             WHERE d.server_uuid = $1 AND d.parent IS NULL",
+             WHERE d.server_uuid = $1 AND d.parent IS NULL{only}",
             COLS.split(", ")
                 .map(|c| format!("d.{c}"))
                 .collect::<Vec<_>>()
                 .join(", ")
-        ))
-        .bind(&server_s)
-        .fetch_all(&mut *tx)
-        .await?;
+        );
+        let mut q = sqlx::query_as(&sql).bind(&server_s);
+        if coverage == Coverage::Changed {
+            for d in report {
+                q = q.bind(d.id.to_string());
+            }
+        }
+        let known: Vec<KnownRow> = q.fetch_all(&mut *tx).await?;
         let known: HashMap<&str, &KnownRow> =
             known.iter().map(|k| (k.row.id.as_str(), k)).collect();
         let shared = shared_functions(known.values().map(|k| &k.row));
@@ -872,8 +887,8 @@ pub async fn dirty_before(
 /// vGPU slot (`workflows::sriov` sorts out which).
 pub async fn sriov_servers(db: &Db) -> StoreResult<Vec<ServerId>> {
     let rows: Vec<(String,)> = on_read!(db, |p| sqlx::query_as(
-        "SELECT server_uuid FROM devices WHERE parent IS NULL AND variant IN \
-         (SELECT parent FROM variants WHERE kind = 'vf') \
+        "SELECT d.server_uuid FROM variants v JOIN devices d ON d.variant = v.parent \
+         WHERE v.kind = 'vf' AND d.parent IS NULL \
          UNION SELECT d.server_uuid FROM devices d WHERE d.parent IS NULL \
          AND d.state = 'shared' AND NOT EXISTS (SELECT 1 FROM devices s \
          WHERE s.server_uuid = d.server_uuid AND s.parent = d.id)"

@@ -298,9 +298,11 @@ pub async fn release_destroyed(
     })
 }
 
-/// A VM has at most one job at a time.
-const NO_JOB_RUNNING: &str = "(job_uuid IS NULL OR job_uuid NOT IN \
-    (SELECT uuid FROM jobs WHERE state IN ('queued', 'running')))";
+/// A VM has at most one job at a time. Correlated, so each VM looks up its own job by
+/// key: `NOT IN (SELECT …)` built the set of every unfinished job for each statement,
+/// and 10,000 deletions queued behind each other made that quadratic.
+const NO_JOB_RUNNING: &str = "(vms.job_uuid IS NULL OR NOT EXISTS \
+    (SELECT 1 FROM jobs j WHERE j.uuid = vms.job_uuid AND j.state IN ('queued', 'running')))";
 
 /// Writes `job` for a VM in one of `from` with no other job running, reserving first what
 /// `claim` asks (all or none: `StoreError::Retry` when a device was taken, `NoRoom`,

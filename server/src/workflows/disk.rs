@@ -18,7 +18,10 @@ pub async fn spec(ctx: &Ctx, vm: &Vm) -> Result<Option<DiskSpec>, StepError> {
     let Some(image) = vm.image_uuid else {
         return Ok(None);
     };
-    let img = images::get(&ctx.jobs_db, image).await?;
+    let img = ctx
+        .images
+        .get_or_load(&image.to_string(), || images::get(&ctx.jobs_db, image))
+        .await?;
     let (Some(sha256), Some(size)) = (img.sha256.clone(), img.size) else {
         return Err(StepError::Refused(format!(
             "image {image} has no file ({})",

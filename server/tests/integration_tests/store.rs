@@ -6,7 +6,7 @@ use passage_model::api::Role;
 use passage_model::{AccountId, DeviceEvent, DevicePath, DeviceState, JobId, ServerId, VmId};
 use passage_server::store::create::{self, NewVm};
 use passage_server::store::room::Allocation;
-use passage_server::store::{Db, StoreError, accounts, devices, servers, variants};
+use passage_server::store::{Db, StoreError, accounts, devices, ops, servers, variants};
 
 async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>) {
     let tdb = TestDb::new(b).await;
@@ -122,6 +122,18 @@ async fn migrations_and_inventory(b: Backend) {
             .is_empty(),
         "a silent server gets nothing"
     );
+    // Capacity agrees: a silent server's devices are counted, clean, and not free.
+    let n = ids.len() as u64;
+    let cap = |alive_after| {
+        let db = db.clone();
+        async move {
+            let c = ops::capacity(&db, alive_after).await.unwrap();
+            let h = c.iter().find(|c| c.variant == "H100").unwrap();
+            (h.total, h.unassigned, h.free)
+        }
+    };
+    assert_eq!(cap(0).await, (n, n, n));
+    assert_eq!(cap(i64::MAX).await, (n, n, 0));
     // Re-applying the same report changes nothing.
     let before = devices::for_server(&db, server).await.unwrap().len();
     let report: Vec<_> = devices::for_server(&db, server)
