@@ -50,7 +50,7 @@ impl Me {
 /// Rows per list page: enough to scan, small enough to stay fast at any fleet size.
 pub const PAGE_SIZE: u32 = 50;
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "whoami")]
 pub async fn whoami() -> Result<Option<Me>, PortalError> {
     let Some(token) = be::session_token() else {
         return Ok(None);
@@ -89,7 +89,7 @@ pub fn safe_next(next: Option<&str>) -> String {
     }
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "login")]
 pub async fn login(
     login: String,
     password: String,
@@ -117,7 +117,7 @@ pub async fn login(
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "logout")]
 pub async fn logout(csrf: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     // Revoke the token on the server, not only in this browser.
@@ -141,7 +141,7 @@ pub struct FleetOverview {
     pub alerts: Vec<Alert>,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "overview")]
 pub async fn overview() -> Result<FleetOverview, PortalError> {
     let capacity: Vec<Capacity> = be::get("/capacity").await?;
     let all = be::list::<Server>("/servers?limit=1").await?;
@@ -190,7 +190,7 @@ impl ServerRow {
     }
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_servers")]
 pub async fn list_servers(after: Option<String>) -> Result<Page<ServerRow>, PortalError> {
     let limit = PAGE_SIZE.to_string();
     let q = query(&[
@@ -206,12 +206,12 @@ pub async fn list_servers(after: Option<String>) -> Result<Page<ServerRow>, Port
     })
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "get_server")]
 pub async fn get_server(uuid: String) -> Result<Server, PortalError> {
     be::get(&format!("/servers/{}", be::segment(&uuid)?)).await
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_devices")]
 pub async fn list_devices(
     state: Option<String>,
     variant: Option<String>,
@@ -230,7 +230,7 @@ pub async fn list_devices(
 }
 
 /// The server's latest device state changes, newest first.
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "server_events")]
 pub async fn server_events(
     uuid: String,
 ) -> Result<Vec<passage_model::api::DeviceEventRecord>, PortalError> {
@@ -249,7 +249,7 @@ pub struct JoinTokenView {
     pub command: String,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_join_token")]
 pub async fn create_join_token(csrf: String) -> Result<JoinTokenView, PortalError> {
     be::check_csrf(&csrf)?;
     let t: passage_model::api::JoinToken = be::send(
@@ -279,7 +279,7 @@ pub struct VariantRow {
     pub matches: u64,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_variants")]
 pub async fn list_variants() -> Result<Vec<VariantRow>, PortalError> {
     let variants = be::list::<Variant>("/variants?limit=1000").await?;
     let capacity: Vec<Capacity> = be::get("/capacity").await.unwrap_or_default();
@@ -317,7 +317,7 @@ fn hex_id(field: &str, v: &str) -> Result<passage_model::HexId, PortalError> {
 }
 
 /// Creates a variant, or replaces the one named `original`.
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "save_variant")]
 #[allow(clippy::too_many_arguments)]
 pub async fn save_variant(
     csrf: String,
@@ -395,13 +395,13 @@ pub async fn save_variant(
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "delete_variant")]
 pub async fn delete_variant(csrf: String, name: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     be::delete(&format!("/variants/{}", be::segment(&name)?)).await
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_packages")]
 pub async fn list_packages() -> Result<Vec<Package>, PortalError> {
     Ok(be::list::<Package>("/packages?limit=1000").await?.items)
 }
@@ -433,7 +433,7 @@ fn device_counts(form: &BTreeMap<String, String>) -> Result<BTreeMap<String, u32
     Ok(devices)
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_package")]
 pub async fn create_package(
     csrf: String,
     name: String,
@@ -458,7 +458,7 @@ pub async fn create_package(
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "delete_package")]
 pub async fn delete_package(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     be::delete(&format!("/packages/{}", be::segment(&uuid)?)).await
@@ -496,7 +496,7 @@ async fn with_owners(images: Vec<passage_model::images::Image>) -> Vec<ImageRow>
         .collect()
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_images")]
 pub async fn list_images(offset: Option<u64>) -> Result<Page<ImageRow>, PortalError> {
     let off = offset.unwrap_or(0);
     let p = be::list::<passage_model::images::Image>(&format!(
@@ -523,7 +523,7 @@ pub struct ImageDetail {
 /// VMs listed on an image's page; past that, its count says how many more there are.
 pub const IMAGE_VMS_SHOWN: u32 = 200;
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "get_image")]
 pub async fn get_image(uuid: String) -> Result<ImageDetail, PortalError> {
     let uuid = be::segment(&uuid)?;
     let image: passage_model::images::Image = be::get(&format!("/images/{uuid}")).await?;
@@ -541,7 +541,7 @@ pub async fn get_image(uuid: String) -> Result<ImageDetail, PortalError> {
     Ok(ImageDetail { row, vms, file_url })
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_image")]
 #[allow(clippy::too_many_arguments)]
 pub async fn create_image(
     csrf: String,
@@ -599,7 +599,7 @@ pub async fn create_image(
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "delete_image")]
 pub async fn delete_image(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let path = format!("/images/{}", be::segment(&uuid)?);
@@ -614,7 +614,7 @@ pub async fn delete_image(csrf: String, uuid: String) -> Result<(), PortalError>
 
 // ---- operator: accounts ----
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_accounts")]
 pub async fn list_accounts(offset: Option<u64>) -> Result<Page<Account>, PortalError> {
     let off = offset.unwrap_or(0);
     let mut p = be::list::<Account>(&format!("/accounts?limit={PAGE_SIZE}&offset={off}")).await?;
@@ -631,7 +631,7 @@ fn quota(gpu_quota: &str) -> Result<Option<u32>, PortalError> {
         .transpose()
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_account")]
 pub async fn create_account(
     csrf: String,
     login: String,
@@ -651,7 +651,7 @@ pub async fn create_account(
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "set_quota")]
 pub async fn set_quota(csrf: String, uuid: String, gpu_quota: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let change = api::UpdateAccount {
@@ -665,7 +665,7 @@ pub async fn set_quota(csrf: String, uuid: String, gpu_quota: String) -> Result<
 
 // ---- VMs and jobs ----
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_vms")]
 pub async fn list_vms(
     state: Option<String>,
     owner: Option<String>,
@@ -681,7 +681,7 @@ pub async fn list_vms(
     be::list(&format!("/vms{q}")).await
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_jobs")]
 pub async fn list_jobs(
     state: Option<String>,
     after: Option<String>,
@@ -704,7 +704,7 @@ pub struct Offer {
     pub availability: passage_model::api::PackageAvailability,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "offers")]
 pub async fn offers() -> Result<Vec<Offer>, PortalError> {
     let packages = be::list::<Package>("/packages?limit=1000").await?.items;
     let mut out = Vec::with_capacity(packages.len());
@@ -719,12 +719,12 @@ pub async fn offers() -> Result<Vec<Offer>, PortalError> {
 }
 
 /// The images an instance may boot: active ones the caller sees, newest first.
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "usable_images")]
 pub async fn usable_images() -> Result<Vec<passage_model::images::Image>, PortalError> {
     Ok(be::list("/images?state=active&limit=1000").await?.items)
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_instance")]
 #[allow(clippy::too_many_arguments)]
 pub async fn create_instance(
     csrf: String,
@@ -814,7 +814,7 @@ pub struct Instance {
     pub network_names: BTreeMap<String, String>,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "get_instance")]
 pub async fn get_instance(uuid: String) -> Result<Instance, PortalError> {
     let vm: Vm = be::get(&format!("/vms/{}", be::segment(&uuid)?)).await?;
     let job = match vm.job_uuid {
@@ -857,7 +857,7 @@ pub async fn get_instance(uuid: String) -> Result<Instance, PortalError> {
     })
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "destroy_instance")]
 pub async fn destroy_instance(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let path = format!("/vms/{}", be::segment(&uuid)?);
@@ -875,7 +875,7 @@ pub struct NetworkRow {
     pub in_use: u64,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_networks")]
 pub async fn list_networks(offset: Option<u64>) -> Result<Page<NetworkRow>, PortalError> {
     use passage_model::networks::{Network, NetworkIp};
     let off = offset.unwrap_or(0);
@@ -905,7 +905,7 @@ fn words(s: &str) -> Vec<String> {
         .collect()
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "create_network")]
 #[allow(clippy::too_many_arguments)]
 pub async fn create_network(
     csrf: String,
@@ -1002,7 +1002,7 @@ async fn owner_ids(field: &str) -> Result<Vec<AccountId>, PortalError> {
     Ok(out)
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "update_network")]
 #[allow(clippy::too_many_arguments)]
 pub async fn update_network(
     csrf: String,
@@ -1055,7 +1055,7 @@ pub struct NetworkDetail {
     pub addresses: Page<AddressRow>,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "get_network")]
 pub async fn get_network(uuid: String, offset: Option<u64>) -> Result<NetworkDetail, PortalError> {
     use passage_model::networks::{Network, NetworkIp};
     let uuid = be::segment(&uuid)?;
@@ -1116,7 +1116,7 @@ async fn login_of(logins: &mut BTreeMap<AccountId, String>, a: AccountId) -> Str
     l
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "delete_network")]
 pub async fn delete_network(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     be::delete(&format!("/networks/{}", be::segment(&uuid)?))
@@ -1135,13 +1135,13 @@ pub async fn delete_network(csrf: String, uuid: String) -> Result<(), PortalErro
 
 // ---- SSH keys ----
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "list_keys")]
 pub async fn list_keys() -> Result<Vec<passage_model::keys::SshKey>, PortalError> {
     // An account holds at most 100 keys: one page has them all.
     Ok(be::list("/keys?limit=1000").await?.items)
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "add_key")]
 pub async fn add_key(csrf: String, name: String, key: String) -> Result<(), PortalError> {
     use passage_model::keys::{CreateSshKey, SshKey};
     be::check_csrf(&csrf)?;
@@ -1159,7 +1159,7 @@ pub async fn add_key(csrf: String, name: String, key: String) -> Result<(), Port
     Ok(())
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "delete_key")]
 pub async fn delete_key(csrf: String, name: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     if name.is_empty() || name.contains('/') {
@@ -1173,7 +1173,7 @@ pub async fn delete_key(csrf: String, name: String) -> Result<(), PortalError> {
 // ---- tenant: networks and console ----
 
 /// The networks the caller may put an instance on, the defaults first.
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "usable_networks")]
 pub async fn usable_networks() -> Result<Vec<passage_model::networks::Network>, PortalError> {
     let mut all: Vec<passage_model::networks::Network> =
         be::list("/networks?limit=1000").await?.items;
@@ -1194,7 +1194,7 @@ pub enum Console {
     Hidden,
 }
 
-#[server(prefix = "/portal/fn")]
+#[server(prefix = "/portal/fn", endpoint = "get_console")]
 pub async fn get_console(uuid: String) -> Result<Console, PortalError> {
     let path = format!("/vms/{}/console", be::segment(&uuid)?);
     match be::get::<passage_model::api::VmConsole>(&path).await {

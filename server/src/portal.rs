@@ -177,6 +177,26 @@ pub fn router(v1: Router) -> Router {
 mod tests {
     use super::bundle_dir;
 
+    /// A server function's default URL ends in a hash of the folder its crate was built
+    /// in: a `server` built in one checkout and a bundle built in another then miss each
+    /// other, and every form says "error deserializing server function results". Each
+    /// one names its endpoint instead.
+    #[test]
+    fn server_function_urls_do_not_depend_on_the_build_folder() {
+        let paths: Vec<&str> = leptos::server_fn::axum::server_fn_paths()
+            .map(|(path, _)| path)
+            .collect();
+        assert!(paths.len() >= 39, "{paths:?}");
+        assert!(paths.contains(&"/portal/fn/login"), "{paths:?}");
+        for p in paths {
+            let name = p.strip_prefix("/portal/fn/").unwrap_or("");
+            assert!(
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{p}"
+            );
+        }
+    }
+
     #[test]
     fn pages_link_the_bundle_that_site_bundle_names() {
         let site = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));

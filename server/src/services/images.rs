@@ -433,14 +433,31 @@ pub async fn open_for_agent(ctx: &Ctx, sha: &Sha256) -> ApiResult<ImageFile> {
 /// version). Only active images the caller may see; anything else is 404 naming `image`.
 pub async fn resolve(ctx: &Ctx, caller: &Caller, key: &str) -> ApiResult<Image> {
     let missing = || ApiError::missing("image", format!("no usable image {key:?}"));
+    // Through the cache job steps read images by (by uuid, under the same key): a burst
+    // of creations from one image reads it once, and every image write here clears it.
     let found = if let Ok(uuid) = key.parse::<ImageId>() {
-        store::get(&ctx.db, uuid).await
+        ctx.images
+            .get_or_load(&uuid.to_string(), || store::get(&ctx.db, uuid))
+            .await
     } else {
         match passage_model::images::split_image_key(key) {
-            (name, Some(version)) => store::by_name_version(&ctx.db, name, version).await,
+            (name, Some(version)) => {
+                ctx.images
+                    .get_or_load(&format!("version\0{name}\0{version}"), || {
+                        store::by_name_version(&ctx.db, name, version)
+                    })
+                    .await
+            }
             (name, None) => {
                 let scope = (!caller.account.role.sees_all()).then_some(caller.account.uuid);
-                store::newest_active(&ctx.db, name, scope).await
+                // NULs part the fields: no uuid and no image name holds one.
+                let cache_key = match scope {
+                    Some(a) => format!("newest\0{name}\0{a}"),
+                    None => format!("newest\0{name}\0"),
+                };
+                ctx.images
+                    .get_or_load(&cache_key, || store::newest_active(&ctx.db, name, scope))
+                    .await
             }
         }
     };

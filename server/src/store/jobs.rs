@@ -296,13 +296,67 @@ pub async fn get(db: &Db, job: JobId) -> StoreResult<JobRecord> {
     .fetch_optional(p)
     .await)?;
     let row = row.ok_or(StoreError::NotFound("job"))?;
+    with_steps(db, row).await
+}
+
+async fn with_steps(db: &Db, row: JobRow) -> StoreResult<JobRecord> {
     let steps: Vec<StepRow> = on_read!(db, |p| sqlx::query_as(&format!(
         "SELECT {STEP_COLS} FROM job_steps WHERE job_uuid = $1 ORDER BY idx"
     ))
-    .bind(job.to_string())
+    .bind(&row.uuid)
     .fetch_all(p)
     .await)?;
     record(row, steps)
+}
+
+/// A job's start: [`claim`], answering the job as it stands once claimed (the claim's
+/// own `RETURNING` instead of a read of the job after it); `None` if it is finished or
+/// another replica holds it.
+pub async fn claim_record(
+    db: &Db,
+    job: JobId,
+    owner: &str,
+    until_ms: i64,
+) -> StoreResult<Option<JobRecord>> {
+    let row: Option<JobRow> = on_write!(db, |p| sqlx::query_as(&format!(
+        "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' WHERE uuid = $1 \
+         AND {CLAIMABLE} RETURNING {JOB_COLS}"
+    ))
+    .bind(job.to_string())
+    .bind(owner)
+    .bind(until_ms)
+    .bind(now_ms())
+    .fetch_optional(p)
+    .await)?;
+    match row {
+        Some(row) => with_steps(db, row).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// A job's end once every step succeeded: its last step (if it ran in this runner) and
+/// the job, in one round trip (two statements in one text on SQLite, one on Postgres).
+pub async fn succeed(db: &Db, job: JobId, last_step: Option<usize>) -> StoreResult<()> {
+    let Some(idx) = last_step else {
+        return set_state(db, job, JobState::Succeeded, None).await;
+    };
+    let end_job = "UPDATE jobs SET state = $5, ended_at = $4 WHERE uuid = $1";
+    let end_step =
+        "UPDATE job_steps SET state = $3, ended_at = $4 WHERE job_uuid = $1 AND idx = $2";
+    let sql = match db {
+        Db::Sqlite { .. } => format!("{end_step};\n{end_job}"),
+        Db::Postgres(_) => format!("WITH s AS ({end_step} RETURNING 1) {end_job}"),
+    };
+    on_write!(db, |p| sqlx::query(&sql)
+        .bind(job.to_string())
+        .bind(idx as i64)
+        .bind(StepState::Succeeded.as_str())
+        .bind(now_ms())
+        .bind(JobState::Succeeded.as_str())
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()))?;
+    Ok(())
 }
 
 pub async fn set_state(
@@ -447,15 +501,18 @@ pub async fn list(
     })
 }
 
+/// A job a runner may take: unfinished, and free, already ours, or with its lease run out.
+const CLAIMABLE: &str = "state IN ('queued', 'running') \
+     AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < $4)";
+
 /// Takes (or renews) the lease on an unfinished job: free, already ours, or expired. A
 /// claimed job is `running`: its runner has started (one statement for both, as every
 /// job's start pays it).
 pub async fn claim(db: &Db, job: JobId, owner: &str, until_ms: i64) -> StoreResult<bool> {
-    let n = on_write!(db, |p| sqlx::query(
-        "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' WHERE uuid = $1 \
-         AND state IN ('queued', 'running') \
-         AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < $4)"
-    )
+    let n = on_write!(db, |p| sqlx::query(&format!(
+        "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' \
+             WHERE uuid = $1 AND {CLAIMABLE}"
+    ))
     .bind(job.to_string())
     .bind(owner)
     .bind(until_ms)

@@ -228,28 +228,22 @@ pub async fn mark_running(
                 "the VM is no longer being provisioned".into(),
             ));
         }
-        // Usage runs from attach to release: one record per device.
-        let open: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM usage_records WHERE vm_uuid = $1 AND ended_at IS NULL",
-        )
-        .bind(uuid.to_string())
-        .fetch_one(&mut *tx)
-        .await?;
-        if open == 0 {
-            for id in ids {
-                sqlx::query(
-                    "INSERT INTO usage_records (vm_uuid, owner_uuid, server_uuid, device, \
-                     variant, started_at) SELECT v.uuid, v.owner_uuid, $2, $3, \
-                     (SELECT variant FROM devices WHERE server_uuid = $2 AND id = $3), $4 \
-                     FROM vms v WHERE v.uuid = $1",
-                )
-                .bind(uuid.to_string())
-                .bind(server.to_string())
-                .bind(id)
-                .bind(now_ms())
-                .execute(&mut *tx)
-                .await?;
-            }
+        // Usage runs from attach to release: one record per device, opened once (a
+        // replayed step finds it open).
+        for id in ids {
+            sqlx::query(
+                "INSERT INTO usage_records (vm_uuid, owner_uuid, server_uuid, device, \
+                 variant, started_at) SELECT v.uuid, v.owner_uuid, $2, $3, \
+                 (SELECT variant FROM devices WHERE server_uuid = $2 AND id = $3), $4 \
+                 FROM vms v WHERE v.uuid = $1 AND NOT EXISTS (SELECT 1 FROM usage_records u \
+                 WHERE u.vm_uuid = $1 AND u.device = $3 AND u.ended_at IS NULL)",
+            )
+            .bind(uuid.to_string())
+            .bind(server.to_string())
+            .bind(id)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
         }
         Ok(())
     })

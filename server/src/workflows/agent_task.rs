@@ -35,7 +35,8 @@ pub async fn run_raw(
     task: Task,
 ) -> Result<TaskResult, StepError> {
     let name = task.name();
-    let id = TaskId::new_random();
+    // Time-ordered: the tasks table is keyed by it and grows by one row per task.
+    let id = TaskId::new_ordered();
     let waker = ctx.task_done.handle(&id);
     // Made before the task exists, so no wake-up of its result can come before it: the
     // first look at the database waits for one (a result cannot be there sooner), which

@@ -77,22 +77,16 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
     if ctx.stopping.load(Ordering::SeqCst) {
         return Ok(());
     }
-    if !jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await? {
+    // Read once, with the claim: while this runner holds the lease, it alone writes the
+    // job's steps, and it keeps its copy in step with what it writes.
+    let Some(rec) = jobs::claim_record(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await?
+    else {
         // Finished, or another replica holds it.
         return Ok(());
-    }
+    };
     let lost = Arc::new(AtomicBool::new(false));
     let lease = keep_lease(ctx, job, lost.clone());
-    let r = async {
-        // Read once: while this runner holds the lease, it alone writes the job's steps,
-        // and it keeps its copy in step with what it writes.
-        let rec = jobs::get(&ctx.jobs_db, job).await?;
-        if rec.is_finished() {
-            return Ok(());
-        }
-        dispatch!(rec.kind, W => run_claimed::<W>(ctx, rec, &lost).await)
-    }
-    .await;
+    let r = dispatch!(rec.kind, W => run_claimed::<W>(ctx, rec, &lost).await);
     lease.abort();
     r
 }
@@ -206,10 +200,7 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             }
         }
     }
-    if let Some(done) = ended {
-        jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
-    }
-    jobs::set_state(&ctx.jobs_db, job, JobState::Succeeded, None).await?;
+    jobs::succeed(&ctx.jobs_db, job, ended).await?;
     Ok(())
 }
 

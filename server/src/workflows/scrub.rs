@@ -116,7 +116,7 @@ pub async fn scrub_devices(
             ),
         };
         if let Some(r) = report {
-            let task_id = passage_model::TaskId::new_random();
+            let task_id = passage_model::TaskId::new_ordered();
             events::insert_scrub_report(&ctx.jobs_db, server, task_id, r).await?;
         }
         if event == DeviceEvent::ScrubFailed {
