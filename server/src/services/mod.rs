@@ -71,8 +71,9 @@ pub struct Services {
     pub node_credentials: cache::TtlCache<passage_model::ServerId>,
     /// Packages by the uuid or name they were asked for by.
     pub packages: cache::TtlCache<passage_model::api::Package>,
-    /// Images by uuid, for job steps: a provision reads its VM's image for the disk it
-    /// fetches and again for the one it launches.
+    /// Images by uuid, for job steps (a provision reads its VM's image for the disk it
+    /// fetches and again for the one it launches), and as creations name them (by name,
+    /// name and version, or uuid; see `images::resolve`). Every image write clears it.
     pub images: cache::TtlCache<passage_model::images::Image>,
     /// Servers whose heartbeat this process wrote within [`cache::TTL`]: a node polls for
     /// tasks after every task it ran, and a heartbeat per poll cost the one SQLite writer a

@@ -197,10 +197,6 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
-    pub fn is_finished(&self) -> bool {
-        matches!(self.state, JobState::Succeeded | JobState::Failed)
-    }
-
     pub fn view(&self) -> Job {
         Job {
             uuid: self.uuid,
