@@ -91,6 +91,14 @@ impl FakeKernel {
         let rel_dev = dir
             .strip_prefix(&self.root)
             .map_err(|_| err(io::ErrorKind::InvalidData, "outside the tree".to_string()))?;
+        // The device's own `driver` link is the state; the driver's back link follows it.
+        // A process that stopped between an earlier detach's two removals (a simulated
+        // node's server killed mid-task) left this one behind: the kernel has no such
+        // half state, so it must not make the next bind fail.
+        match fs::remove_file(drv.join(&bdf)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         symlink(
             &format!("../../../../{}", rel_dev.display()),
             &drv.join(&bdf),

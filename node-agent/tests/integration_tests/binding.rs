@@ -100,6 +100,23 @@ fn bind_and_unbind_round_trip_idempotently() {
 }
 
 #[test]
+fn a_back_link_left_by_a_killed_process_does_not_stop_the_unbind() {
+    let w = world(2);
+    let b = binder(&w);
+    let gpu = &w.gpus[0];
+    let bdf = gpu.address().to_string();
+    b.bind_passthrough(gpu).unwrap();
+    // What a process killed inside the bind's detach from nvidia leaves: the device on
+    // vfio-pci, and nvidia's back link still there.
+    let nvidia = w.root.join("bus/pci/drivers/nvidia");
+    let vfio_link = std::fs::read_link(w.root.join("bus/pci/drivers/vfio-pci").join(&bdf)).unwrap();
+    std::os::unix::fs::symlink(&vfio_link, nvidia.join(&bdf)).unwrap();
+    b.unbind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "nvidia");
+    assert!(nvidia.join(&bdf).exists());
+}
+
+#[test]
 fn unknown_devices_are_refused() {
     let w = world(2);
     let b = binder(&w);

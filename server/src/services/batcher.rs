@@ -2,7 +2,7 @@
 //! limit) and does it together, so that a burst of N requests costs the database a few
 //! statements instead of N round trips each. A lone request is taken at once.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -24,6 +24,11 @@ pub struct Batcher<T> {
     linger: Duration,
     /// Callers on their way to `submit` (see [`Batcher::on_the_way`]).
     coming: Arc<AtomicUsize>,
+    /// Items submitted and not yet through their batch.
+    pending: Arc<AtomicUsize>,
+    /// When the last batch ended: milliseconds after `born`, plus one (0: none yet).
+    done: Arc<AtomicU64>,
+    born: std::time::Instant,
 }
 
 /// A caller that will submit soon: while it lives, a batch being gathered may wait for it
@@ -46,7 +51,21 @@ impl<T> Batcher<T> {
             idle: Mutex::new(Some(rx)),
             linger,
             coming: Arc::new(AtomicUsize::new(0)),
+            pending: Arc::new(AtomicUsize::new(0)),
+            done: Arc::new(AtomicU64::new(0)),
+            born: std::time::Instant::now(),
         }
+    }
+
+    /// Whether callers are coming: one is on its way, queued, or in a batch being run, or
+    /// a batch ended within [`BURST_GAP`] (its callers are sending their next requests).
+    pub fn busy(&self) -> bool {
+        if self.pending.load(Ordering::SeqCst) + self.coming.load(Ordering::SeqCst) > 0 {
+            return true;
+        }
+        let done = self.done.load(Ordering::SeqCst);
+        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        done > 0 && Duration::from_millis(now.saturating_add(1).saturating_sub(done)) < BURST_GAP
     }
 
     /// Counts the caller as on its way from the moment it knows it will submit, before
@@ -81,10 +100,18 @@ impl<T: Send + 'static> Batcher<T> {
                 max: max.max(1),
                 linger: self.linger,
                 coming: self.coming.clone(),
+                pending: self.pending.clone(),
+                done: self.done.clone(),
+                born: self.born,
             };
             tokio::spawn(drain(Arc::downgrade(ctx), rx, gather, run));
         }
-        self.queue.send(item).await.map_err(|e| e.0)
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let sent = self.queue.send(item).await.map_err(|e| e.0);
+        if sent.is_err() {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+        }
+        sent
     }
 }
 
@@ -93,6 +120,9 @@ struct Gather {
     max: usize,
     linger: Duration,
     coming: Arc<AtomicUsize>,
+    pending: Arc<AtomicUsize>,
+    done: Arc<AtomicU64>,
+    born: std::time::Instant,
 }
 
 /// The queue's one consumer. It holds the services weakly: when they go, the queue's
@@ -137,6 +167,10 @@ where
         last = batch.len();
         let Some(ctx) = ctx.upgrade() else { return };
         run(ctx, batch).await;
+        // The end first: a look between the two sees the batch running or just ended.
+        let ended = u64::try_from(g.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        g.done.store(ended.saturating_add(1), Ordering::SeqCst);
+        g.pending.fetch_sub(last, Ordering::SeqCst);
         done_at = tokio::time::Instant::now();
         // Callers that queued while the batch was written: none of them is one it
         // answered.
@@ -196,6 +230,37 @@ mod tests {
             assert!(c.await.is_ok());
         }
         assert_eq!(sizes.lock().map(|s| s.clone()).ok(), Some(vec![8]));
+    }
+
+    #[tokio::test]
+    async fn busy_while_callers_are_queued_or_placed_and_for_a_gap_after() {
+        let b = Arc::new(Batcher::new(Duration::from_millis(1)));
+        assert!(!b.busy(), "nobody has come");
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        let held = Arc::new(Mutex::new(Some(held)));
+        let (answer, answered) = tokio::sync::oneshot::channel::<()>();
+        let ctx = Arc::new(());
+        let run = move |_: Arc<()>, batch: Vec<tokio::sync::oneshot::Sender<()>>| {
+            let held = held.lock().ok().and_then(|mut h| h.take());
+            async move {
+                if let Some(h) = held {
+                    let _ = h.await;
+                }
+                for a in batch {
+                    let _ = a.send(());
+                }
+            }
+        };
+        assert!(b.submit(&ctx, answer, 64, run).await.is_ok());
+        assert!(b.busy(), "a caller is in a batch");
+        let _ = release.send(());
+        assert!(answered.await.is_ok());
+        tokio::time::sleep(BURST_GAP + Duration::from_millis(20)).await;
+        assert!(!b.busy(), "quiet once the gap has passed");
+        let coming = b.on_the_way();
+        assert!(b.busy(), "a caller on its way");
+        drop(coming);
+        assert!(!b.busy());
     }
 
     #[tokio::test]

@@ -30,6 +30,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateNetwork) -> ApiResult
     caller.require_operator()?;
     let (plan, resolvers) = req.validate()?;
     owners_exist(ctx, &req.owner_uuids).await?;
+    let _forget = ForgetDefaults(ctx);
     Ok(store::insert(
         &ctx.db,
         NewNetwork {
@@ -46,6 +47,17 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateNetwork) -> ApiResult
         },
     )
     .await?)
+}
+
+/// Clears the default networks' cache when dropped: after a network write, whether it
+/// succeeded or not (a write that failed part-way may still have changed something), so
+/// that this process's next creation reads what the write left.
+struct ForgetDefaults<'a>(&'a Ctx);
+
+impl Drop for ForgetDefaults<'_> {
+    fn drop(&mut self) {
+        self.0.default_networks.clear();
+    }
 }
 
 fn visible(caller: &Caller, n: &Network) -> bool {
@@ -84,6 +96,7 @@ pub async fn update(
     if let Some(o) = &req.owner_uuids {
         owners_exist(ctx, o).await?;
     }
+    let _forget = ForgetDefaults(ctx);
     Ok(store::update(
         &ctx.db,
         uuid,
@@ -106,6 +119,7 @@ pub async fn update(
 pub async fn delete(ctx: &Ctx, caller: &Caller, uuid: NetworkId) -> ApiResult<()> {
     get(ctx, caller, uuid).await?;
     caller.require_operator()?;
+    let _forget = ForgetDefaults(ctx);
     Ok(store::delete(&ctx.db, uuid).await?)
 }
 
@@ -122,6 +136,10 @@ pub async fn ips(
     caller.require_operator()?;
     Ok(store::ips(&ctx.db, uuid, limit, offset).await?)
 }
+
+/// The default networks an owner may use, oldest first, and whether any network exists
+/// (see `store::networks::defaults_for`).
+pub type Defaults = Arc<(Vec<Network>, bool)>;
 
 /// The cache key of the servers' bridges.
 pub const BRIDGES_KEY: &str = "bridges";
@@ -250,7 +268,13 @@ pub async fn attach(
             }
         }
         None => {
-            let (defaults, any) = store::defaults_for(&ctx.db, owner).await?;
+            let found = ctx
+                .default_networks
+                .get_or_load(&owner.to_string(), || async {
+                    store::defaults_for(&ctx.db, owner).await.map(Arc::new)
+                })
+                .await?;
+            let (defaults, any) = (&found.0, found.1);
             if defaults.is_empty() && any {
                 return Err(ApiError::invalid(
                     "networks",
@@ -258,7 +282,11 @@ pub async fn attach(
                      (GET /v1/networks lists those it may use)",
                 ));
             }
-            for n in defaults.into_iter().take(passage_model::protocol::MAX_NICS) {
+            for n in defaults
+                .iter()
+                .take(passage_model::protocol::MAX_NICS)
+                .cloned()
+            {
                 nics.push(NicWant {
                     network: n.uuid,
                     fixed: None,

@@ -77,6 +77,7 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
     if ctx.stopping.load(Ordering::SeqCst) {
         return Ok(());
     }
+    ctx.job_pacer.turn(ctx.placer.busy()).await;
     // Read once, with the claim: while this runner holds the lease, it alone writes the
     // job's steps, and it keeps its copy in step with what it writes.
     let Some(rec) = jobs::claim_record(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await?
@@ -177,6 +178,7 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             let _ = out.flush();
             std::future::pending::<()>().await;
         }
+        ctx.job_pacer.turn(ctx.placer.busy()).await;
         match ended.take() {
             Some(done) => jobs::step_advance(&ctx.jobs_db, job, done, i).await?,
             None => jobs::step_started(&ctx.jobs_db, job, i).await?,
