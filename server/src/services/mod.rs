@@ -155,9 +155,9 @@ const PLACER_CONNECTIONS: u32 = 1;
 const AUDIT_CONNECTIONS: u32 = 1;
 const JOB_CONNECTIONS: u32 = 4;
 /// While creations are coming in, one job step starts per this interval at most (500 a
-/// second): in a Postgres run of 10,000 vGPU creations the p99 went from 47–57 ms to
-/// 39–42 ms, the rate from 2,945–3,117/s to 2,845–2,930/s (BENCHMARKS.md, nineteenth
-/// session).
+/// second): in Postgres runs of 10,000 vGPU creations, alternated with and without it,
+/// the p99 went from 44.9–56.7 ms to 35.6–41.5 ms at the same rate (BENCHMARKS.md,
+/// nineteenth session).
 const JOB_PACE: std::time::Duration = std::time::Duration::from_millis(2);
 
 impl Services {
