@@ -2,7 +2,7 @@
 //! limit) and does it together, so that a burst of N requests costs the database a few
 //! statements instead of N round trips each. A lone request is taken at once.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -26,9 +26,8 @@ pub struct Batcher<T> {
     coming: Arc<AtomicUsize>,
     /// Items submitted and not yet through their batch.
     pending: Arc<AtomicUsize>,
-    /// When the last batch ended: milliseconds after `born`, plus one (0: none yet).
-    done: Arc<AtomicU64>,
-    born: std::time::Instant,
+    /// When the last batch ended.
+    ended: Arc<Mutex<Option<tokio::time::Instant>>>,
 }
 
 /// A caller that will submit soon: while it lives, a batch being gathered may wait for it
@@ -52,8 +51,7 @@ impl<T> Batcher<T> {
             linger,
             coming: Arc::new(AtomicUsize::new(0)),
             pending: Arc::new(AtomicUsize::new(0)),
-            done: Arc::new(AtomicU64::new(0)),
-            born: std::time::Instant::now(),
+            ended: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -63,9 +61,8 @@ impl<T> Batcher<T> {
         if self.pending.load(Ordering::SeqCst) + self.coming.load(Ordering::SeqCst) > 0 {
             return true;
         }
-        let done = self.done.load(Ordering::SeqCst);
-        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
-        done > 0 && Duration::from_millis(now.saturating_add(1).saturating_sub(done)) < BURST_GAP
+        let ended = self.ended.lock().map(|e| *e).unwrap_or(None);
+        ended.is_some_and(|at| at.elapsed() < BURST_GAP)
     }
 
     /// Counts the caller as on its way from the moment it knows it will submit, before
@@ -101,8 +98,7 @@ impl<T: Send + 'static> Batcher<T> {
                 linger: self.linger,
                 coming: self.coming.clone(),
                 pending: self.pending.clone(),
-                done: self.done.clone(),
-                born: self.born,
+                ended: self.ended.clone(),
             };
             tokio::spawn(drain(Arc::downgrade(ctx), rx, gather, run));
         }
@@ -121,8 +117,7 @@ struct Gather {
     linger: Duration,
     coming: Arc<AtomicUsize>,
     pending: Arc<AtomicUsize>,
-    done: Arc<AtomicU64>,
-    born: std::time::Instant,
+    ended: Arc<Mutex<Option<tokio::time::Instant>>>,
 }
 
 /// The queue's one consumer. It holds the services weakly: when they go, the queue's
@@ -167,11 +162,12 @@ where
         last = batch.len();
         let Some(ctx) = ctx.upgrade() else { return };
         run(ctx, batch).await;
-        // The end first: a look between the two sees the batch running or just ended.
-        let ended = u64::try_from(g.born.elapsed().as_millis()).unwrap_or(u64::MAX);
-        g.done.store(ended.saturating_add(1), Ordering::SeqCst);
-        g.pending.fetch_sub(last, Ordering::SeqCst);
         done_at = tokio::time::Instant::now();
+        // The end first: a look between the two sees the batch running or just ended.
+        if let Ok(mut ended) = g.ended.lock() {
+            *ended = Some(done_at);
+        }
+        g.pending.fetch_sub(last, Ordering::SeqCst);
         // Callers that queued while the batch was written: none of them is one it
         // answered.
         left_over = rx.len();
