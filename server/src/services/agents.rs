@@ -214,7 +214,7 @@ pub async fn task_result(
         )
         .await?;
     }
-    tasks::complete(&ctx.db, server, task, &result).await?;
+    super::completions::complete(ctx, tasks::Completion::new(task, server, &result)?).await?;
     ctx.task_results.deliver(task, &result);
     ctx.task_done.wake(&task);
     if let Err(e) = tasks::announce(&ctx.db, tasks::DONE_CHANNEL, &task.to_string()).await {

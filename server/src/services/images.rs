@@ -175,9 +175,21 @@ pub async fn release_file(ctx: &Ctx, sha256: &Sha256) -> ApiResult<()> {
 /// After a VM built from `image` is destroyed: its image's file may go.
 pub async fn vm_destroyed(ctx: &Ctx, image: Option<ImageId>) {
     let Some(image) = image else { return };
-    let Ok(img) = store::get(&ctx.db, image).await else {
+    // Through the images' cache, and nothing more for an active image (its file stays):
+    // a fleet's destroys read the image and then every image's file, two reads per VM.
+    // A replica that disabled it within the cache's second leaves the file to the next
+    // destroy or to the image's deletion.
+    let key = image.to_string();
+    let Ok(img) = ctx
+        .images
+        .get_or_load(&key, || store::get(&ctx.jobs_db, image))
+        .await
+    else {
         return;
     };
+    if img.state == ImageState::Active {
+        return;
+    }
     if let Some(sha) = &img.sha256
         && let Err(e) = release_file(ctx, sha).await
     {

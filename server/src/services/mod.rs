@@ -8,7 +8,9 @@ pub mod auth;
 pub mod batcher;
 pub mod cache;
 pub mod catalog;
+pub mod completions;
 pub mod images;
+pub mod job_log;
 pub mod keys;
 pub mod login_guard;
 pub mod metrics;
@@ -66,6 +68,10 @@ pub struct Services {
     pub job_pacer: pacer::JobPacer,
     /// Audit records waiting to be written together.
     pub audit: batcher::Batcher<audit::Pending>,
+    /// Job runners' claims, step writes and queued tasks waiting to be written together.
+    pub job_log: batcher::Batcher<job_log::Pending>,
+    /// Nodes' task results waiting to be recorded together.
+    pub completions: batcher::Batcher<completions::Pending>,
     /// Live tokens by the SHA-256 of their secret.
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
     /// Nodes by the SHA-256 of their credential: every agent request (a poll and a result
@@ -183,6 +189,8 @@ impl Services {
             placer: placer::Placer::new(placer::LINGER),
             job_pacer: pacer::JobPacer::new(JOB_PACE),
             audit: batcher::Batcher::new(audit::LINGER),
+            job_log: batcher::Batcher::new(job_log::LINGER),
+            completions: batcher::Batcher::new(completions::LINGER),
             tokens: cache::TtlCache::default(),
             node_credentials: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),

@@ -1,5 +1,5 @@
 //! Results handed from the request that brings them to the job step waiting for them, in
-//! this process. The result is in the database first (`store::tasks::complete`), so a
+//! this process. The result is in the database first (`store::tasks::complete_many`), so a
 //! step that misses it here (it waits on another replica, or this one restarted) reads it
 //! there; one that finds it here saves that read, one per task.
 

@@ -305,54 +305,53 @@ async fn with_steps(db: &Db, row: JobRow) -> StoreResult<JobRecord> {
     record(row, steps)
 }
 
-/// A job's start: [`claim`], answering the job as it stands once claimed (the claim's
-/// own `RETURNING` instead of a read of the job after it); `None` if it is finished or
-/// another replica holds it.
-pub async fn claim_record(
+/// Jobs' starts: [`claim`] for each of `jobs` at once, answering those claimed as they
+/// stand once claimed (the claim's own `RETURNING`, and their steps in one read) instead
+/// of a read of each job after it. Those finished or held by another replica are absent.
+pub async fn claim_records(
     db: &Db,
-    job: JobId,
+    jobs: &[JobId],
     owner: &str,
     until_ms: i64,
-) -> StoreResult<Option<JobRecord>> {
-    let row: Option<JobRow> = on_write!(db, |p| sqlx::query_as(&format!(
-        "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' WHERE uuid = $1 \
-         AND {CLAIMABLE} RETURNING {JOB_COLS}"
-    ))
-    .bind(job.to_string())
-    .bind(owner)
-    .bind(until_ms)
-    .bind(now_ms())
-    .fetch_optional(p)
-    .await)?;
-    match row {
-        Some(row) => with_steps(db, row).await.map(Some),
-        None => Ok(None),
+) -> StoreResult<HashMap<JobId, JobRecord>> {
+    if jobs.is_empty() {
+        return Ok(HashMap::new());
     }
-}
-
-/// A job's end once every step succeeded: its last step (if it ran in this runner) and
-/// the job, in one round trip (two statements in one text on SQLite, one on Postgres).
-pub async fn succeed(db: &Db, job: JobId, last_step: Option<usize>) -> StoreResult<()> {
-    let Some(idx) = last_step else {
-        return set_state(db, job, JobState::Succeeded, None).await;
-    };
-    let end_job = "UPDATE jobs SET state = $5, ended_at = $4 WHERE uuid = $1";
-    let end_step =
-        "UPDATE job_steps SET state = $3, ended_at = $4 WHERE job_uuid = $1 AND idx = $2";
-    let sql = match db {
-        Db::Sqlite { .. } => format!("{end_step};\n{end_job}"),
-        Db::Postgres(_) => format!("WITH s AS ({end_step} RETURNING 1) {end_job}"),
-    };
-    on_write!(db, |p| sqlx::query(&sql)
-        .bind(job.to_string())
-        .bind(idx as i64)
-        .bind(StepState::Succeeded.as_str())
-        .bind(now_ms())
-        .bind(JobState::Succeeded.as_str())
-        .execute(p)
-        .await
-        .map(|r| r.rows_affected()))?;
-    Ok(())
+    let mut w = Where::default();
+    let (o, until, now) = (w.text(owner), w.int(until_ms), w.int(now_ms()));
+    let list: Vec<String> = jobs.iter().map(|j| w.text(j.to_string())).collect();
+    let sql = format!(
+        "UPDATE jobs SET lease_owner = {o}, lease_until = {until}, state = 'running' \
+         WHERE uuid IN ({}) AND state IN ('queued', 'running') \
+         AND (lease_owner IS NULL OR lease_owner = {o} OR lease_until < {now}) \
+         RETURNING {JOB_COLS}",
+        list.join(", ")
+    );
+    let rows: Vec<JobRow> = on_write!(db, |p| bind_args!(sqlx::query_as(&sql), &w.args)
+        .fetch_all(p)
+        .await)?;
+    if rows.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let sql = format!(
+        "SELECT job_uuid, {STEP_COLS} FROM job_steps \
+         WHERE job_uuid IN ({}) ORDER BY job_uuid, idx",
+        page::marks(1, rows.len())
+    );
+    let args: Vec<page::Arg> = rows
+        .iter()
+        .map(|r| page::Arg::Text(r.uuid.clone()))
+        .collect();
+    let mut steps: HashMap<String, Vec<StepRow>> = HashMap::new();
+    for r in page::fetch::<StepOfJob>(db, &sql, &args).await? {
+        steps.entry(r.job_uuid).or_default().push(r.step);
+    }
+    rows.into_iter()
+        .map(|row| {
+            let s = steps.remove(&row.uuid).unwrap_or_default();
+            record(row, s).map(|r| (r.uuid, r))
+        })
+        .collect()
 }
 
 pub async fn set_state(
@@ -369,43 +368,6 @@ pub async fn set_state(
     .bind(state.as_str())
     .bind(error)
     .bind(ended)
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    Ok(())
-}
-
-pub async fn step_started(db: &Db, job: JobId, idx: usize) -> StoreResult<()> {
-    on_write!(db, |p| sqlx::query(
-        "UPDATE job_steps SET state = 'running', started_at = COALESCE(started_at, $3), \
-         error = NULL, error_kind = NULL WHERE job_uuid = $1 AND idx = $2"
-    )
-    .bind(job.to_string())
-    .bind(idx as i64)
-    .bind(now_ms())
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    Ok(())
-}
-
-/// Ends step `done` as succeeded and starts step `next`, in one statement: what
-/// [`step_ended`] then [`step_started`] write, for half the writes per job.
-pub async fn step_advance(db: &Db, job: JobId, done: usize, next: usize) -> StoreResult<()> {
-    on_write!(db, |p| sqlx::query(
-        "UPDATE job_steps SET \
-         state = CASE WHEN idx = $2 THEN $4 ELSE 'running' END, \
-         ended_at = CASE WHEN idx = $2 THEN $5 ELSE ended_at END, \
-         started_at = CASE WHEN idx = $3 THEN COALESCE(started_at, $5) ELSE started_at END, \
-         error = CASE WHEN idx = $3 THEN NULL ELSE error END, \
-         error_kind = CASE WHEN idx = $3 THEN NULL ELSE error_kind END \
-         WHERE job_uuid = $1 AND idx IN ($2, $3)"
-    )
-    .bind(job.to_string())
-    .bind(done as i64)
-    .bind(next as i64)
-    .bind(StepState::Succeeded.as_str())
-    .bind(now_ms())
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;

@@ -16,6 +16,7 @@ pub mod create;
 pub mod devices;
 pub mod events;
 pub mod images;
+pub mod job_log;
 pub mod jobs;
 pub mod keys;
 pub mod networks;

@@ -1,35 +1,12 @@
 //! The per-server task queue the agents long-poll.
 
+use super::page::Arg;
+use super::sql::Sql;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
-use crate::{on_read, on_write};
-use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+use crate::{bind_args, on_read, on_write};
+use passage_model::protocol::{TaskEnvelope, TaskResult};
 use passage_model::{JobId, ServerId, TaskId};
-
-/// Queues `task` for `server`'s agent under `id`, which the caller chooses so that it can
-/// wait for the result's wake-up before the task exists.
-pub async fn enqueue(
-    db: &Db,
-    id: TaskId,
-    server: ServerId,
-    job: Option<JobId>,
-    task: &Task,
-) -> StoreResult<()> {
-    let payload = serde_json::to_string(task).map_err(corrupt)?;
-    on_write!(db, |p| sqlx::query(
-        "INSERT INTO tasks (uuid, server_uuid, job_uuid, kind, payload, state, created_at) \
-         VALUES ($1, $2, $3, $4, $5, 'queued', $6)"
-    )
-    .bind(id.to_string())
-    .bind(server.to_string())
-    .bind(job.map(|j| j.to_string()))
-    .bind(task.name())
-    .bind(payload)
-    .bind(now_ms())
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    Ok(())
-}
+use std::collections::HashSet;
 
 /// The Postgres channels replicas tell each other on (`NOTIFY`): a task queued for a node
 /// (payload: the server's uuid) and a task given its result (payload: the task's uuid).
@@ -87,38 +64,99 @@ pub async fn take(
         .collect()
 }
 
-/// Records a result; only the server the task was for may give it, and only once.
-pub async fn complete(
-    db: &Db,
-    server: ServerId,
-    task: TaskId,
-    result: &TaskResult,
-) -> StoreResult<Task> {
-    let payload = serde_json::to_string(result).map_err(corrupt)?;
-    let done: Option<(String,)> = on_write!(db, |p| sqlx::query_as(
-        "UPDATE tasks SET state = 'done', result = $3, done_at = $4 \
-         WHERE uuid = $1 AND server_uuid = $2 AND state <> 'done' RETURNING payload"
-    )
-    .bind(task.to_string())
-    .bind(server.to_string())
-    .bind(payload)
-    .bind(now_ms())
-    .fetch_optional(p)
-    .await)?;
-    if let Some((task_payload,)) = done {
-        return serde_json::from_str(&task_payload).map_err(corrupt);
+/// A node's result for one of its tasks, to record.
+#[derive(Clone, Debug)]
+pub struct Completion {
+    pub task: TaskId,
+    pub server: ServerId,
+    /// The result as JSON.
+    pub result: String,
+}
+
+impl Completion {
+    pub fn new(task: TaskId, server: ServerId, result: &TaskResult) -> StoreResult<Self> {
+        Ok(Completion {
+            task,
+            server,
+            result: serde_json::to_string(result).map_err(corrupt)?,
+        })
     }
-    // Nothing written: say whether the task is unknown here or already answered.
-    let known: Option<(String,)> = on_read!(db, |p| sqlx::query_as(
+}
+
+/// Records results, in one statement; only the server a task was for may give its result,
+/// and only once. Answers, in order, whether each was recorded ([`not_completed`] says
+/// why one was not). A task given twice is recorded for its first.
+pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool>> {
+    let mut seen = HashSet::new();
+    let first: Vec<&Completion> = done.iter().filter(|c| seen.insert(c.task)).collect();
+    if first.is_empty() {
+        return Ok(Vec::new());
+    }
+    let now = now_ms();
+    let written: Vec<String> = match db {
+        Db::Sqlite { .. } => {
+            let mut q = Sql::default();
+            let rows = q.rows(&first, |q, c| {
+                format!(
+                    "{}, {}, {}",
+                    q.text(c.task),
+                    q.text(c.server),
+                    q.arg(Arg::Text(c.result.clone()))
+                )
+            });
+            let sql = format!(
+                "WITH x(uuid, server, result) AS (VALUES {rows}) \
+                 UPDATE tasks SET state = 'done', result = x.result, done_at = {} FROM x \
+                 WHERE tasks.uuid = x.uuid AND tasks.server_uuid = x.server \
+                 AND tasks.state <> 'done' RETURNING tasks.uuid",
+                q.int(now)
+            );
+            on_write!(db, |p| bind_args!(sqlx::query_scalar(&sql), &q.args)
+                .fetch_all(p)
+                .await)?
+        }
+        Db::Postgres(p) => {
+            sqlx::query_scalar(
+                "UPDATE tasks SET state = 'done', result = x.r, done_at = $1 \
+                 FROM UNNEST($2::text[], $3::text[], $4::text[]) AS x(u, s, r) \
+                 WHERE tasks.uuid = x.u AND tasks.server_uuid = x.s \
+                 AND tasks.state <> 'done' RETURNING tasks.uuid",
+            )
+            .bind(now)
+            .bind(first.iter().map(|c| c.task.to_string()).collect::<Vec<_>>())
+            .bind(
+                first
+                    .iter()
+                    .map(|c| c.server.to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(first.iter().map(|c| c.result.as_str()).collect::<Vec<_>>())
+            .fetch_all(p)
+            .await?
+        }
+    };
+    let written: HashSet<&str> = written.iter().map(String::as_str).collect();
+    let mut answered = HashSet::new();
+    Ok(done
+        .iter()
+        .map(|c| written.contains(c.task.to_string().as_str()) && answered.insert(c.task))
+        .collect())
+}
+
+/// Why [`complete_many`] did not record a result: the task is not `server`'s (or unknown
+/// here), or it has one already.
+pub async fn not_completed(db: &Db, server: ServerId, task: TaskId) -> StoreError {
+    let known: Result<Option<(String,)>, sqlx::Error> = on_read!(db, |p| sqlx::query_as(
         "SELECT state FROM tasks WHERE uuid = $1 AND server_uuid = $2"
     )
     .bind(task.to_string())
     .bind(server.to_string())
     .fetch_optional(p)
-    .await)?;
+    .await);
     match known {
-        None => Err(StoreError::NotFound("task")),
-        Some(_) => Err(StoreError::Conflict("the task already has a result".into())),
+        Err(e) => e.into(),
+        Ok(None) => StoreError::NotFound("task"),
+        Ok(Some(_)) => StoreError::Conflict("the task already has a result".into()),
     }
 }
 

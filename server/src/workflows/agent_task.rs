@@ -2,6 +2,7 @@
 
 use super::StepError;
 use crate::services::Ctx;
+use crate::store::job_log::NewTask;
 use crate::store::tasks;
 use passage_model::protocol::{Task, TaskResult};
 use passage_model::{JobId, ServerId, TaskId};
@@ -43,9 +44,11 @@ pub async fn run_raw(
     // saves a read per task.
     let mut done = std::pin::pin!(waker.notified());
     let expected = ctx.task_results.expect(id);
-    tasks::enqueue(&ctx.jobs_db, id, server, job, &task)
-        .await
-        .map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
+    let queued = match NewTask::new(id, server, job, &task) {
+        Ok(t) => crate::services::job_log::task(ctx, t).await,
+        Err(e) => Err(e),
+    };
+    queued.map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
     ctx.tasks_queued.wake(&server);
     if let Err(e) = tasks::announce(&ctx.jobs_db, tasks::QUEUED_CHANNEL, &server.to_string()).await
     {

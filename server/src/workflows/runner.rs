@@ -8,7 +8,8 @@
 
 use super::{Run, StepError, StepsOfKind, Workflow, dispatch};
 use crate::error::{ApiError, ApiResult};
-use crate::services::Ctx;
+use crate::services::{Ctx, job_log};
+use crate::store::job_log::StepWrite;
 use crate::store::jobs::{self, JobRecord};
 use passage_model::JobId;
 use passage_model::api::{JobState, StepState};
@@ -43,10 +44,6 @@ pub fn spawn(ctx: Ctx, job: JobId) {
     });
 }
 
-fn lease_until(ctx: &Ctx) -> i64 {
-    crate::store::now_ms() + i64::try_from(ctx.cfg.job_lease.as_millis()).unwrap_or(30_000)
-}
-
 /// Keeps the lease alive while the job runs; `lost` turns true if another replica took it.
 fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
     let ctx = ctx.clone();
@@ -60,7 +57,7 @@ fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::Join
                 lost.store(true, Ordering::SeqCst);
                 return;
             }
-            match jobs::claim(&ctx.jobs_db, job, &ctx.instance, lease_until(&ctx)).await {
+            match jobs::claim(&ctx.jobs_db, job, &ctx.instance, job_log::lease_until(&ctx)).await {
                 Ok(true) => {}
                 Ok(false) => {
                     lost.store(true, Ordering::SeqCst);
@@ -80,8 +77,7 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
     ctx.job_pacer.turn(ctx.placer.busy()).await;
     // Read once, with the claim: while this runner holds the lease, it alone writes the
     // job's steps, and it keeps its copy in step with what it writes.
-    let Some(rec) = jobs::claim_record(&ctx.jobs_db, job, &ctx.instance, lease_until(ctx)).await?
-    else {
+    let Some(rec) = job_log::claim(ctx, job).await? else {
         // Finished, or another replica holds it.
         return Ok(());
     };
@@ -179,10 +175,11 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             std::future::pending::<()>().await;
         }
         ctx.job_pacer.turn(ctx.placer.busy()).await;
-        match ended.take() {
-            Some(done) => jobs::step_advance(&ctx.jobs_db, job, done, i).await?,
-            None => jobs::step_started(&ctx.jobs_db, job, i).await?,
-        }
+        let write = match ended.take() {
+            Some(done) => StepWrite::advance(job, done, i),
+            None => StepWrite::start(job, i),
+        };
+        job_log::steps(ctx, write).await?;
         run.set(i, StepState::Running);
         let started = Instant::now();
         let result = act(ctx, &run, step).await;
@@ -202,7 +199,7 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             }
         }
     }
-    jobs::succeed(&ctx.jobs_db, job, ended).await?;
+    job_log::steps(ctx, StepWrite::succeed(job, ended)).await?;
     Ok(())
 }
 

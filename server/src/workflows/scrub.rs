@@ -70,14 +70,15 @@ pub async fn scrub_devices(
     }
     let paths: Vec<DevicePath> = started.iter().filter_map(|m| m.id.parse().ok()).collect();
     let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
-    let task = Task::Scrub {
-        pipelines: pipelines(ctx, server, &ids).await?,
-        devices: paths,
-    };
-    let task_result = match agent_task::run_raw(ctx, server, job, task).await {
-        Ok(r) => r,
+    let failed = match scrub_started(ctx, server, job, &ids, paths).await {
+        Ok(failed) => failed,
         Err(e) => {
-            // No answer: the scrub may not have run. Back to dirty; the reconciler retries.
+            // Whatever stopped it after the start (no answer from the node, a write that
+            // failed): the devices it left `cleaning` go back to dirty, for this step's
+            // retry or the reconciler. A retry starts only dirty devices, so one left
+            // `cleaning` stayed there for good: a fleet run ended with a device
+            // `cleaning` whose destroy had succeeded.
+            tracing::warn!(%server, error = %e, "scrub stopped after its start");
             devices::move_devices(
                 &ctx.jobs_db,
                 server,
@@ -90,8 +91,34 @@ pub async fn scrub_devices(
             return Err(e);
         }
     };
+    close_free_gpus(ctx, server, &ids).await?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(StepError::Refused(format!(
+            "devices quarantined: {}",
+            failed.join("; ")
+        )))
+    }
+}
+
+/// The scrub of `ids`, moved to `cleaning`: the node's pipelines and each device's
+/// outcome. Answers the devices quarantined, with why.
+async fn scrub_started(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<JobId>,
+    ids: &[String],
+    paths: Vec<DevicePath>,
+) -> Result<Vec<String>, StepError> {
+    let task = Task::Scrub {
+        pipelines: pipelines(ctx, server, ids).await?,
+        devices: paths,
+    };
+    // No answer: the scrub may not have run (the caller puts the devices back to dirty).
+    let task_result = agent_task::run_raw(ctx, server, job, task).await?;
     let mut failed = Vec::new();
-    for id in &ids {
+    for id in ids {
         let report = task_result
             .scrub_reports
             .iter()
@@ -132,15 +159,7 @@ pub async fn scrub_devices(
         )
         .await?;
     }
-    close_free_gpus(ctx, server, &ids).await?;
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(StepError::Refused(format!(
-            "devices quarantined: {}",
-            failed.join("; ")
-        )))
-    }
+    Ok(failed)
 }
 
 /// Closes the GPUs of those of `ids` that are vGPU slots once all their slots are free

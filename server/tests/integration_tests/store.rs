@@ -819,6 +819,7 @@ both!(
 /// redelivery time.
 async fn tasks_are_taken_oldest_first_and_once(b: Backend) {
     use passage_model::protocol::Task;
+    use passage_server::store::job_log::{self, NewTask};
     use passage_server::store::tasks;
     let (_tdb, db, server, _ids) = seeded(b).await;
     let mut queued = Vec::new();
@@ -827,7 +828,8 @@ async fn tasks_are_taken_oldest_first_and_once(b: Backend) {
             vm_uuid: VmId::new_ordered(),
         };
         let id = passage_model::TaskId::new_random();
-        tasks::enqueue(&db, id, server, None, &task).await.unwrap();
+        let new = NewTask::new(id, server, None, &task).unwrap();
+        job_log::write(&db, &[], &[new]).await.unwrap();
         queued.push(id);
         // Distinct creation times, so "oldest first" has one answer.
         tokio::time::sleep(std::time::Duration::from_millis(2)).await;
@@ -875,6 +877,219 @@ async fn tasks_are_taken_oldest_first_and_once(b: Backend) {
 both!(
     tasks_are_taken_oldest_first_and_once_on,
     tasks_are_taken_oldest_first_and_once
+);
+
+/// One job log batch writes each job's progress as its runner asked: a first step
+/// started, a step ended with the next started, a job ended with or without its last
+/// step, and tasks queued; a step started again after a failure loses its error and keeps
+/// its first start time. Jobs claimed together are each claimed as alone.
+async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
+    use passage_model::api::{JobState, StepState};
+    use passage_model::jobs::{JobKind, StepErrorKind};
+    use passage_model::protocol::Task;
+    use passage_server::store::job_log::{self, NewTask, StepWrite};
+    use passage_server::store::jobs::{self, NewJob, StepFailure};
+    use passage_server::store::tasks;
+    let (_tdb, db, server, _ids) = seeded(b).await;
+    let job = |kind| NewJob {
+        uuid: JobId::new_ordered(),
+        kind,
+        vm: None,
+        owner: None,
+        payload: None,
+    };
+    let (a, bj, c) = (
+        job(JobKind::Provision),
+        job(JobKind::Scrub),
+        job(JobKind::Scrub),
+    );
+    for j in [&a, &bj, &c] {
+        jobs::insert(&db, j.clone()).await.unwrap();
+    }
+    let task = |vm| {
+        let id = passage_model::TaskId::new_ordered();
+        let t = NewTask::new(id, server, Some(a.uuid), &Task::StopVm { vm_uuid: vm }).unwrap();
+        (id, t)
+    };
+    let (t1, new1) = task(VmId::new_ordered());
+    job_log::write(
+        &db,
+        &[
+            StepWrite::start(a.uuid, 0),
+            StepWrite::start(bj.uuid, 0),
+            StepWrite::succeed(c.uuid, None),
+        ],
+        &[new1],
+    )
+    .await
+    .unwrap();
+    let ra = jobs::get(&db, a.uuid).await.unwrap();
+    assert_eq!(ra.steps[0].state, StepState::Running);
+    assert!(ra.steps[0].started_at.is_some() && ra.steps[0].ended_at.is_none());
+    assert!(ra.steps[1..].iter().all(|s| s.state == StepState::Pending));
+    let rc = jobs::get(&db, c.uuid).await.unwrap();
+    assert_eq!(rc.state, JobState::Succeeded);
+    assert!(rc.ended_at.is_some());
+    assert_eq!(
+        rc.steps[0].state,
+        StepState::Pending,
+        "no step of it ran here"
+    );
+
+    let (t2, new2) = task(VmId::new_ordered());
+    job_log::write(
+        &db,
+        &[
+            StepWrite::advance(a.uuid, 0, 1),
+            StepWrite::succeed(bj.uuid, Some(0)),
+        ],
+        &[new2],
+    )
+    .await
+    .unwrap();
+    let ra = jobs::get(&db, a.uuid).await.unwrap();
+    assert_eq!(
+        ra.state,
+        JobState::Queued,
+        "a step write leaves the job's state"
+    );
+    assert_eq!(ra.steps[0].state, StepState::Succeeded);
+    assert!(ra.steps[0].ended_at.is_some());
+    assert_eq!(ra.steps[1].state, StepState::Running);
+    assert!(ra.steps[2..].iter().all(|s| s.state == StepState::Pending));
+    let rb = jobs::get(&db, bj.uuid).await.unwrap();
+    assert_eq!(rb.state, JobState::Succeeded);
+    assert_eq!(rb.steps[0].state, StepState::Succeeded);
+    assert!(rb.steps[0].ended_at.is_some());
+
+    // Failed, then started again (a resumed run): the error goes, the first start stays.
+    let first_start = ra.steps[1].started_at;
+    let failure = StepFailure {
+        kind: StepErrorKind::Retryable,
+        message: "the node did not answer".into(),
+    };
+    jobs::step_ended(&db, a.uuid, 1, StepState::Failed, Some(&failure))
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    job_log::write(&db, &[StepWrite::start(a.uuid, 1)], &[])
+        .await
+        .unwrap();
+    let ra = jobs::get(&db, a.uuid).await.unwrap();
+    assert_eq!(ra.steps[1].state, StepState::Running);
+    assert_eq!(ra.steps[1].failure, None);
+    assert_eq!(ra.steps[1].started_at, first_start);
+    assert_eq!(
+        ra.steps[0].state,
+        StepState::Succeeded,
+        "other steps untouched"
+    );
+
+    let mut queued: Vec<_> = tasks::take(&db, server, 10, i64::MAX)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.id.to_string())
+        .collect();
+    queued.sort();
+    let mut want = vec![t1.to_string(), t2.to_string()];
+    want.sort();
+    assert_eq!(queued, want, "both tasks queued");
+
+    // Claimed together: the unfinished job, as it stands, and not the finished ones; then
+    // not by another owner while the lease holds.
+    let until = i64::MAX / 2;
+    let claimed = jobs::claim_records(&db, &[a.uuid, bj.uuid, c.uuid], "me", until)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let ra = &claimed[&a.uuid];
+    assert_eq!(ra.state, JobState::Running);
+    assert_eq!(ra.steps[0].state, StepState::Succeeded);
+    assert_eq!(ra.steps[1].state, StepState::Running);
+    assert!(
+        jobs::claim_records(&db, &[a.uuid], "another", until)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        jobs::claim_records(&db, &[a.uuid], "me", until)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "renewed by its owner"
+    );
+}
+both!(
+    a_job_log_batch_writes_each_jobs_progress_on,
+    a_job_log_batch_writes_each_jobs_progress
+);
+
+/// Task results recorded together are each recorded as alone: once, only by the task's
+/// own node; a result given twice in one batch is recorded for the first; each refused
+/// one says why.
+async fn task_results_are_recorded_once_and_by_their_node(b: Backend) {
+    use passage_model::protocol::{Task, TaskResult};
+    use passage_server::store::job_log::{self, NewTask};
+    use passage_server::store::tasks::{self, Completion};
+    let (_tdb, db, server, _ids) = seeded(b).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = passage_model::TaskId::new_ordered();
+        let task = Task::StopVm {
+            vm_uuid: VmId::new_ordered(),
+        };
+        let new = NewTask::new(id, server, None, &task).unwrap();
+        job_log::write(&db, &[], &[new]).await.unwrap();
+        ids.push(id);
+    }
+    let ok = TaskResult::success();
+    let other = ServerId::new_random();
+    let unknown = passage_model::TaskId::new_ordered();
+    let done = |task, server| Completion::new(task, server, &ok).unwrap();
+    let recorded = tasks::complete_many(
+        &db,
+        &[
+            done(ids[0], server),
+            done(ids[1], other),
+            done(ids[0], server),
+            done(unknown, server),
+            done(ids[2], server),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(recorded, vec![true, false, false, false, true]);
+    assert!(matches!(
+        tasks::not_completed(&db, other, ids[1]).await,
+        StoreError::NotFound(_)
+    ));
+    assert!(matches!(
+        tasks::not_completed(&db, server, unknown).await,
+        StoreError::NotFound(_)
+    ));
+    assert!(matches!(
+        tasks::not_completed(&db, server, ids[0]).await,
+        StoreError::Conflict(_)
+    ));
+    assert!(
+        tasks::result(&db, ids[0])
+            .await
+            .unwrap()
+            .is_some_and(|r| r.ok)
+    );
+    assert!(tasks::result(&db, ids[1]).await.unwrap().is_none());
+    // Its own node's result, later, is recorded; a second is not.
+    let again = tasks::complete_many(&db, &[done(ids[1], server), done(ids[2], server)])
+        .await
+        .unwrap();
+    assert_eq!(again, vec![true, false]);
+}
+both!(
+    task_results_are_recorded_once_and_by_their_node_on,
+    task_results_are_recorded_once_and_by_their_node
 );
 
 /// The job runner's lane commits without waiting for the disk on Postgres; every other
