@@ -1,8 +1,8 @@
 //! The job runners' routine writes, any number in one transaction: a step's start, a
 //! step's success with the next one's start, a job's success, and a task queued for a
-//! node. Each used to be a statement of its own on the one SQLite writer (8 per provision,
-//! 8 per destroy); `services::job_log` gathers those of every running job into one
-//! transaction of at most three statements.
+//! node. Each used to be a statement of its own on the one SQLite writer (9 per provision
+//! and 10 per destroy of a VM with an image); `services::job_log` gathers those of every
+//! running job into one transaction of at most three statements.
 
 use super::sql::Sql;
 use super::{Db, StoreResult, corrupt, now_ms};

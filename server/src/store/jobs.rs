@@ -322,10 +322,9 @@ pub async fn claim_records(
     let list: Vec<String> = jobs.iter().map(|j| w.text(j.to_string())).collect();
     let sql = format!(
         "UPDATE jobs SET lease_owner = {o}, lease_until = {until}, state = 'running' \
-         WHERE uuid IN ({}) AND state IN ('queued', 'running') \
-         AND (lease_owner IS NULL OR lease_owner = {o} OR lease_until < {now}) \
-         RETURNING {JOB_COLS}",
-        list.join(", ")
+         WHERE uuid IN ({}) AND {} RETURNING {JOB_COLS}",
+        list.join(", "),
+        claimable(&o, &now)
     );
     let rows: Vec<JobRow> = on_write!(db, |p| bind_args!(sqlx::query_as(&sql), &w.args)
         .fetch_all(p)
@@ -459,9 +458,14 @@ pub async fn list(
     })
 }
 
-/// A job a runner may take: unfinished, and free, already ours, or with its lease run out.
-const CLAIMABLE: &str = "state IN ('queued', 'running') \
-     AND (lease_owner IS NULL OR lease_owner = $2 OR lease_until < $4)";
+/// A job a runner may take: unfinished, and free, already `owner`'s, or with its lease run
+/// out before `now` (both placeholders).
+fn claimable(owner: &str, now: &str) -> String {
+    format!(
+        "state IN ('queued', 'running') \
+         AND (lease_owner IS NULL OR lease_owner = {owner} OR lease_until < {now})"
+    )
+}
 
 /// Takes (or renews) the lease on an unfinished job: free, already ours, or expired. A
 /// claimed job is `running`: its runner has started (one statement for both, as every
@@ -469,7 +473,8 @@ const CLAIMABLE: &str = "state IN ('queued', 'running') \
 pub async fn claim(db: &Db, job: JobId, owner: &str, until_ms: i64) -> StoreResult<bool> {
     let n = on_write!(db, |p| sqlx::query(&format!(
         "UPDATE jobs SET lease_owner = $2, lease_until = $3, state = 'running' \
-             WHERE uuid = $1 AND {CLAIMABLE}"
+             WHERE uuid = $1 AND {}",
+        claimable("$2", "$4")
     ))
     .bind(job.to_string())
     .bind(owner)
