@@ -9,6 +9,7 @@ pub mod batcher;
 pub mod cache;
 pub mod catalog;
 pub mod completions;
+pub mod device_log;
 pub mod images;
 pub mod job_log;
 pub mod keys;
@@ -72,6 +73,8 @@ pub struct Services {
     pub job_log: batcher::Batcher<job_log::Pending>,
     /// Nodes' task results waiting to be recorded together.
     pub completions: batcher::Batcher<completions::Pending>,
+    /// Job steps' device moves (and scrub reports) waiting to be written together.
+    pub device_log: batcher::Batcher<device_log::Pending>,
     /// Live tokens by the SHA-256 of their secret.
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
     /// Nodes by the SHA-256 of their credential: every agent request (a poll and a result
@@ -191,6 +194,7 @@ impl Services {
             audit: batcher::Batcher::new(audit::LINGER),
             job_log: batcher::Batcher::new(job_log::LINGER),
             completions: batcher::Batcher::new(completions::LINGER),
+            device_log: batcher::Batcher::new(device_log::LINGER),
             tokens: cache::TtlCache::default(),
             node_credentials: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),

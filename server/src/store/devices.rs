@@ -1,16 +1,15 @@
 //! Reported PCI functions and the state of the assignable ones. Every state change goes
 //! through the pure state machine: `Reserve` in `store::reserve` (one VM or a batch),
-//! every other event through `DeviceTx::move_devices`, where the machine decides, a
-//! conditional `UPDATE … WHERE generation = ?` makes it stick, and an event row records it.
+//! every other event through `DeviceTx::move_many` (`store::device_moves`), where the
+//! machine decides, a conditional `UPDATE … WHERE generation = ?` makes it stick, and an
+//! event row records it.
 
 use super::page::{self, DeviceKey, Page, PageReq, Start, Where};
 use super::reserve::devices::placeable;
 use super::reserve::free_index::FreeIndexTx;
-use super::reserve::quota;
 use super::room::{REPORTED, ROOM_COLS, ROOM_GROUP, VMS_HOLDING};
-use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
+use super::{Db, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
-use passage_model::state::transition;
 use passage_model::variant::classify;
 use passage_model::{DeviceEvent, DevicePath, DeviceState, PciDevice, ServerId, VmId};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -338,13 +337,7 @@ pub async fn candidates(
         .collect()
 }
 
-/// What `move_devices` changed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Moved {
-    pub id: String,
-    pub from: DeviceState,
-    pub to: DeviceState,
-}
+pub use super::device_moves::{MoveReq, Moved};
 
 /// Device changes that must share a transaction with other writes (VM rows, quotas).
 pub trait DeviceTx {
@@ -360,6 +353,13 @@ pub trait DeviceTx {
         vm: Option<VmId>,
         reason: &str,
     ) -> impl Future<Output = StoreResult<Vec<Moved>>> + Send;
+    /// [`DeviceTx::move_devices`] for many requests at once, in a few statements
+    /// (`store::device_moves`): each request's answer, in order. A device in two
+    /// requests moves for the first, then for the second.
+    fn move_many(
+        &mut self,
+        reqs: &[MoveReq],
+    ) -> impl Future<Output = StoreResult<Vec<Vec<Moved>>>> + Send;
 }
 
 macro_rules! impl_device_tx {
@@ -373,92 +373,13 @@ macro_rules! impl_device_tx {
                 vm: Option<VmId>,
                 reason: &str,
             ) -> StoreResult<Vec<Moved>> {
-                if event == DeviceEvent::Reserve {
-                    return Err(StoreError::Corrupt(
-                        "devices are reserved through store::reserve".into(),
-                    ));
-                }
-                let now = now_ms();
-                let server_s = server.to_string();
-                let vm_s = vm.map(|v| v.to_string());
-                let mut moved = Vec::new();
-                let mut free_change = super::reserve::free_index::Taken::new();
-                for id in ids {
-                    let row: Option<(String, Option<String>, i64)> = sqlx::query_as(
-                        "SELECT state, used_by, generation FROM devices \
-                         WHERE server_uuid = $1 AND id = $2",
-                    )
-                    .bind(&server_s)
-                    .bind(id)
-                    .fetch_optional(&mut **self)
-                    .await?;
-                    let Some((state, used_by, generation)) = row else {
-                        continue;
-                    };
-                    let from = DeviceState::parse(&state).ok_or_else(|| corrupt(&state))?;
-                    if from.is_held() && vm_s.is_some() && used_by != vm_s {
-                        continue;
-                    }
-                    let Ok(to) = transition(from, event) else {
-                        continue;
-                    };
-                    if to == from {
-                        continue;
-                    }
-                    let new_used_by = if to.is_held() { used_by.clone() } else { None };
-                    // What else decides whether the device is placeable, as of the row's
-                    // lock: the free index then changes by what this move made of it.
-                    let row: Option<(Option<String>, i64)> = sqlx::query_as(
-                        "UPDATE devices SET state = $3, used_by = $4, \
-                         generation = generation + 1, updated_at = $5 \
-                         WHERE server_uuid = $1 AND id = $2 AND generation = $6 \
-                         RETURNING variant, \
-                         CAST(CASE WHEN missing = 0 AND taint IS NULL THEN 1 ELSE 0 END AS BIGINT)",
-                    )
-                    .bind(&server_s)
-                    .bind(id)
-                    .bind(to.as_str())
-                    .bind(&new_used_by)
-                    .bind(now)
-                    .bind(generation)
-                    .fetch_optional(&mut **self)
-                    .await?;
-                    let Some((variant, sound)) = row else {
-                        return Err(StoreError::Retry);
-                    };
-                    if let Some(variant) = variant.filter(|_| sound == 1) {
-                        let free = |s: DeviceState| i64::from(s == DeviceState::Unassigned);
-                        *free_change.entry((server_s.clone(), variant)).or_insert(0) +=
-                            free(to) - free(from);
-                    }
-                    if from.is_held() && !to.is_held() {
-                        if let Some(holder) = &used_by {
-                            sqlx::query(quota::RELEASE_ONE)
-                                .bind(holder)
-                                .execute(&mut **self)
-                                .await?;
-                        }
-                    }
-                    sqlx::query(
-                        "INSERT INTO device_events (server_uuid, device, from_state, to_state, \
-                         reason, at) VALUES ($1, $2, $3, $4, $5, $6)",
-                    )
-                    .bind(&server_s)
-                    .bind(id)
-                    .bind(from.as_str())
-                    .bind(to.as_str())
-                    .bind(reason)
-                    .bind(now)
-                    .execute(&mut **self)
-                    .await?;
-                    moved.push(Moved {
-                        id: id.clone(),
-                        from,
-                        to,
-                    });
-                }
-                self.add_free(&free_change).await?;
-                Ok(moved)
+                let req = MoveReq::new(server, ids, event, vm, reason);
+                let mut answers = self.move_many(std::slice::from_ref(&req)).await?;
+                Ok(answers.pop().unwrap_or_default())
+            }
+
+            async fn move_many(&mut self, reqs: &[MoveReq]) -> StoreResult<Vec<Vec<Moved>>> {
+                super::device_moves::move_many_body!(self, reqs)
             }
         }
     };
@@ -523,12 +444,22 @@ impl KnownRow {
 /// device missing from the report is flagged and kept out of placement but never freed.
 ///
 /// The report is also the node's heartbeat, and carries its CPUs and memory (`host`,
-/// kept as they were when absent): the server's row is written first, in the same
-/// transaction, as placements lock a server's row before its devices. The variants are
-/// read after that lock, inside the transaction, so that a variant created meanwhile is
-/// either seen here or finds these devices in its own recount ([`recompute_variants`]
-/// takes every server's lock first): a device is never left without the variant it
-/// matches.
+/// kept as they were when absent): a whole report writes the server's row first, in the
+/// same transaction, as placements lock a server's row before its devices.
+///
+/// On Postgres two advisory locks order reports against what SQLite's one writer orders
+/// by itself, without the server row that every placement on the node also locks (a
+/// task's result, several per VM, then waited behind the node's creations):
+/// - [`VARIANTS_LOCK`], shared, before the variants are read: a variant created meanwhile
+///   is either seen here or finds these devices in its own recount
+///   ([`recompute_variants`] takes it exclusively), so a device is never left without the
+///   variant it matches;
+/// - the node's own lock ([`NODE_LOCK_SPACE`]), exclusive: two reports of one node apply
+///   one after the other.
+///
+/// A report that changes what the node can place (a new function, a variant, `missing`,
+/// a taint) locks the server's row before its first write and recounts the free index
+/// under it, as a whole report and a placement do.
 ///
 /// Only what changed is written: a node reports its whole inventory after every bind and
 /// unbind, and rewriting each of its functions then cost the one SQLite writer a dozen
@@ -545,11 +476,22 @@ pub async fn apply_inventory(
     let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
     let cpus = host.map(|h| i64::from(h.cpus));
     let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
+    let postgres = matches!(db, Db::Postgres(_));
     in_tx!(db, |tx| {
+        if postgres {
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2, hashtext($3))",
+            )
+            .bind(VARIANTS_LOCK)
+            .bind(NODE_LOCK_SPACE)
+            .bind(&server_s)
+            .execute(&mut *tx)
+            .await?;
+        }
         // A task's changed functions come with its result, which is no heartbeat: the
-        // agent's own heartbeats say it is alive. On Postgres the write stays, for its row
-        // lock: it orders concurrent reports of one node, as SQLite's one writer does.
-        if coverage == Coverage::Whole || host.is_some() || matches!(db, Db::Postgres(_)) {
+        // agent's own heartbeats say it is alive.
+        let server_locked = coverage == Coverage::Whole || host.is_some();
+        if server_locked {
             sqlx::query(
                 "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
                  memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
@@ -598,22 +540,25 @@ pub async fn apply_inventory(
         let known: HashMap<&str, &KnownRow> =
             known.iter().map(|k| (k.row.id.as_str(), k)).collect();
         let shared = shared_functions(known.values().map(|k| &k.row));
-        // Whether a device may have become placeable or stopped being so (a new one, a
-        // variant, `missing` or `taint` changed): only then is the free index recounted.
-        // A driver change alone (every bind and unbind) leaves it as it is.
-        let mut recount = false;
-        for d in report {
-            let id = d.id.to_string();
-            let details = d
-                .details
-                .as_ref()
-                .map(serde_json::to_string)
-                .transpose()
-                .map_err(corrupt)?;
-            let matched = classify(&variants, d, pf_variant(&shared, d)).map(|v| v.name.clone());
-            match known.get(id.as_str()) {
+        let writes = report
+            .iter()
+            .map(|d| InventoryWrite::of(d, &variants, &shared, &known))
+            .collect::<StoreResult<Vec<_>>>()?;
+        let writes: Vec<InventoryWrite<'_>> = writes.into_iter().flatten().collect();
+        // Whether a device may have become placeable or stopped being so: only then is
+        // the free index recounted. A driver change alone (every bind and unbind) leaves
+        // it as it is.
+        let mut recount = writes.iter().any(InventoryWrite::recounts);
+        if recount && !server_locked && postgres {
+            sqlx::query("SELECT 1 FROM servers WHERE uuid = $1 FOR NO KEY UPDATE")
+                .bind(&server_s)
+                .execute(&mut *tx)
+                .await?;
+        }
+        for w in &writes {
+            let d = w.device;
+            match &w.was {
                 None => {
-                    recount = true;
                     sqlx::query(
                         "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
                          subsystem, revision, class, driver, numa_node, iommu_group, variant, \
@@ -622,7 +567,7 @@ pub async fn apply_inventory(
                          'unassigned', NULL, 0, 0, NULL, $14, $15)",
                     )
                     .bind(&server_s)
-                    .bind(&id)
+                    .bind(&w.id)
                     .bind(d.address().to_string())
                     .bind(d.vendor.to_string())
                     .bind(d.device.to_string())
@@ -633,29 +578,13 @@ pub async fn apply_inventory(
                     .bind(&d.driver)
                     .bind(d.numa_node.map(i64::from))
                     .bind(d.iommu_group.map(i64::from))
-                    .bind(&matched)
+                    .bind(&w.variant)
                     .bind(now)
-                    .bind(&details)
+                    .bind(&w.details)
                     .execute(&mut *tx)
                     .await?;
                 }
-                Some(k) => {
-                    let previous: Option<passage_model::PciDetails> = k
-                        .row
-                        .details
-                        .as_deref()
-                        .and_then(|j| serde_json::from_str(j).ok());
-                    let health = crate::health::taint(k.at_rest == 1, previous.as_ref(), d);
-                    // A held or dirty device keeps its variant until it is free again.
-                    let variant = if matches!(k.row.state.as_str(), "unassigned" | "disabled") {
-                        matched
-                    } else {
-                        k.row.variant.clone()
-                    };
-                    if health.is_none() && k.same_as(d, &variant, &details) {
-                        continue;
-                    }
-                    recount |= health.is_some() || k.row.missing != 0 || k.row.variant != variant;
+                Some(was) => {
                     sqlx::query(
                         "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
                          subsystem = $6, revision = $7, class = $8, driver = $9, \
@@ -665,7 +594,7 @@ pub async fn apply_inventory(
                          updated_at = $13, details = $14 WHERE server_uuid = $1 AND id = $2",
                     )
                     .bind(&server_s)
-                    .bind(&id)
+                    .bind(&w.id)
                     .bind(d.vendor.to_string())
                     .bind(d.device.to_string())
                     .bind(d.subvendor.to_string())
@@ -675,20 +604,20 @@ pub async fn apply_inventory(
                     .bind(&d.driver)
                     .bind(d.numa_node.map(i64::from))
                     .bind(d.iommu_group.map(i64::from))
-                    .bind(&variant)
+                    .bind(&w.variant)
                     .bind(now)
-                    .bind(&details)
-                    .bind(&health)
+                    .bind(&w.details)
+                    .bind(&w.health)
                     .execute(&mut *tx)
                     .await?;
-                    if k.row.missing != 0 {
+                    if was.missing != 0 {
                         // Its vGPU slots were flagged with it; back with it.
                         sqlx::query(
                             "UPDATE devices SET missing = 0, taint = NULL, updated_at = $3 \
                              WHERE server_uuid = $1 AND parent = $2 AND missing = 1",
                         )
                         .bind(&server_s)
-                        .bind(&id)
+                        .bind(&w.id)
                         .bind(now)
                         .execute(&mut *tx)
                         .await?;
@@ -737,6 +666,89 @@ pub async fn apply_inventory(
     })
 }
 
+/// Postgres advisory lock (one 64-bit key) that orders inventories, which take it shared,
+/// against a recount of every device's variant, which takes it exclusively. The bytes
+/// spell "passage" and 1.
+pub const VARIANTS_LOCK: i64 = 0x7061_7373_6167_6501;
+
+/// First half of a node's own advisory lock (two 32-bit keys, a space apart from the
+/// 64-bit ones): the second is the hash of the server's uuid. A collision only makes two
+/// nodes' reports wait for each other.
+pub const NODE_LOCK_SPACE: i32 = 0x7061_7301;
+
+/// One reported function's write, worked out before any is made: whether the report
+/// changes what the node can place decides which locks it needs first.
+struct InventoryWrite<'a> {
+    device: &'a PciDevice,
+    id: String,
+    /// The stored row; `None`: a function new to the store.
+    was: Option<&'a DeviceRow>,
+    variant: Option<String>,
+    details: Option<String>,
+    health: Option<String>,
+}
+
+impl<'a> InventoryWrite<'a> {
+    /// The write `d` needs, or `None` when it leaves the stored row as it is.
+    fn of(
+        d: &'a PciDevice,
+        variants: &[passage_model::Variant],
+        shared: &HashMap<passage_model::PciAddress, Option<String>>,
+        known: &HashMap<&str, &'a KnownRow>,
+    ) -> StoreResult<Option<Self>> {
+        let id = d.id.to_string();
+        let details = d
+            .details
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(corrupt)?;
+        let matched = classify(variants, d, pf_variant(shared, d)).map(|v| v.name.clone());
+        let Some(k) = known.get(id.as_str()) else {
+            return Ok(Some(Self {
+                device: d,
+                id,
+                was: None,
+                variant: matched,
+                details,
+                health: None,
+            }));
+        };
+        let previous: Option<passage_model::PciDetails> = k
+            .row
+            .details
+            .as_deref()
+            .and_then(|j| serde_json::from_str(j).ok());
+        let health = crate::health::taint(k.at_rest == 1, previous.as_ref(), d);
+        // A held or dirty device keeps its variant until it is free again.
+        let variant = if matches!(k.row.state.as_str(), "unassigned" | "disabled") {
+            matched
+        } else {
+            k.row.variant.clone()
+        };
+        if health.is_none() && k.same_as(d, &variant, &details) {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            device: d,
+            id,
+            was: Some(&k.row),
+            variant,
+            details,
+            health,
+        }))
+    }
+
+    /// Whether the write may make the device placeable or stop it being so (new, a
+    /// variant, `missing` or a taint changed).
+    fn recounts(&self) -> bool {
+        match self.was {
+            None => true,
+            Some(was) => self.health.is_some() || was.missing != 0 || was.variant != self.variant,
+        }
+    }
+}
+
 /// What an inventory found beside the devices.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Applied {
@@ -778,15 +790,18 @@ fn pf_variant<'a>(
     shared.get(&pf)?.as_deref()
 }
 
-/// Re-derives every free device's variant after the variants changed. On Postgres every
-/// server's row is locked first, as an inventory locks its server's row before it reads
-/// the variants: an inventory still open when the variants changed is waited for and
-/// its devices recounted here.
+/// Re-derives every free device's variant after the variants changed. On Postgres
+/// [`VARIANTS_LOCK`] is taken exclusively first, as an inventory takes it shared before
+/// it reads the variants: an inventory still open when the variants changed is waited
+/// for and its devices recounted here. Then every server's row, as a placement locks it
+/// before it reads the devices' variants.
 pub async fn recompute_variants(db: &Db) -> StoreResult<u64> {
     recompute_variants_on(db, None).await
 }
 
-/// [`recompute_variants`] for one server's devices, or every server's.
+/// [`recompute_variants`] for one server's devices, or every server's. For one server
+/// the node's own lock stands in for [`VARIANTS_LOCK`]: only that node's reports need
+/// waiting for.
 pub async fn recompute_variants_on(db: &Db, server: Option<ServerId>) -> StoreResult<u64> {
     let server_s = server.map(|s| s.to_string());
     let lock = matches!(db, Db::Postgres(_)).then_some(
@@ -795,6 +810,14 @@ pub async fn recompute_variants_on(db: &Db, server: Option<ServerId>) -> StoreRe
     );
     in_tx!(db, |tx| {
         if let Some(lock) = lock {
+            match &server_s {
+                None => sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(VARIANTS_LOCK),
+                Some(s) => sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+                    .bind(NODE_LOCK_SPACE)
+                    .bind(s),
+            }
+            .execute(&mut *tx)
+            .await?;
             let _: Vec<(i32,)> = sqlx::query_as(lock)
                 .bind(&server_s)
                 .fetch_all(&mut *tx)

@@ -1,7 +1,8 @@
 //! Device history and scrub reports.
 
-use super::{Db, StoreResult, corrupt, now_ms, parse_uuid, to_time};
-use crate::{on_read, on_write};
+use super::page::Arg;
+use super::{Db, StoreResult, corrupt, parse_uuid, to_time};
+use crate::on_read;
 use passage_model::api::{DeviceEventRecord, ScrubRecord};
 use passage_model::protocol::ScrubReport;
 use passage_model::{DeviceState, ServerId, TaskId};
@@ -40,27 +41,30 @@ pub async fn device_events(
         .collect()
 }
 
-pub async fn insert_scrub_report(
-    db: &Db,
-    server: ServerId,
-    task: TaskId,
-    report: &ScrubReport,
-) -> StoreResult<()> {
-    let steps = serde_json::to_string(&report.steps).map_err(corrupt)?;
-    on_write!(db, |p| sqlx::query(
-        "INSERT INTO scrub_reports (server_uuid, device, ok, steps, task_uuid, at) \
-         VALUES ($1, $2, $3, $4, $5, $6)"
-    )
-    .bind(server.to_string())
-    .bind(report.device.to_string())
-    .bind(i64::from(report.ok))
-    .bind(steps)
-    .bind(task.to_string())
-    .bind(now_ms())
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
-    Ok(())
+/// The insert of scrub reports (each with its server and task), with its values, for a
+/// caller's transaction.
+pub(crate) fn scrub_reports_insert(
+    reports: &[(ServerId, TaskId, &ScrubReport)],
+    now: i64,
+) -> StoreResult<(String, Vec<Arg>)> {
+    let mut args = Vec::with_capacity(reports.len() * 6);
+    for (server, task, r) in reports {
+        args.extend([
+            Arg::Text(server.to_string()),
+            Arg::Text(r.device.to_string()),
+            Arg::Int(i64::from(r.ok)),
+            Arg::Text(serde_json::to_string(&r.steps).map_err(corrupt)?),
+            Arg::Text(task.to_string()),
+            Arg::Int(now),
+        ]);
+    }
+    Ok((
+        format!(
+            "INSERT INTO scrub_reports (server_uuid, device, ok, steps, task_uuid, at) VALUES {}",
+            super::page::value_rows(1, reports.len(), 6)
+        ),
+        args,
+    ))
 }
 
 pub async fn scrub_reports(

@@ -8,11 +8,13 @@
 //! One writer per rule: every scarce thing a VM holds (devices, GPU quota, vCPUs and
 //! memory, the free-device index) is reserved in `reserve`, by one creation, a batch of
 //! them (`create`) or a resize's new devices (`vms::begin_job`) alike; every other device
-//! state change is `devices::DeviceTx::move_devices`; jobs are written by
+//! state change is `devices::DeviceTx::move_many` (`device_moves`: one device or a batch
+//! of callers' moves alike); jobs are written by
 //! `jobs::JobTx::insert_jobs`, with their kind's steps.
 
 pub mod accounts;
 pub mod create;
+pub mod device_moves;
 pub mod devices;
 pub mod events;
 pub mod images;

@@ -1,6 +1,7 @@
 //! VMs: their rows, their state, and the jobs that change them. Creation is
 //! `store::create`; everything a VM reserves goes through `store::reserve`.
 
+use super::device_moves::DeviceWrite;
 use super::devices::DeviceTx;
 use super::jobs::{JobTx, NewJob};
 use super::page::{self, Page, PageReq, TimeKey, Where};
@@ -198,98 +199,33 @@ pub async fn on_servers(db: &Db, servers: &[ServerId]) -> StoreResult<Vec<Vm>> {
     rows.into_iter().map(VmRow::into_view).collect()
 }
 
-/// The last provision step: devices `used`, VM `running`, together.
+/// The last provision step: devices `used`, VM `running`, together
+/// (`DeviceWrite::running`; the job steps write it with others, `services::device_log`).
 pub async fn mark_running(
     db: &Db,
     uuid: VmId,
     server: ServerId,
     ids: &[String],
 ) -> StoreResult<()> {
-    in_tx!(db, |tx| {
-        tx.move_devices(
-            server,
-            ids,
-            DeviceEvent::Attach,
-            Some(uuid),
-            &format!("attached to running VM {uuid}"),
-        )
-        .await?;
-        let n = sqlx::query(
-            "UPDATE vms SET state = 'running', updated_at = $2 WHERE uuid = $1 \
-             AND state IN ('provisioning', 'running')",
-        )
-        .bind(uuid.to_string())
-        .bind(now_ms())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if n != 1 {
-            return Err(StoreError::InvalidState(
-                "the VM is no longer being provisioned".into(),
-            ));
-        }
-        // Usage runs from attach to release: one record per device, opened once (a
-        // replayed step finds it open).
-        for id in ids {
-            sqlx::query(
-                "INSERT INTO usage_records (vm_uuid, owner_uuid, server_uuid, device, \
-                 variant, started_at) SELECT v.uuid, v.owner_uuid, $2, $3, \
-                 (SELECT variant FROM devices WHERE server_uuid = $2 AND id = $3), $4 \
-                 FROM vms v WHERE v.uuid = $1 AND NOT EXISTS (SELECT 1 FROM usage_records u \
-                 WHERE u.vm_uuid = $1 AND u.device = $3 AND u.ended_at IS NULL)",
-            )
-            .bind(uuid.to_string())
-            .bind(server.to_string())
-            .bind(id)
-            .bind(now_ms())
-            .execute(&mut *tx)
-            .await?;
-        }
-        Ok(())
-    })
+    let w = DeviceWrite::running(uuid, server, ids);
+    alone(db, w).await
 }
 
 /// The destroy's point of no return: the VM's devices go `dirty` (to be scrubbed) and the
-/// VM is `destroyed`, together.
+/// VM is `destroyed`, together (`DeviceWrite::destroyed`).
 pub async fn release_destroyed(
     db: &Db,
     uuid: VmId,
     server: Option<ServerId>,
     ids: &[String],
 ) -> StoreResult<()> {
-    in_tx!(db, |tx| {
-        if let Some(server) = server {
-            tx.move_devices(
-                server,
-                ids,
-                DeviceEvent::Release,
-                Some(uuid),
-                &format!("VM {uuid} destroyed"),
-            )
-            .await?;
-        }
-        sqlx::query(
-            "UPDATE usage_records SET ended_at = $2 WHERE vm_uuid = $1 AND ended_at IS NULL",
-        )
-        .bind(uuid.to_string())
-        .bind(now_ms())
-        .execute(&mut *tx)
-        .await?;
-        // Gone from its node: its addresses may go to the next VM.
-        sqlx::query("DELETE FROM network_ips WHERE vm_uuid = $1")
-            .bind(uuid.to_string())
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "UPDATE vms SET state = 'destroyed', updated_at = $2 WHERE uuid = $1 \
-             AND state IN ('destroying', 'destroyed')",
-        )
-        .bind(uuid.to_string())
-        .bind(now_ms())
-        .execute(&mut *tx)
-        .await?;
-        Ok(())
-    })
+    alone(db, DeviceWrite::destroyed(uuid, server, ids)).await
+}
+
+/// `w` in a transaction of its own.
+async fn alone(db: &Db, w: DeviceWrite) -> StoreResult<()> {
+    let mut answers = super::device_moves::write(db, std::slice::from_ref(&w)).await?;
+    answers.pop().unwrap_or(Ok(Vec::new())).map(drop)
 }
 
 /// A VM has at most one job at a time. Correlated, so each VM looks up its own job by

@@ -3,6 +3,7 @@
 use super::provision::{held, ids};
 use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
+use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::VmState;
 use passage_model::jobs::{DestroyStep, JobKind};
@@ -50,7 +51,8 @@ impl Workflow for Destroy {
             DestroyStep::DeleteDisk => super::disk::delete(ctx, server, job, &vm).await,
             DestroyStep::Release => {
                 let held = held(ctx, &vm).await?;
-                vms::release_destroyed(&ctx.jobs_db, vm.uuid, Some(server), &held).await?;
+                let w = DeviceWrite::destroyed(vm.uuid, Some(server), &held);
+                crate::services::device_log::write(ctx, w).await?;
                 // The last VM built from a deleted image: its file may go now.
                 crate::services::images::vm_destroyed(ctx, vm.image_uuid).await;
                 Ok(())

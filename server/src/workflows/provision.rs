@@ -2,6 +2,7 @@
 
 use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
+use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::{Vm, VmState};
 use passage_model::jobs::{JobKind, ProvisionStep};
@@ -159,7 +160,9 @@ impl Workflow for Provision {
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
             ProvisionStep::MarkUsed => {
-                Ok(vms::mark_running(&ctx.jobs_db, vm.uuid, server, &ids(&vm)).await?)
+                let w = DeviceWrite::running(vm.uuid, server, &ids(&vm));
+                crate::services::device_log::write(ctx, w).await?;
+                Ok(())
             }
         }
     }

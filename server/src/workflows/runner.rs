@@ -168,11 +168,7 @@ async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) 
             if let Some(done) = ended.take() {
                 jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
             }
-            use std::io::Write;
-            let mut out = std::io::stdout();
-            let _ = writeln!(out, "passage: paused before {key} (test hook)");
-            let _ = out.flush();
-            std::future::pending::<()>().await;
+            pause_point(ctx, &key).await;
         }
         ctx.job_pacer.turn(ctx.placer.busy()).await;
         let write = match ended.take() {
@@ -266,4 +262,18 @@ pub async fn resume_all(ctx: &Ctx) -> ApiResult<usize> {
         }
     }
     Ok(n)
+}
+
+/// The test hook `PASSAGE_PAUSE_BEFORE=key` (the durability tests kill the process
+/// there): says so on stdout and never returns. `key` is a step's `kind.step`, or a point
+/// inside a step such as `scrub.started`.
+pub async fn pause_point(ctx: &Ctx, key: &str) {
+    if ctx.cfg.pause_before.as_deref() != Some(key) {
+        return;
+    }
+    use std::io::Write;
+    let mut out = std::io::stdout();
+    let _ = writeln!(out, "passage: paused before {key} (test hook)");
+    let _ = out.flush();
+    std::future::pending::<()>().await;
 }

@@ -3,7 +3,9 @@
 
 use super::{Run, StepError, Workflow, agent_task, new_job};
 use crate::services::Ctx;
-use crate::store::{StoreError, StoreResult, devices, events, jobs};
+use crate::services::device_log;
+use crate::store::device_moves::{DeviceWrite, MoveReq, Moved};
+use crate::store::{StoreError, StoreResult, devices, jobs};
 use passage_model::jobs::{JobKind, ScrubStep};
 use passage_model::protocol::Task;
 use passage_model::{DeviceEvent, DevicePath, JobId, ServerId};
@@ -49,27 +51,34 @@ pub async fn start_job(ctx: &Ctx, server: ServerId, ids: &[String]) -> StoreResu
     Ok(job)
 }
 
-/// Scrubs those of `ids` that are dirty. Each device's outcome follows its own report.
+/// Scrubs those of `ids` that are dirty, and those `job` left `cleaning` when it stopped
+/// (`MoveReq::scrub_start`). Each device's outcome follows its own report.
 pub async fn scrub_devices(
     ctx: &Ctx,
     server: ServerId,
     job: Option<JobId>,
     ids: &[String],
 ) -> Result<(), StepError> {
-    let started = devices::move_devices(
-        &ctx.jobs_db,
-        server,
-        ids,
-        DeviceEvent::ScrubStart,
-        None,
-        "scrub started",
-    )
-    .await?;
-    if started.is_empty() {
+    let start = DeviceWrite {
+        moves: vec![MoveReq::scrub_start(server, ids, job)],
+        ..DeviceWrite::default()
+    };
+    let started: Vec<Moved> = device_log::write(ctx, start)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
+    let resumed = started.iter().filter(|m| m.from == m.to).count();
+    if resumed > 0 {
+        tracing::info!(%server, devices = resumed, ?job,
+            "devices this job left cleaning are scrubbed again");
+    }
+    let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
+    if ids.is_empty() {
         return Ok(());
     }
-    let paths: Vec<DevicePath> = started.iter().filter_map(|m| m.id.parse().ok()).collect();
-    let ids: Vec<String> = started.into_iter().map(|m| m.id).collect();
+    super::runner::pause_point(ctx, "scrub.started").await;
+    let paths: Vec<DevicePath> = ids.iter().filter_map(|id| id.parse().ok()).collect();
     let failed = match scrub_started(ctx, server, job, &ids, paths).await {
         Ok(failed) => failed,
         Err(e) => {
@@ -118,6 +127,9 @@ async fn scrub_started(
     // No answer: the scrub may not have run (the caller puts the devices back to dirty).
     let task_result = agent_task::run_raw(ctx, server, job, task).await?;
     let mut failed = Vec::new();
+    let mut outcome = DeviceWrite::default();
+    // One task: its reports share its id.
+    let task_id = passage_model::TaskId::new_ordered();
     for id in ids {
         let report = task_result
             .scrub_reports
@@ -143,22 +155,20 @@ async fn scrub_started(
             ),
         };
         if let Some(r) = report {
-            let task_id = passage_model::TaskId::new_ordered();
-            events::insert_scrub_report(&ctx.jobs_db, server, task_id, r).await?;
+            outcome.reports.push((server, task_id, r.clone()));
         }
         if event == DeviceEvent::ScrubFailed {
             failed.push(format!("{id}: {reason}"));
         }
-        devices::move_devices(
-            &ctx.jobs_db,
+        outcome.moves.push(MoveReq::new(
             server,
             std::slice::from_ref(id),
             event,
             None,
             &reason,
-        )
-        .await?;
+        ));
     }
+    device_log::write(ctx, outcome).await?;
     Ok(failed)
 }
 

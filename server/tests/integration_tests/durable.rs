@@ -247,8 +247,30 @@ async fn killed_at_every_boundary(b: Backend) {
         assert_eq!(v.state, VmState::Running, "{key}");
         running_vms.push(v);
     }
-    for (step, vm) in JobKind::Destroy.step_names().iter().zip(&running_vms) {
-        let key = format!("destroy.{step}");
+    // One more VM, for a kill inside the scrub step, its devices already `cleaning`: the
+    // resumed step must take them up again, or they stay `cleaning` for good.
+    {
+        let _server = start(&db, port, None);
+        let op = api.login().await;
+        let vm: Vm = api
+            .client(Some(&op))
+            .post(
+                "/v1/vms",
+                &json!({"image": "test-image", "alias": "k-scrub", "package":"gpu-1x"}),
+            )
+            .await
+            .ok(202);
+        let job = api.job_end(&op, vm.job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+        running_vms.push(vm);
+    }
+    let keys = JobKind::Destroy
+        .step_names()
+        .iter()
+        .map(|step| format!("destroy.{step}"))
+        .chain(["scrub.started".to_string()]);
+    assert_eq!(keys.clone().count(), running_vms.len());
+    for (key, vm) in keys.zip(&running_vms) {
         let paused = start(&db, port, Some(&key));
         let op = api.login().await;
         let d: Vm = api

@@ -5,6 +5,7 @@ use crate::common::{Backend, TestDb};
 use passage_model::api::Role;
 use passage_model::{AccountId, DeviceEvent, DevicePath, DeviceState, JobId, ServerId, VmId};
 use passage_server::store::create::{self, NewVm};
+use passage_server::store::device_moves::{self, DeviceWrite, MoveReq};
 use passage_server::store::room::Allocation;
 use passage_server::store::{Db, StoreError, accounts, devices, ops, servers, variants};
 
@@ -44,6 +45,16 @@ async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>
         .collect();
     assert!(!ids.is_empty());
     (tdb, db, server, ids)
+}
+
+async fn device_state(db: &Db, server: ServerId, id: &str) -> DeviceState {
+    devices::for_server(db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|d| d.pci.id.to_string() == id)
+        .unwrap()
+        .state
 }
 
 async fn tenant(db: &Db, login: &'static str, quota: Option<u32>) -> AccountId {
@@ -234,6 +245,182 @@ async fn transitions_follow_the_machine(b: Backend) {
 both!(
     transitions_follow_the_machine_on,
     transitions_follow_the_machine
+);
+
+/// A scrub's start records its job on each device it moves to `cleaning`: the same job,
+/// started again (a step resumed after a restart), takes those devices up again; another
+/// job or a scrub without a job does not.
+async fn a_resumed_scrub_takes_up_its_own_cleaning_devices(b: Backend) {
+    let (_tdb, db, server, ids) = seeded(b).await;
+    let two = vec![ids[0].clone(), ids[1].clone()];
+    let owner = tenant(&db, "t", None).await;
+    let vm = reserved(&db, server, owner, &two).await;
+    for ev in [DeviceEvent::Attach, DeviceEvent::Release] {
+        devices::move_devices(&db, server, &two, ev, Some(vm), "t")
+            .await
+            .unwrap();
+    }
+    let (job, other) = (JobId::new_random(), JobId::new_random());
+    let start = |ids: &[String], job: Option<JobId>| {
+        let (db, w) = (
+            db.clone(),
+            DeviceWrite {
+                moves: vec![MoveReq::scrub_start(server, ids, job)],
+                ..DeviceWrite::default()
+            },
+        );
+        async move {
+            let mut answers = device_moves::write(&db, &[w]).await.unwrap();
+            let moved: Vec<String> = answers
+                .pop()
+                .unwrap()
+                .unwrap()
+                .into_iter()
+                .flatten()
+                .map(|m| m.id)
+                .collect();
+            moved
+        }
+    };
+    // Only the first is asked for when the scrub starts.
+    let started = start(&two[..1], Some(job)).await;
+    assert_eq!(started, two[..1]);
+    assert_eq!(
+        device_state(&db, server, &two[0]).await,
+        DeviceState::Cleaning
+    );
+    // Started again by its own job: the cleaning one is taken up, the dirty one started.
+    let mut again = start(&two, Some(job)).await;
+    again.sort();
+    let mut want = two.clone();
+    want.sort();
+    assert_eq!(again, want);
+    // Not by another job, nor by a scrub with no job.
+    for j in [Some(other), None] {
+        assert!(start(&two, j).await.is_empty());
+    }
+    devices::move_devices(&db, server, &two, DeviceEvent::ScrubSucceeded, None, "t")
+        .await
+        .unwrap();
+    assert_eq!(
+        device_state(&db, server, &two[1]).await,
+        DeviceState::Unassigned
+    );
+}
+both!(
+    a_resumed_scrub_takes_up_its_own_cleaning_devices_on,
+    a_resumed_scrub_takes_up_its_own_cleaning_devices
+);
+
+/// One batch of the job steps' device writes: each write is answered for itself. A VM no
+/// longer being provisioned is refused with its devices left as they were; the other is
+/// running with a usage record per device. Then, in one batch, a release and the scrub
+/// start of the same device (moved for the first, then for the second), and a scrub's
+/// outcome with its report.
+async fn a_batch_of_device_writes_answers_each_write(b: Backend) {
+    use passage_model::api::VmState;
+    use passage_server::store::{events, vms};
+    let (_tdb, db, server, ids) = seeded(b).await;
+    let owner = tenant(&db, "t", None).await;
+    let (one, two) = (vec![ids[0].clone()], vec![ids[1].clone()]);
+    let (a, gone) = (
+        reserved(&db, server, owner, &one).await,
+        reserved(&db, server, owner, &two).await,
+    );
+    assert!(
+        vms::set_state(&db, gone, &[VmState::Provisioning], VmState::Destroying)
+            .await
+            .unwrap()
+    );
+    let mut answers = device_moves::write(
+        &db,
+        &[
+            DeviceWrite::running(a, server, &one),
+            DeviceWrite::running(gone, server, &two),
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        answers.pop().unwrap(),
+        Err(StoreError::InvalidState(_))
+    ));
+    let moved = answers.pop().unwrap().unwrap();
+    assert_eq!(moved[0][0].to, DeviceState::Used);
+    assert_eq!(vms::get(&db, a).await.unwrap().state, VmState::Running);
+    assert_eq!(
+        device_state(&db, server, &two[0]).await,
+        DeviceState::Provisioning
+    );
+    let usage = ops::usage(&db, Some(owner), 0, i64::MAX).await.unwrap();
+    assert_eq!(usage.len(), 1, "{usage:?}");
+    assert_eq!(accounts::gpu_held(&db, owner).await.unwrap(), 2);
+
+    let job = JobId::new_random();
+    assert!(
+        vms::set_state(&db, a, &[VmState::Running], VmState::Destroying)
+            .await
+            .unwrap()
+    );
+    let answers = device_moves::write(
+        &db,
+        &[
+            DeviceWrite::destroyed(a, Some(server), &one),
+            DeviceWrite {
+                moves: vec![MoveReq::scrub_start(server, &one, Some(job))],
+                ..DeviceWrite::default()
+            },
+        ],
+    )
+    .await
+    .unwrap();
+    let answers: Vec<_> = answers.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        (answers[0][0][0].from, answers[0][0][0].to),
+        (DeviceState::Used, DeviceState::Dirty)
+    );
+    assert_eq!(
+        (answers[1][0][0].from, answers[1][0][0].to),
+        (DeviceState::Dirty, DeviceState::Cleaning)
+    );
+    assert_eq!(vms::get(&db, a).await.unwrap().state, VmState::Destroyed);
+    assert_eq!(accounts::gpu_held(&db, owner).await.unwrap(), 1);
+    let usage = ops::usage(&db, Some(owner), 0, i64::MAX).await.unwrap();
+    assert!(usage[0].ended_at.is_some(), "{usage:?}");
+
+    let report = passage_model::protocol::ScrubReport {
+        device: one[0].parse().unwrap(),
+        ok: true,
+        steps: Vec::new(),
+    };
+    let outcome = DeviceWrite {
+        moves: vec![MoveReq::new(
+            server,
+            &one,
+            DeviceEvent::ScrubSucceeded,
+            None,
+            "scrub succeeded",
+        )],
+        reports: vec![(server, passage_model::TaskId::new_random(), report)],
+        vm: None,
+    };
+    let answers = device_moves::write(&db, &[outcome]).await.unwrap();
+    assert_eq!(
+        answers[0].as_ref().unwrap()[0][0].to,
+        DeviceState::Unassigned
+    );
+    assert_eq!(
+        device_state(&db, server, &one[0]).await,
+        DeviceState::Unassigned
+    );
+    let reports = events::scrub_reports(&db, server, Some(&one[0]))
+        .await
+        .unwrap();
+    assert_eq!(reports.len(), 1);
+}
+both!(
+    a_batch_of_device_writes_answers_each_write_on,
+    a_batch_of_device_writes_answers_each_write
 );
 
 /// 64 creations race for the last free device: exactly one gets it, one device is
@@ -749,7 +936,9 @@ both!(
 
 /// Nodes reporting while an operator creates the variant their GPUs match: whichever
 /// comes first, every GPU ends up with the variant (an inventory that read the variants
-/// before the new one was committed is recounted by the variant's creation).
+/// before the new one was committed is recounted by the variant's creation). Half the
+/// nodes send whole inventories; the other half, whose functions are already known, send
+/// a task's changed functions (a new driver on each, so each is written).
 async fn a_variant_created_while_nodes_report_reaches_every_device(b: Backend) {
     let tdb = TestDb::new(b).await;
     let db = Db::connect(&tdb.url).await.unwrap();
@@ -781,12 +970,25 @@ async fn a_variant_created_while_nodes_report_reaches_every_device(b: Backend) {
             variants::delete(&db, "H100").await.unwrap();
             devices::recompute_variants(&db).await.unwrap();
         }
-        let reports = nodes.iter().map(|s| {
+        let mut changed = report.clone();
+        for d in &mut changed {
+            d.driver = Some(format!("driver-{round}"));
+        }
+        for s in nodes.iter().skip(1).step_by(2) {
+            devices::apply_inventory(&db, *s, None, &report, devices::Coverage::Whole)
+                .await
+                .unwrap();
+        }
+        let reports = nodes.iter().enumerate().map(|(i, s)| {
             let db = db.clone();
-            let report = report.clone();
+            let (report, coverage) = if i % 2 == 0 {
+                (report.clone(), devices::Coverage::Whole)
+            } else {
+                (changed.clone(), devices::Coverage::Changed)
+            };
             let s = *s;
             tokio::spawn(async move {
-                devices::apply_inventory(&db, s, None, &report, devices::Coverage::Whole)
+                devices::apply_inventory(&db, s, None, &report, coverage)
                     .await
                     .unwrap()
             })

@@ -35,10 +35,6 @@ pub(super) fn charge_pg(owners: &str, counts: &str) -> String {
     )
 }
 
-/// Gives one device back to the owner of VM `$1` (a device that stopped being held).
-pub(crate) const RELEASE_ONE: &str = "UPDATE accounts SET gpu_held = gpu_held - 1 \
-     WHERE gpu_held > 0 AND uuid = (SELECT owner_uuid FROM vms WHERE uuid = $1)";
-
 /// Each listed owner's quota and charge, as the reservation's read takes them: rows
 /// `('quota', owner, NULL, NULL, gpu_quota, gpu_held, NULL, NULL)`; `owners` is the
 /// list's SQL (placeholders or `ANY(…)` target).
