@@ -791,6 +791,9 @@ pub struct ScrubRecord {
     pub ok: bool,
     pub steps: Vec<crate::protocol::ScrubStep>,
     pub at: DateTime<Utc>,
+    /// The node task whose result carried this report (its payload names the pipeline
+    /// the node was asked to run); absent on reports older than this field.
+    pub task_uuid: Option<crate::ids::TaskId>,
 }
 
 #[cfg(test)]

@@ -203,24 +203,9 @@ pub async fn task_result(
         return Err(ApiError::invalid("devices", "too many"));
     }
     check_functions(&result.devices)?;
-    // Before the result: the job it wakes sees the functions as the task left them.
-    if !result.devices.is_empty() {
-        devices::apply_inventory(
-            &ctx.db,
-            server,
-            None,
-            &result.devices,
-            devices::Coverage::Changed,
-        )
-        .await?;
-    }
-    super::completions::complete(ctx, tasks::Completion::new(task, server, &result)?).await?;
-    ctx.task_results.deliver(task, &result);
-    ctx.task_done.wake(&task);
-    if let Err(e) = tasks::announce(&ctx.db, tasks::DONE_CHANNEL, &task.to_string()).await {
-        // The waiting replica looks again within its poll interval.
-        tracing::warn!(%task, error = %e, "announcing a task result");
-    }
+    // The functions the task changed are written with the result, in its transaction.
+    let done = tasks::Completion::new(task, server, &result)?;
+    super::completions::complete(ctx, done, result).await?;
     Ok(())
 }
 

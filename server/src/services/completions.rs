@@ -5,6 +5,7 @@
 use super::Ctx;
 use crate::store::tasks::{self, Completion};
 use crate::store::{StoreError, StoreResult};
+use passage_model::protocol::TaskResult;
 use tokio::sync::oneshot;
 
 /// Results recorded together at most.
@@ -16,15 +17,22 @@ pub const LINGER: std::time::Duration = std::time::Duration::ZERO;
 
 pub struct Pending {
     done: Completion,
+    result: TaskResult,
     recorded: oneshot::Sender<StoreResult<()>>,
 }
 
-/// Records a node's result for its task; returns once it is committed. Refused when the
-/// task is not that node's, or has a result already.
-pub async fn complete(ctx: &Ctx, done: Completion) -> StoreResult<()> {
+/// Records a node's result for its task; returns once it is committed, and the step of
+/// this process waiting for it has it. Refused when the task is not that node's, or has
+/// a result already.
+pub async fn complete(ctx: &Ctx, done: Completion, result: TaskResult) -> StoreResult<()> {
     let (recorded, answer) = oneshot::channel();
+    let p = Pending {
+        done,
+        result,
+        recorded,
+    };
     ctx.completions
-        .submit(ctx, Pending { done, recorded }, MAX_BATCH, record)
+        .submit(ctx, p, MAX_BATCH, record)
         .await
         .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
     answer
@@ -44,14 +52,18 @@ async fn record(ctx: Ctx, batch: Vec<Pending>) {
     );
     match r {
         Ok(recorded) => {
+            let mut told = Vec::new();
             for (p, ok) in batch.into_iter().zip(recorded) {
                 let answer = if ok {
+                    handed_over(&ctx, &p);
+                    told.push(p.done.task.to_string());
                     Ok(())
                 } else {
                     Err(tasks::not_completed(&ctx.db, p.done.server, p.done.task).await)
                 };
                 let _ = p.recorded.send(answer);
             }
+            announce(&ctx, &told).await;
         }
         // One statement, all or nothing: each alone, so that an error is its own.
         Err(e) if batch.len() > 1 => {
@@ -59,7 +71,11 @@ async fn record(ctx: Ctx, batch: Vec<Pending>) {
                 "a batch of task results failed; recording them one by one");
             for p in batch {
                 let r = match tasks::complete_many(&ctx.db, std::slice::from_ref(&p.done)).await {
-                    Ok(ok) if ok.first() == Some(&true) => Ok(()),
+                    Ok(ok) if ok.first() == Some(&true) => {
+                        handed_over(&ctx, &p);
+                        announce(&ctx, &[p.done.task.to_string()]).await;
+                        Ok(())
+                    }
                     Ok(_) => Err(tasks::not_completed(&ctx.db, p.done.server, p.done.task).await),
                     Err(e) => Err(e),
                 };
@@ -71,5 +87,21 @@ async fn record(ctx: Ctx, batch: Vec<Pending>) {
                 let _ = p.recorded.send(Err(e));
             }
         }
+    }
+}
+
+/// A recorded result goes to the step of this process waiting for it, if one is.
+fn handed_over(ctx: &Ctx, p: &Pending) {
+    ctx.task_results.deliver(p.done.task, &p.result);
+    ctx.task_done.wake(&p.done.task);
+}
+
+/// Tells the other replicas which results were recorded, after this process's own steps
+/// have theirs: a replica hears its own announcement too, and a step woken by it before
+/// its result was handed over would read it from the database.
+async fn announce(ctx: &Ctx, tasks: &[String]) {
+    if let Err(e) = tasks::announce(&ctx.db, tasks::DONE_CHANNEL, tasks).await {
+        // A waiting replica looks again within its poll interval.
+        tracing::warn!(error = %e, results = tasks.len(), "announcing task results");
     }
 }

@@ -471,200 +471,289 @@ pub async fn apply_inventory(
     report: &[PciDevice],
     coverage: Coverage,
 ) -> StoreResult<Applied> {
-    let now = now_ms();
-    let server_s = server.to_string();
-    let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
-    let cpus = host.map(|h| i64::from(h.cpus));
-    let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
-    let postgres = matches!(db, Db::Postgres(_));
+    let report = Report {
+        server,
+        host,
+        devices: report,
+        coverage,
+    };
     in_tx!(db, |tx| {
-        if postgres {
-            sqlx::query(
-                "SELECT pg_advisory_xact_lock_shared($1), pg_advisory_xact_lock($2, hashtext($3))",
-            )
-            .bind(VARIANTS_LOCK)
-            .bind(NODE_LOCK_SPACE)
-            .bind(&server_s)
-            .execute(&mut *tx)
-            .await?;
-        }
-        // A task's changed functions come with its result, which is no heartbeat: the
-        // agent's own heartbeats say it is alive.
-        let server_locked = coverage == Coverage::Whole || host.is_some();
-        if server_locked {
-            sqlx::query(
-                "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
-                 memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
-            )
-            .bind(&server_s)
-            .bind(now)
-            .bind(cpus)
-            .bind(memory)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let variants: Vec<super::variants::VariantRow> = sqlx::query_as(super::variants::LIST_ALL)
-            .fetch_all(&mut *tx)
-            .await?;
-        let variants = super::variants::views(variants)?;
-        // A task's few changed functions need only their own rows, and the shared
-        // functions whose VFs they may be: not every function of the node, each with
-        // its details, twice per VM.
-        let only = match coverage {
-            Coverage::Whole => String::new(),
-            Coverage::Changed if report.is_empty() => " AND d.state = 'shared'".to_string(),
-            Coverage::Changed => format!(
-                " AND (d.state = 'shared' OR d.id IN ({}))",
-                page::marks(2, report.len())
-            ),
-        };
-        let sql = format!(
-            "SELECT {}, CAST(CASE WHEN d.state = 'used' \
-             AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
-             (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
-             AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
-             FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
-             WHERE d.server_uuid = $1 AND d.parent IS NULL{only}",
-            COLS.split(", ")
-                .map(|c| format!("d.{c}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let mut q = sqlx::query_as(&sql).bind(&server_s);
-        if coverage == Coverage::Changed {
-            for d in report {
-                q = q.bind(d.id.to_string());
-            }
-        }
-        let known: Vec<KnownRow> = q.fetch_all(&mut *tx).await?;
-        let known: HashMap<&str, &KnownRow> =
-            known.iter().map(|k| (k.row.id.as_str(), k)).collect();
-        let shared = shared_functions(known.values().map(|k| &k.row));
-        let writes = report
-            .iter()
-            .map(|d| InventoryWrite::of(d, &variants, &shared, &known))
-            .collect::<StoreResult<Vec<_>>>()?;
-        let writes: Vec<InventoryWrite<'_>> = writes.into_iter().flatten().collect();
-        // Whether a device may have become placeable or stopped being so: only then is
-        // the free index recounted. A driver change alone (every bind and unbind) leaves
-        // it as it is.
-        let mut recount = writes.iter().any(InventoryWrite::recounts);
-        if recount && !server_locked && postgres {
-            sqlx::query("SELECT 1 FROM servers WHERE uuid = $1 FOR NO KEY UPDATE")
-                .bind(&server_s)
-                .execute(&mut *tx)
-                .await?;
-        }
-        for w in &writes {
-            let d = w.device;
-            match &w.was {
-                None => {
-                    sqlx::query(
-                        "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
-                         subsystem, revision, class, driver, numa_node, iommu_group, variant, \
-                         state, used_by, generation, missing, taint, updated_at, details) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                         'unassigned', NULL, 0, 0, NULL, $14, $15)",
-                    )
-                    .bind(&server_s)
-                    .bind(&w.id)
-                    .bind(d.address().to_string())
-                    .bind(d.vendor.to_string())
-                    .bind(d.device.to_string())
-                    .bind(d.subvendor.to_string())
-                    .bind(d.subsystem.to_string())
-                    .bind(d.revision.to_string())
-                    .bind(d.class.to_string())
-                    .bind(&d.driver)
-                    .bind(d.numa_node.map(i64::from))
-                    .bind(d.iommu_group.map(i64::from))
-                    .bind(&w.variant)
-                    .bind(now)
-                    .bind(&w.details)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                Some(was) => {
-                    sqlx::query(
-                        "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
-                         subsystem = $6, revision = $7, class = $8, driver = $9, \
-                         numa_node = $10, iommu_group = $11, variant = $12, missing = 0, \
-                         taint = CASE WHEN CAST($15 AS TEXT) IS NOT NULL THEN $15 \
-                           WHEN missing = 1 THEN NULL ELSE taint END, \
-                         updated_at = $13, details = $14 WHERE server_uuid = $1 AND id = $2",
-                    )
-                    .bind(&server_s)
-                    .bind(&w.id)
-                    .bind(d.vendor.to_string())
-                    .bind(d.device.to_string())
-                    .bind(d.subvendor.to_string())
-                    .bind(d.subsystem.to_string())
-                    .bind(d.revision.to_string())
-                    .bind(d.class.to_string())
-                    .bind(&d.driver)
-                    .bind(d.numa_node.map(i64::from))
-                    .bind(d.iommu_group.map(i64::from))
-                    .bind(&w.variant)
-                    .bind(now)
-                    .bind(&w.details)
-                    .bind(&w.health)
-                    .execute(&mut *tx)
-                    .await?;
-                    if was.missing != 0 {
-                        // Its vGPU slots were flagged with it; back with it.
-                        sqlx::query(
-                            "UPDATE devices SET missing = 0, taint = NULL, updated_at = $3 \
-                             WHERE server_uuid = $1 AND parent = $2 AND missing = 1",
-                        )
-                        .bind(&server_s)
-                        .bind(&w.id)
-                        .bind(now)
-                        .execute(&mut *tx)
-                        .await?;
-                    }
-                }
-            }
-        }
-        for k in known.values().map(|k| &k.row) {
-            if coverage == Coverage::Changed || k.missing != 0 || reported.contains(&k.id) {
-                continue;
-            }
-            recount = true;
-            // A free VF gone with its function's `sriov_numvfs` is no loss: it goes.
-            if k.is_vf() && matches!(k.state.as_str(), "unassigned" | "disabled") {
-                sqlx::query(
-                    "DELETE FROM devices WHERE server_uuid = $1 AND id = $2 \
-                     AND state IN ('unassigned', 'disabled')",
-                )
-                .bind(&server_s)
-                .bind(&k.id)
-                .execute(&mut *tx)
-                .await?;
-                continue;
-            }
-            // A missing GPU's vGPU slots are flagged with it: placement skips them.
-            sqlx::query(
-                "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
-                 WHERE server_uuid = $1 AND (id = $2 OR parent = $2) AND missing = 0",
-            )
-            .bind(&server_s)
-            .bind(&k.id)
-            .bind(format!(
-                "missing from the agent's inventory report (state was {})",
-                k.state
-            ))
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-        }
-        if recount {
-            tx.refresh_free(server).await?;
-        }
+        tx.lock_reports(&[server]).await?;
+        let variants = tx.read_variants().await?;
+        tx.apply_report(&report, &variants).await?;
         Ok(Applied {
             vf_variants: variants.iter().any(|v| v.is_vf()),
         })
     })
 }
+
+/// One node's report: its whole inventory, or the functions a task changed.
+pub struct Report<'a> {
+    pub server: ServerId,
+    /// The node's CPUs and memory, kept as they were when absent.
+    pub host: Option<&'a passage_model::protocol::HostResources>,
+    pub devices: &'a [PciDevice],
+    pub coverage: Coverage,
+}
+
+/// Inventories applied in the caller's transaction ([`apply_inventory`] says how), so that
+/// the task results that arrive together write their changed functions with the results
+/// themselves (`store::tasks::complete_many`): one transaction and one read of the
+/// variants for the batch, not one each.
+pub trait InventoryTx {
+    /// Takes, on Postgres, what orders these servers' reports against other reports of
+    /// theirs and against a recount of the variants ([`VARIANTS_LOCK`] shared, then each
+    /// node's lock in one order, so that two batches never wait for each other in a
+    /// circle); SQLite's one writer orders them already. Before [`InventoryTx::read_variants`].
+    fn lock_reports(
+        &mut self,
+        servers: &[ServerId],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+    /// The variants, to classify reported functions by.
+    fn read_variants(
+        &mut self,
+    ) -> impl Future<Output = StoreResult<Vec<passage_model::Variant>>> + Send;
+    /// Writes what `report` changes, its node's locks taken.
+    fn apply_report(
+        &mut self,
+        report: &Report<'_>,
+        variants: &[passage_model::Variant],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+}
+
+macro_rules! impl_inventory_tx {
+    ($db:ty, $postgres:expr) => {
+        impl InventoryTx for sqlx::Transaction<'_, $db> {
+            async fn lock_reports(&mut self, servers: &[ServerId]) -> StoreResult<()> {
+                if !$postgres {
+                    return Ok(());
+                }
+                let mut keys: Vec<String> = servers.iter().map(ToString::to_string).collect();
+                keys.sort();
+                keys.dedup();
+                // One node (an inventory, or a batch from one node): one round trip.
+                if let [one] = keys.as_slice() {
+                    sqlx::query(
+                        "SELECT pg_advisory_xact_lock_shared($1), \
+                         pg_advisory_xact_lock($2, hashtext($3))",
+                    )
+                    .bind(VARIANTS_LOCK)
+                    .bind(NODE_LOCK_SPACE)
+                    .bind(one)
+                    .execute(&mut **self)
+                    .await?;
+                    return Ok(());
+                }
+                sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+                    .bind(VARIANTS_LOCK)
+                    .execute(&mut **self)
+                    .await?;
+                for s in keys {
+                    sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+                        .bind(NODE_LOCK_SPACE)
+                        .bind(s)
+                        .execute(&mut **self)
+                        .await?;
+                }
+                Ok(())
+            }
+
+            async fn read_variants(&mut self) -> StoreResult<Vec<passage_model::Variant>> {
+                let rows: Vec<super::variants::VariantRow> =
+                    sqlx::query_as(super::variants::LIST_ALL)
+                        .fetch_all(&mut **self)
+                        .await?;
+                super::variants::views(rows)
+            }
+
+            async fn apply_report(
+                &mut self,
+                r: &Report<'_>,
+                variants: &[passage_model::Variant],
+            ) -> StoreResult<()> {
+                let (server, host, report, coverage) = (r.server, r.host, r.devices, r.coverage);
+                let postgres = $postgres;
+                let now = now_ms();
+                let server_s = server.to_string();
+                let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
+                let cpus = host.map(|h| i64::from(h.cpus));
+                let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
+                // A task's changed functions come with its result, which is no heartbeat: the
+                // agent's own heartbeats say it is alive.
+                let server_locked = coverage == Coverage::Whole || host.is_some();
+                if server_locked {
+                    sqlx::query(
+                        "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
+                         memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
+                    )
+                    .bind(&server_s)
+                    .bind(now)
+                    .bind(cpus)
+                    .bind(memory)
+                    .execute(&mut **self)
+                    .await?;
+                }
+                // A task's few changed functions need only their own rows, and the shared
+                // functions whose VFs they may be: not every function of the node, each with
+                // its details, twice per VM.
+                let only = match coverage {
+                    Coverage::Whole => String::new(),
+                    Coverage::Changed if report.is_empty() => " AND d.state = 'shared'".to_string(),
+                    Coverage::Changed => format!(
+                        " AND (d.state = 'shared' OR d.id IN ({}))",
+                        page::marks(2, report.len())
+                    ),
+                };
+                let sql = format!(
+                    "SELECT {}, CAST(CASE WHEN d.state = 'used' \
+                     AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
+                     (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
+                     AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
+                     FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
+                     WHERE d.server_uuid = $1 AND d.parent IS NULL{only}",
+                    COLS.split(", ")
+                        .map(|c| format!("d.{c}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                let mut q = sqlx::query_as(&sql).bind(&server_s);
+                if coverage == Coverage::Changed {
+                    for d in report {
+                        q = q.bind(d.id.to_string());
+                    }
+                }
+                let known: Vec<KnownRow> = q.fetch_all(&mut **self).await?;
+                let known: HashMap<&str, &KnownRow> =
+                    known.iter().map(|k| (k.row.id.as_str(), k)).collect();
+                let shared = shared_functions(known.values().map(|k| &k.row));
+                let writes = report
+                    .iter()
+                    .map(|d| InventoryWrite::of(d, &variants, &shared, &known))
+                    .collect::<StoreResult<Vec<_>>>()?;
+                let writes: Vec<InventoryWrite<'_>> = writes.into_iter().flatten().collect();
+                // Whether a device may have become placeable or stopped being so: only then is
+                // the free index recounted. A driver change alone (every bind and unbind) leaves
+                // it as it is.
+                let mut recount = writes.iter().any(InventoryWrite::recounts);
+                if recount && !server_locked && postgres {
+                    sqlx::query("SELECT 1 FROM servers WHERE uuid = $1 FOR NO KEY UPDATE")
+                        .bind(&server_s)
+                        .execute(&mut **self)
+                        .await?;
+                }
+                for w in &writes {
+                    let d = w.device;
+                    match &w.was {
+                        None => {
+                            sqlx::query(
+                                "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
+                                 subsystem, revision, class, driver, numa_node, iommu_group, variant, \
+                                 state, used_by, generation, missing, taint, updated_at, details) \
+                                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+                                 'unassigned', NULL, 0, 0, NULL, $14, $15)",
+                            )
+                            .bind(&server_s)
+                            .bind(&w.id)
+                            .bind(d.address().to_string())
+                            .bind(d.vendor.to_string())
+                            .bind(d.device.to_string())
+                            .bind(d.subvendor.to_string())
+                            .bind(d.subsystem.to_string())
+                            .bind(d.revision.to_string())
+                            .bind(d.class.to_string())
+                            .bind(&d.driver)
+                            .bind(d.numa_node.map(i64::from))
+                            .bind(d.iommu_group.map(i64::from))
+                            .bind(&w.variant)
+                            .bind(now)
+                            .bind(&w.details)
+                            .execute(&mut **self)
+                            .await?;
+                        }
+                        Some(was) => {
+                            sqlx::query(
+                                "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
+                                 subsystem = $6, revision = $7, class = $8, driver = $9, \
+                                 numa_node = $10, iommu_group = $11, variant = $12, missing = 0, \
+                                 taint = CASE WHEN CAST($15 AS TEXT) IS NOT NULL THEN $15 \
+                                   WHEN missing = 1 THEN NULL ELSE taint END, \
+                                 updated_at = $13, details = $14 WHERE server_uuid = $1 AND id = $2",
+                            )
+                            .bind(&server_s)
+                            .bind(&w.id)
+                            .bind(d.vendor.to_string())
+                            .bind(d.device.to_string())
+                            .bind(d.subvendor.to_string())
+                            .bind(d.subsystem.to_string())
+                            .bind(d.revision.to_string())
+                            .bind(d.class.to_string())
+                            .bind(&d.driver)
+                            .bind(d.numa_node.map(i64::from))
+                            .bind(d.iommu_group.map(i64::from))
+                            .bind(&w.variant)
+                            .bind(now)
+                            .bind(&w.details)
+                            .bind(&w.health)
+                            .execute(&mut **self)
+                            .await?;
+                            if was.missing != 0 {
+                                // Its vGPU slots were flagged with it; back with it.
+                                sqlx::query(
+                                    "UPDATE devices SET missing = 0, taint = NULL, updated_at = $3 \
+                                     WHERE server_uuid = $1 AND parent = $2 AND missing = 1",
+                                )
+                                .bind(&server_s)
+                                .bind(&w.id)
+                                .bind(now)
+                                .execute(&mut **self)
+                                .await?;
+                            }
+                        }
+                    }
+                }
+                for k in known.values().map(|k| &k.row) {
+                    if coverage == Coverage::Changed || k.missing != 0 || reported.contains(&k.id) {
+                        continue;
+                    }
+                    recount = true;
+                    // A free VF gone with its function's `sriov_numvfs` is no loss: it goes.
+                    if k.is_vf() && matches!(k.state.as_str(), "unassigned" | "disabled") {
+                        sqlx::query(
+                            "DELETE FROM devices WHERE server_uuid = $1 AND id = $2 \
+                             AND state IN ('unassigned', 'disabled')",
+                        )
+                        .bind(&server_s)
+                        .bind(&k.id)
+                        .execute(&mut **self)
+                        .await?;
+                        continue;
+                    }
+                    // A missing GPU's vGPU slots are flagged with it: placement skips them.
+                    sqlx::query(
+                        "UPDATE devices SET missing = 1, taint = $3, updated_at = $4 \
+                         WHERE server_uuid = $1 AND (id = $2 OR parent = $2) AND missing = 0",
+                    )
+                    .bind(&server_s)
+                    .bind(&k.id)
+                    .bind(format!(
+                        "missing from the agent's inventory report (state was {})",
+                        k.state
+                    ))
+                    .bind(now)
+                    .execute(&mut **self)
+                    .await?;
+                }
+                if recount {
+                    self.refresh_free(server).await?;
+                }
+                Ok(())
+            }
+        }
+    };
+}
+
+impl_inventory_tx!(sqlx::Sqlite, false);
+impl_inventory_tx!(sqlx::Postgres, true);
 
 /// Postgres advisory lock (one 64-bit key) that orders inventories, which take it shared,
 /// against a recount of every device's variant, which takes it exclusively. The bytes

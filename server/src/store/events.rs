@@ -72,9 +72,10 @@ pub async fn scrub_reports(
     server: ServerId,
     device: Option<&str>,
 ) -> StoreResult<Vec<ScrubRecord>> {
-    let rows: Vec<(String, String, i64, String, i64)> = on_read!(db, |p| {
+    type Row = (String, String, i64, String, i64, Option<String>);
+    let rows: Vec<Row> = on_read!(db, |p| {
         sqlx::query_as(
-            "SELECT server_uuid, device, ok, steps, at FROM scrub_reports \
+            "SELECT server_uuid, device, ok, steps, at, task_uuid FROM scrub_reports \
              WHERE server_uuid = $1 AND (CAST($2 AS TEXT) IS NULL OR device = $2) ORDER BY seq",
         )
         .bind(server.to_string())
@@ -83,8 +84,9 @@ pub async fn scrub_reports(
         .await
     })?;
     rows.into_iter()
-        .map(|(s, d, ok, steps, at)| {
+        .map(|(s, d, ok, steps, at, task)| {
             Ok(ScrubRecord {
+                task_uuid: task.map(|t| parse_uuid(&t, "task")).transpose()?,
                 server_uuid: parse_uuid(&s, "server")?,
                 device: d.parse().map_err(corrupt)?,
                 ok: ok != 0,

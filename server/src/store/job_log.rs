@@ -194,6 +194,7 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
                 )
                 .bind(tasks.iter().map(|t| t.kind).collect::<Vec<_>>())
                 .bind(tasks.iter().map(|t| t.payload.as_str()).collect::<Vec<_>>())
+                .bind(super::tasks::QUEUED_CHANNEL)
                 .fetch_one(p)
                 .await?;
             Ok(())
@@ -201,7 +202,9 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
     }
 }
 
-/// The same writes on Postgres: one statement over arrays whatever their count.
+/// The same writes on Postgres: one statement over arrays whatever their count. It tells
+/// the other replicas which nodes have new tasks (`NOTIFY`, sent as it commits), once per
+/// node, not once per task.
 const PG_WRITE: &str = "WITH \
      x AS (SELECT * FROM UNNEST($2::text[], $3::int8[], $4::int8[]) AS x(job, done, next)), \
      s AS (UPDATE job_steps SET \
@@ -218,5 +221,7 @@ const PG_WRITE: &str = "WITH \
      t AS (INSERT INTO tasks (uuid, server_uuid, job_uuid, kind, payload, state, created_at) \
        SELECT t.u, t.s, t.j, t.k, t.p, 'queued', $1 \
        FROM UNNEST($6::text[], $7::text[], $8::text[], $9::text[], $10::text[]) \
-       AS t(u, s, j, k, p) RETURNING 1) \
-     SELECT (SELECT COUNT(*) FROM s) + (SELECT COUNT(*) FROM j) + (SELECT COUNT(*) FROM t)";
+       AS t(u, s, j, k, p) RETURNING 1), \
+     n AS (SELECT pg_notify($11, q.s) FROM (SELECT DISTINCT s FROM UNNEST($7::text[]) AS s) q) \
+     SELECT (SELECT COUNT(*) FROM s) + (SELECT COUNT(*) FROM j) + (SELECT COUNT(*) FROM t) \
+     + (SELECT COUNT(*) FROM n)";

@@ -1,25 +1,29 @@
 //! The per-server task queue the agents long-poll.
 
+use super::devices::{Coverage, InventoryTx, Report};
 use super::page::Arg;
 use super::sql::Sql;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{bind_args, on_read, on_write};
 use passage_model::protocol::{TaskEnvelope, TaskResult};
-use passage_model::{JobId, ServerId, TaskId};
+use passage_model::{JobId, PciDevice, ServerId, TaskId};
 use std::collections::HashSet;
 
-/// The Postgres channels replicas tell each other on (`NOTIFY`): a task queued for a node
-/// (payload: the server's uuid) and a task given its result (payload: the task's uuid).
+/// The Postgres channels replicas tell each other on (`NOTIFY`; each listens:
+/// `services::wake_on_notify`): a task queued for a node (payload: the server's uuid) and
+/// a task given its result (payload: the task's uuid). The statement that queues tasks
+/// (`store::job_log::write`) sends the first as it commits; [`announce`] the second, for
+/// a batch of results at once. SQLite has no other replica to tell.
 pub const QUEUED_CHANNEL: &str = "passage_task_queued";
 pub const DONE_CHANNEL: &str = "passage_task_done";
 
-/// Tells the other replicas on a shared Postgres (each listens: `services::wake_on_notify`);
-/// nothing to do on SQLite, which has no other replica.
-pub async fn announce(db: &Db, channel: &str, key: &str) -> StoreResult<()> {
-    if let Db::Postgres(p) = db {
-        sqlx::query("SELECT pg_notify($1, $2)")
+/// Tells the other replicas on a shared Postgres, one statement for all of `keys`;
+/// nothing to do on SQLite.
+pub async fn announce(db: &Db, channel: &str, keys: &[String]) -> StoreResult<()> {
+    if let (Db::Postgres(p), false) = (db, keys.is_empty()) {
+        sqlx::query("SELECT pg_notify($1, k) FROM UNNEST($2::text[]) AS k")
             .bind(channel)
-            .bind(key)
+            .bind(keys)
             .execute(p)
             .await?;
     }
@@ -71,6 +75,9 @@ pub struct Completion {
     pub server: ServerId,
     /// The result as JSON.
     pub result: String,
+    /// The node's functions as the task left them (a bind's or an unbind's drivers),
+    /// written with the result: the job it wakes sees them so.
+    pub changed: Vec<PciDevice>,
 }
 
 impl Completion {
@@ -79,13 +86,16 @@ impl Completion {
             task,
             server,
             result: serde_json::to_string(result).map_err(corrupt)?,
+            changed: result.devices.clone(),
         })
     }
 }
 
 /// Records results, in one statement; only the server a task was for may give its result,
 /// and only once. Answers, in order, whether each was recorded ([`not_completed`] says
-/// why one was not). A task given twice is recorded for its first.
+/// why one was not). A task given twice is recorded for its first. The functions the
+/// tasks changed are written first, in the same transaction, whether or not their result
+/// is recorded (they are the node's word on its own functions, as an inventory is).
 pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool>> {
     let mut seen = HashSet::new();
     let first: Vec<&Completion> = done.iter().filter(|c| seen.insert(c.task)).collect();
@@ -93,47 +103,39 @@ pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool
         return Ok(Vec::new());
     }
     let now = now_ms();
-    let written: Vec<String> = match db {
-        Db::Sqlite { .. } => {
-            let mut q = Sql::default();
-            let rows = q.rows(&first, |q, c| {
-                format!(
-                    "{}, {}, {}",
-                    q.text(c.task),
-                    q.text(c.server),
-                    q.arg(Arg::Text(c.result.clone()))
-                )
-            });
-            let sql = format!(
-                "WITH x(uuid, server, result) AS (VALUES {rows}) \
-                 UPDATE tasks SET state = 'done', result = x.result, done_at = {} FROM x \
-                 WHERE tasks.uuid = x.uuid AND tasks.server_uuid = x.server \
-                 AND tasks.state <> 'done' RETURNING tasks.uuid",
-                q.int(now)
-            );
-            on_write!(db, |p| bind_args!(sqlx::query_scalar(&sql), &q.args)
-                .fetch_all(p)
-                .await)?
+    let mut reports: Vec<Report<'_>> = done
+        .iter()
+        .filter(|c| !c.changed.is_empty())
+        .map(|c| Report {
+            server: c.server,
+            host: None,
+            devices: &c.changed,
+            coverage: Coverage::Changed,
+        })
+        .collect();
+    // By server, as placements lock servers' rows (a report that recounts locks its
+    // own); one node's reports stay in the order they came.
+    reports.sort_by_cached_key(|r| r.server.to_string());
+    let written: Vec<String> = if reports.is_empty() {
+        match db {
+            Db::Sqlite { .. } => {
+                let (sql, args) = complete_sqlite(&first, now);
+                on_write!(db, |p| bind_args!(sqlx::query_scalar(&sql), &args)
+                    .fetch_all(p)
+                    .await)?
+            }
+            Db::Postgres(p) => complete_pg(&first, now).fetch_all(p).await?,
         }
-        Db::Postgres(p) => {
-            sqlx::query_scalar(
-                "UPDATE tasks SET state = 'done', result = x.r, done_at = $1 \
-                 FROM UNNEST($2::text[], $3::text[], $4::text[]) AS x(u, s, r) \
-                 WHERE tasks.uuid = x.u AND tasks.server_uuid = x.s \
-                 AND tasks.state <> 'done' RETURNING tasks.uuid",
-            )
-            .bind(now)
-            .bind(first.iter().map(|c| c.task.to_string()).collect::<Vec<_>>())
-            .bind(
-                first
-                    .iter()
-                    .map(|c| c.server.to_string())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(first.iter().map(|c| c.result.as_str()).collect::<Vec<_>>())
-            .fetch_all(p)
-            .await?
-        }
+    } else {
+        let servers: Vec<ServerId> = reports.iter().map(|r| r.server).collect();
+        crate::in_tx!(db, |tx| {
+            tx.lock_reports(&servers).await?;
+            let variants = tx.read_variants().await?;
+            for r in &reports {
+                tx.apply_report(r, &variants).await?;
+            }
+            tx.complete(&first, now).await
+        })?
     };
     let written: HashSet<&str> = written.iter().map(String::as_str).collect();
     let mut answered = HashSet::new();
@@ -141,6 +143,73 @@ pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool
         .iter()
         .map(|c| written.contains(c.task.to_string().as_str()) && answered.insert(c.task))
         .collect())
+}
+
+/// SQLite's statement for [`complete_many`]: one row of values per result.
+fn complete_sqlite(first: &[&Completion], now: i64) -> (String, Vec<Arg>) {
+    let mut q = Sql::default();
+    let rows = q.rows(first, |q, c| {
+        format!(
+            "{}, {}, {}",
+            q.text(c.task),
+            q.text(c.server),
+            q.arg(Arg::Text(c.result.clone()))
+        )
+    });
+    let sql = format!(
+        "WITH x(uuid, server, result) AS (VALUES {rows}) \
+         UPDATE tasks SET state = 'done', result = x.result, done_at = {} FROM x \
+         WHERE tasks.uuid = x.uuid AND tasks.server_uuid = x.server \
+         AND tasks.state <> 'done' RETURNING tasks.uuid",
+        q.int(now)
+    );
+    (sql, q.args)
+}
+
+/// Postgres's statement for [`complete_many`]: one text whatever the count, with arrays.
+fn complete_pg<'q>(
+    first: &[&Completion],
+    now: i64,
+) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, String, sqlx::postgres::PgArguments> {
+    sqlx::query_scalar(
+        "UPDATE tasks SET state = 'done', result = x.r, done_at = $1 \
+         FROM UNNEST($2::text[], $3::text[], $4::text[]) AS x(u, s, r) \
+         WHERE tasks.uuid = x.u AND tasks.server_uuid = x.s \
+         AND tasks.state <> 'done' RETURNING tasks.uuid",
+    )
+    .bind(now)
+    .bind(first.iter().map(|c| c.task.to_string()).collect::<Vec<_>>())
+    .bind(
+        first
+            .iter()
+            .map(|c| c.server.to_string())
+            .collect::<Vec<_>>(),
+    )
+    .bind(first.iter().map(|c| c.result.clone()).collect::<Vec<_>>())
+}
+
+/// [`complete_many`]'s statement in the caller's transaction.
+trait CompleteTx {
+    fn complete(
+        &mut self,
+        first: &[&Completion],
+        now: i64,
+    ) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
+}
+
+impl CompleteTx for sqlx::Transaction<'_, sqlx::Sqlite> {
+    async fn complete(&mut self, first: &[&Completion], now: i64) -> StoreResult<Vec<String>> {
+        let (sql, args) = complete_sqlite(first, now);
+        Ok(bind_args!(sqlx::query_scalar(&sql), &args)
+            .fetch_all(&mut **self)
+            .await?)
+    }
+}
+
+impl CompleteTx for sqlx::Transaction<'_, sqlx::Postgres> {
+    async fn complete(&mut self, first: &[&Completion], now: i64) -> StoreResult<Vec<String>> {
+        Ok(complete_pg(first, now).fetch_all(&mut **self).await?)
+    }
 }
 
 /// Why [`complete_many`] did not record a result: the task is not `server`'s (or unknown

@@ -35,9 +35,20 @@ pub async fn run_raw(
     job: Option<JobId>,
     task: Task,
 ) -> Result<TaskResult, StepError> {
-    let name = task.name();
     // Time-ordered: the tasks table is keyed by it and grows by one row per task.
-    let id = TaskId::new_ordered();
+    run_raw_as(ctx, server, job, TaskId::new_ordered(), task).await
+}
+
+/// [`run_raw`] for a task whose id the caller chose, to record beside what the result
+/// brings (`new_ordered`, as every task's).
+pub async fn run_raw_as(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<JobId>,
+    id: TaskId,
+    task: Task,
+) -> Result<TaskResult, StepError> {
+    let name = task.name();
     let waker = ctx.task_done.handle(&id);
     // Made before the task exists, so no wake-up of its result can come before it: the
     // first look at the database waits for one (a result cannot be there sooner), which
@@ -49,12 +60,8 @@ pub async fn run_raw(
         Err(e) => Err(e),
     };
     queued.map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
+    // Other replicas were told as the task was written.
     ctx.tasks_queued.wake(&server);
-    if let Err(e) = tasks::announce(&ctx.jobs_db, tasks::QUEUED_CHANNEL, &server.to_string()).await
-    {
-        // The replica the node polls looks again within its poll interval.
-        tracing::warn!(%server, error = %e, "announcing a task");
-    }
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
     loop {
         let until = match ctx.replica_poll() {

@@ -124,12 +124,12 @@ async fn scrub_started(
         pipelines: pipelines(ctx, server, ids).await?,
         devices: paths,
     };
+    // Its reports are recorded with its id.
+    let task_id = passage_model::TaskId::new_ordered();
     // No answer: the scrub may not have run (the caller puts the devices back to dirty).
-    let task_result = agent_task::run_raw(ctx, server, job, task).await?;
+    let task_result = agent_task::run_raw_as(ctx, server, job, task_id, task).await?;
     let mut failed = Vec::new();
     let mut outcome = DeviceWrite::default();
-    // One task: its reports share its id.
-    let task_id = passage_model::TaskId::new_ordered();
     for id in ids {
         let report = task_result
             .scrub_reports

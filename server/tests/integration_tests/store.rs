@@ -1294,6 +1294,99 @@ both!(
     task_results_are_recorded_once_and_by_their_node
 );
 
+/// Task results recorded together write, in their transaction, the functions their
+/// tasks changed, for each node; a refused result's functions are written all the same
+/// (they are the node's word on its own functions), and a held device keeps its state.
+async fn task_results_write_the_functions_their_tasks_changed(b: Backend) {
+    use passage_model::protocol::{Task, TaskResult};
+    use passage_server::store::job_log::{self, NewTask};
+    use passage_server::store::tasks::{self, Completion};
+    let (_tdb, db, server, ids) = seeded(b).await;
+    servers::insert_join_token(&db, "jt-2", "test", i64::MAX)
+        .await
+        .unwrap();
+    let second = servers::register(&db, "jt-2", "cn-2", "cred-2")
+        .await
+        .unwrap()
+        .unwrap();
+    let functions: Vec<passage_model::PciDevice> = devices::for_server(&db, server)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.pci)
+        .collect();
+    devices::apply_inventory(&db, second, None, &functions, devices::Coverage::Whole)
+        .await
+        .unwrap();
+    let task = |s| {
+        let id = passage_model::TaskId::new_ordered();
+        let t = Task::StopVm {
+            vm_uuid: VmId::new_ordered(),
+        };
+        (id, NewTask::new(id, s, None, &t).unwrap())
+    };
+    let (t1, n1) = task(server);
+    let (t2, n2) = task(second);
+    job_log::write(&db, &[], &[n1, n2]).await.unwrap();
+    let rebound = |id: &str| {
+        let mut d = functions
+            .iter()
+            .find(|d| d.id.to_string() == id)
+            .unwrap()
+            .clone();
+        d.driver = Some("vfio-pci".into());
+        d
+    };
+    let with = |devices: Vec<passage_model::PciDevice>| TaskResult {
+        devices,
+        ..TaskResult::success()
+    };
+    let done = |t, s, r: &TaskResult| Completion::new(t, s, r).unwrap();
+    let recorded = tasks::complete_many(
+        &db,
+        &[
+            done(t1, server, &with(vec![rebound(&ids[0])])),
+            done(t2, second, &with(vec![rebound(&ids[0]), rebound(&ids[1])])),
+            done(t1, server, &with(vec![rebound(&ids[1])])),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(recorded, vec![true, true, false]);
+    let driver = |s, id: &str| {
+        let db = &db;
+        let id = id.to_string();
+        async move {
+            devices::for_server(db, s)
+                .await
+                .unwrap()
+                .into_iter()
+                .find(|d| d.pci.id.to_string() == id)
+                .map(|d| (d.pci.driver, d.state, d.variant.is_some()))
+                .unwrap()
+        }
+    };
+    let vfio = |(driver, state, variant): (Option<String>, DeviceState, bool)| {
+        driver.as_deref() == Some("vfio-pci") && state == DeviceState::Unassigned && variant
+    };
+    assert!(vfio(driver(server, &ids[0]).await));
+    assert!(
+        vfio(driver(server, &ids[1]).await),
+        "a refused result's functions"
+    );
+    assert!(vfio(driver(second, &ids[0]).await));
+    assert!(vfio(driver(second, &ids[1]).await));
+    assert!(
+        !vfio(driver(second, &ids[2]).await),
+        "only what was reported"
+    );
+    assert!(tasks::result(&db, t2).await.unwrap().is_some_and(|r| r.ok));
+}
+both!(
+    task_results_write_the_functions_their_tasks_changed_on,
+    task_results_write_the_functions_their_tasks_changed
+);
+
 /// The job runner's lane commits without waiting for the disk on Postgres; every other
 /// connection waits.
 async fn the_jobs_lane_alone_relaxes_commits(b: Backend) {
@@ -1486,6 +1579,66 @@ both!(
     a_gpu_hosts_vgpus_until_its_last_is_scrubbed_on,
     a_gpu_hosts_vgpus_until_its_last_is_scrubbed
 );
+
+/// On Postgres the statement that queues tasks tells the other replicas as it commits,
+/// each node with new tasks once; results recorded together are announced in one
+/// statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_tasks_and_recorded_results_are_announced_to_replicas() {
+    use passage_model::protocol::{Task, TaskResult};
+    use passage_server::store::job_log::{self, NewTask};
+    use passage_server::store::tasks::{self, Completion, DONE_CHANNEL, QUEUED_CHANNEL};
+    let (_tdb, db, server, _ids) = seeded(Backend::Postgres).await;
+    let Db::Postgres(pool) = &db else {
+        unreachable!()
+    };
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool)
+        .await
+        .unwrap();
+    listener
+        .listen_all([QUEUED_CHANNEL, DONE_CHANNEL])
+        .await
+        .unwrap();
+    let new = || {
+        let id = passage_model::TaskId::new_ordered();
+        let t = Task::StopVm {
+            vm_uuid: VmId::new_ordered(),
+        };
+        (id, NewTask::new(id, server, None, &t).unwrap())
+    };
+    let (t1, n1) = new();
+    let (t2, n2) = new();
+    job_log::write(&db, &[], &[n1, n2]).await.unwrap();
+    let ok = TaskResult::success();
+    let other = ServerId::new_random();
+    let recorded = tasks::complete_many(
+        &db,
+        &[
+            Completion::new(t1, server, &ok).unwrap(),
+            Completion::new(t2, other, &ok).unwrap(),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(recorded, vec![true, false]);
+    tasks::announce(&db, DONE_CHANNEL, &[t1.to_string(), t2.to_string()])
+        .await
+        .unwrap();
+    let mut heard = Vec::new();
+    while let Ok(Ok(n)) =
+        tokio::time::timeout(std::time::Duration::from_millis(500), listener.recv()).await
+    {
+        heard.push((n.channel().to_string(), n.payload().to_string()));
+    }
+    assert_eq!(
+        heard,
+        vec![
+            (QUEUED_CHANNEL.to_string(), server.to_string()),
+            (DONE_CHANNEL.to_string(), t1.to_string()),
+            (DONE_CHANNEL.to_string(), t2.to_string()),
+        ]
+    );
+}
 
 /// On SQLite every write queues for the one writer connection. The placer's handle
 /// (`first_in_line`) goes ahead of the others: with twenty writers of the ordinary handle

@@ -106,6 +106,12 @@ async fn provision_and_destroy(b: Backend) {
     assert!(r.ok);
     assert!(r.steps.iter().any(|s| s.name == "reset" && s.ok));
     assert!(r.at <= events[4].at);
+    // The report names the scrub task whose result brought it.
+    let task = passage_server::store::tasks::result(&s.ctx.db, r.task_uuid.unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(task.scrub_reports.iter().any(|t| t.device == dev && t.ok));
     let resets = std::fs::read_to_string(node.sysfs.join(node_agent::fake::RESET_LOG)).unwrap();
     assert!(
         resets.contains(&dev.address().to_string()),
