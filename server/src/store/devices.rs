@@ -4,7 +4,7 @@
 //! machine decides, a conditional `UPDATE … WHERE generation = ?` makes it stick, and an
 //! event row records it.
 
-use super::page::{self, DeviceKey, Page, PageReq, Start, Where};
+use super::page::{self, Arg, DeviceKey, Page, PageReq, Start, Where};
 use super::reserve::devices::placeable;
 use super::reserve::free_index::FreeIndexTx;
 use super::room::{REPORTED, ROOM_COLS, ROOM_GROUP, VMS_HOLDING};
@@ -519,6 +519,16 @@ pub trait InventoryTx {
         report: &Report<'_>,
         variants: &[passage_model::Variant],
     ) -> impl Future<Output = StoreResult<()>> + Send;
+    /// [`InventoryTx::apply_report`] for each of `reports`, in order, their nodes' locks
+    /// taken. Task results' changed functions (a bind's or an unbind's drivers) of nodes
+    /// with one report each are read in one statement and, where they only change what a
+    /// function says of itself (not whether it is placeable), written in one: a batch of
+    /// results then costs the one writer two statements, not two per result.
+    fn apply_changed(
+        &mut self,
+        reports: &[Report<'_>],
+        variants: &[passage_model::Variant],
+    ) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 macro_rules! impl_inventory_tx {
@@ -604,18 +614,7 @@ macro_rules! impl_inventory_tx {
                         page::marks(2, report.len())
                     ),
                 };
-                let sql = format!(
-                    "SELECT {}, CAST(CASE WHEN d.state = 'used' \
-                     AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
-                     (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
-                     AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
-                     FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
-                     WHERE d.server_uuid = $1 AND d.parent IS NULL{only}",
-                    COLS.split(", ")
-                        .map(|c| format!("d.{c}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
+                let sql = known_sql(&format!("d.server_uuid = $1{only}"));
                 let mut q = sqlx::query_as(&sql).bind(&server_s);
                 if coverage == Coverage::Changed {
                     for d in report {
@@ -748,8 +747,110 @@ macro_rules! impl_inventory_tx {
                 }
                 Ok(())
             }
+
+            async fn apply_changed(
+                &mut self,
+                reports: &[Report<'_>],
+                variants: &[passage_model::Variant],
+            ) -> StoreResult<()> {
+                let (plain, rest) = plain_reports(reports);
+                let mut alone: Vec<&Report<'_>> = Vec::new();
+                if plain.len() < 2 {
+                    alone.extend(plain);
+                } else {
+                    for chunk in plain.chunks(CHANGED_CHUNK) {
+                        alone.extend(self.apply_plain(chunk, variants).await?);
+                    }
+                }
+                // Each node's reports here are its only ones, or all of them: their order
+                // within a node is kept.
+                alone.extend(rest);
+                for r in alone {
+                    self.apply_report(r, variants).await?;
+                }
+                Ok(())
+            }
+        }
+
+        impl PlainTx for sqlx::Transaction<'_, $db> {
+            async fn apply_plain<'r, 'a>(
+                &mut self,
+                reports: &[&'r Report<'a>],
+                variants: &[passage_model::Variant],
+            ) -> StoreResult<Vec<&'r Report<'a>>> {
+                let servers: Vec<String> = reports.iter().map(|r| r.server.to_string()).collect();
+                let mut ids: Vec<String> = reports
+                    .iter()
+                    .flat_map(|r| r.devices.iter().map(|d| d.id.to_string()))
+                    .collect();
+                ids.sort();
+                ids.dedup();
+                // Nodes share addresses: an id may name another node's row too, which is
+                // left out below by its server.
+                let sql = known_sql(&format!(
+                    "d.server_uuid IN ({}) AND (d.state = 'shared' OR d.id IN ({}))",
+                    page::marks(1, servers.len()),
+                    page::marks(1 + servers.len(), ids.len())
+                ));
+                let mut q = sqlx::query_as(&sql);
+                for s in servers.iter().chain(&ids) {
+                    q = q.bind(s.as_str());
+                }
+                let rows: Vec<KnownRow> = q.fetch_all(&mut **self).await?;
+                let mut by_server: HashMap<&str, Vec<&KnownRow>> = HashMap::new();
+                for k in &rows {
+                    by_server.entry(k.row.server_uuid.as_str()).or_default().push(k);
+                }
+                let mut alone = Vec::new();
+                let mut writes: Vec<(String, InventoryWrite<'_>)> = Vec::new();
+                for (r, server) in reports.iter().zip(&servers) {
+                    let reported: HashSet<String> = r.devices.iter().map(|d| d.id.to_string()).collect();
+                    let mine = by_server.get(server.as_str()).map_or(&[][..], Vec::as_slice);
+                    let known: HashMap<&str, &KnownRow> = mine
+                        .iter()
+                        .filter(|k| k.row.state == "shared" || reported.contains(&k.row.id))
+                        .map(|k| (k.row.id.as_str(), *k))
+                        .collect();
+                    let shared = shared_functions(known.values().map(|k| &k.row));
+                    let mine: Vec<InventoryWrite<'_>> = r
+                        .devices
+                        .iter()
+                        .map(|d| InventoryWrite::of(d, variants, &shared, &known))
+                        .collect::<StoreResult<Vec<_>>>()?
+                        .into_iter()
+                        .flatten()
+                        .collect();
+                    if mine.iter().all(InventoryWrite::plain) {
+                        writes.extend(mine.into_iter().map(|w| (server.clone(), w)));
+                    } else {
+                        // A new function, a variant, a taint: the node's own path, which
+                        // takes the locks that need and recounts.
+                        alone.push(*r);
+                    }
+                }
+                let now = now_ms();
+                let refs: Vec<(String, &InventoryWrite<'_>)> =
+                    writes.iter().map(|(s, w)| (s.clone(), w)).collect();
+                for chunk in refs.chunks(CHANGED_CHUNK) {
+                    let (sql, args) = plain_update_sql(now, chunk);
+                    crate::bind_args!(sqlx::query(&sql), &args)
+                        .execute(&mut **self)
+                        .await?;
+                }
+                Ok(alone)
+            }
         }
     };
+}
+
+/// The shared read and write of [`InventoryTx::apply_changed`], for a chunk of reports:
+/// answers those that need their own path.
+trait PlainTx {
+    fn apply_plain<'r, 'a>(
+        &mut self,
+        reports: &[&'r Report<'a>],
+        variants: &[passage_model::Variant],
+    ) -> impl Future<Output = StoreResult<Vec<&'r Report<'a>>>> + Send;
 }
 
 impl_inventory_tx!(sqlx::Sqlite, false);
@@ -764,6 +865,83 @@ pub const VARIANTS_LOCK: i64 = 0x7061_7373_6167_6501;
 /// 64-bit ones): the second is the hash of the server's uuid. A collision only makes two
 /// nodes' reports wait for each other.
 pub const NODE_LOCK_SPACE: i32 = 0x7061_7301;
+
+/// The read of stored functions an inventory compares its report with (`filter` picks
+/// them): each row with whether a VM uses it at rest, which decides a taint.
+fn known_sql(filter: &str) -> String {
+    format!(
+        "SELECT {}, CAST(CASE WHEN d.state = 'used' \
+         AND v.state IN ('running', 'stopped') AND (v.job_uuid IS NULL OR NOT EXISTS \
+         (SELECT 1 FROM jobs j WHERE j.uuid = v.job_uuid \
+         AND j.state IN ('queued', 'running'))) THEN 1 ELSE 0 END AS BIGINT) AS at_rest \
+         FROM devices d LEFT JOIN vms v ON v.uuid = d.used_by \
+         WHERE d.parent IS NULL AND {filter}",
+        COLS.split(", ")
+            .map(|c| format!("d.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// Task results' reports read and written together at most ([`InventoryTx::apply_changed`]),
+/// so that one statement's values stay far under either database's limit.
+const CHANGED_CHUNK: usize = 256;
+
+/// The reports of [`InventoryTx::apply_changed`] that one read and one update can take:
+/// a task's changed functions, from a node with no other report in the batch (a second
+/// report must see the first one's writes). The rest, in their order.
+fn plain_reports<'r, 'a>(reports: &'r [Report<'a>]) -> (Vec<&'r Report<'a>>, Vec<&'r Report<'a>>) {
+    let mut per_server: HashMap<ServerId, usize> = HashMap::new();
+    for r in reports {
+        *per_server.entry(r.server).or_default() += 1;
+    }
+    reports.iter().partition(|r| {
+        r.coverage == Coverage::Changed
+            && r.host.is_none()
+            && !r.devices.is_empty()
+            && per_server.get(&r.server) == Some(&1)
+    })
+}
+
+/// The update of a chunk of driver-and-details writes ([`InventoryWrite::plain`]) to rows
+/// that stay as placeable as they were, with its values (`now` first).
+fn plain_update_sql(now: i64, writes: &[(String, &InventoryWrite<'_>)]) -> (String, Vec<Arg>) {
+    let text = |o: &Option<String>| o.clone().map_or(Arg::Null, Arg::Text);
+    // Numbers go as text: a VALUES column keeps one type over its rows, and NULL is text
+    // here; the SET casts them back.
+    let number = |o: Option<u32>| o.map_or(Arg::Null, |n| Arg::Text(n.to_string()));
+    let mut args = vec![Arg::Int(now)];
+    for (server, w) in writes {
+        let d = w.device;
+        args.extend([
+            Arg::Text(server.clone()),
+            Arg::Text(w.id.clone()),
+            Arg::Text(d.vendor.to_string()),
+            Arg::Text(d.device.to_string()),
+            Arg::Text(d.subvendor.to_string()),
+            Arg::Text(d.subsystem.to_string()),
+            Arg::Text(d.revision.to_string()),
+            Arg::Text(d.class.to_string()),
+            text(&d.driver),
+            number(d.numa_node),
+            number(d.iommu_group),
+            text(&w.variant),
+            text(&w.details),
+        ]);
+    }
+    (
+        format!(
+            "UPDATE devices SET vendor = v.column3, device = v.column4, subvendor = v.column5, \
+             subsystem = v.column6, revision = v.column7, class = v.column8, driver = v.column9, \
+             numa_node = CAST(v.column10 AS BIGINT), iommu_group = CAST(v.column11 AS BIGINT), \
+             variant = v.column12, details = v.column13, updated_at = $1 \
+             FROM (VALUES {}) AS v \
+             WHERE devices.server_uuid = v.column1 AND devices.id = v.column2",
+            page::value_rows(2, writes.len(), 13)
+        ),
+        args,
+    )
+}
 
 /// One reported function's write, worked out before any is made: whether the report
 /// changes what the node can place decides which locks it needs first.
@@ -826,6 +1004,12 @@ impl<'a> InventoryWrite<'a> {
             details,
             health,
         }))
+    }
+
+    /// Whether the write rewrites a known, present function without a taint: what
+    /// [`plain_update_sql`] writes, nothing of whether it is placeable.
+    fn plain(&self) -> bool {
+        self.was.is_some_and(|was| was.missing == 0) && !self.recounts()
     }
 
     /// Whether the write may make the device placeable or stop it being so (new, a

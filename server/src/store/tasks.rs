@@ -131,9 +131,7 @@ pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool
         crate::in_tx!(db, |tx| {
             tx.lock_reports(&servers).await?;
             let variants = tx.read_variants().await?;
-            for r in &reports {
-                tx.apply_report(r, &variants).await?;
-            }
+            tx.apply_changed(&reports, &variants).await?;
             tx.complete(&first, now).await
         })?
     };

@@ -446,28 +446,33 @@ impl TestServer {
     /// Checks that the free-device index placement reads (kept by adding and subtracting
     /// as devices move) is what a recount of the devices makes it (rows of 0 left out).
     pub async fn assert_free_index_exact(&self, what: &str) {
-        use passage_server::store::Db;
-        let kept = "SELECT server_uuid, variant, CAST(free AS BIGINT) FROM free_devices \
-                    WHERE free <> 0 ORDER BY 1, 2";
-        let counted = "SELECT server_uuid, variant, CAST(COUNT(*) AS BIGINT) FROM devices \
-                       WHERE variant IS NOT NULL AND state = 'unassigned' AND missing = 0 \
-                       AND taint IS NULL GROUP BY server_uuid, variant ORDER BY 1, 2";
-        type Rows = Vec<(String, String, i64)>;
-        let (kept, counted): (Rows, Rows) = match &self.ctx.db {
-            Db::Sqlite { read, .. } => (
-                sqlx::query_as(kept).fetch_all(read).await.unwrap(),
-                sqlx::query_as(counted).fetch_all(read).await.unwrap(),
-            ),
-            Db::Postgres(p) => (
-                sqlx::query_as(kept).fetch_all(p).await.unwrap(),
-                sqlx::query_as(counted).fetch_all(p).await.unwrap(),
-            ),
-        };
-        assert_eq!(
-            kept, counted,
-            "{what}: the free-device index against a recount"
-        );
+        assert_free_index_exact(&self.ctx.db, what).await;
     }
+}
+
+/// [`TestServer::assert_free_index_exact`] on a database of the caller's.
+pub async fn assert_free_index_exact(db: &passage_server::store::Db, what: &str) {
+    use passage_server::store::Db;
+    let kept = "SELECT server_uuid, variant, CAST(free AS BIGINT) FROM free_devices \
+                WHERE free <> 0 ORDER BY 1, 2";
+    let counted = "SELECT server_uuid, variant, CAST(COUNT(*) AS BIGINT) FROM devices \
+                   WHERE variant IS NOT NULL AND state = 'unassigned' AND missing = 0 \
+                   AND taint IS NULL GROUP BY server_uuid, variant ORDER BY 1, 2";
+    type Rows = Vec<(String, String, i64)>;
+    let (kept, counted): (Rows, Rows) = match db {
+        Db::Sqlite { read, .. } => (
+            sqlx::query_as(kept).fetch_all(read).await.unwrap(),
+            sqlx::query_as(counted).fetch_all(read).await.unwrap(),
+        ),
+        Db::Postgres(p) => (
+            sqlx::query_as(kept).fetch_all(p).await.unwrap(),
+            sqlx::query_as(counted).fetch_all(p).await.unwrap(),
+        ),
+    };
+    assert_eq!(
+        kept, counted,
+        "{what}: the free-device index against a recount"
+    );
 }
 
 /// Calls to the server with one token (or none).

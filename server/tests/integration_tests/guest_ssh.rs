@@ -220,6 +220,7 @@ async fn walk(image: &Path) {
 
     // Destroy: the tap goes, the address returns, the next VM may get it.
     let vm_path = format!("/v1/vms/{}", vm.uuid);
+    let placed: Vm = op.get(&vm_path).await.ok(200);
     tenant.delete::<Vm>(&vm_path).await.ok(202);
     wait_for(Duration::from_secs(120), || async {
         let v: Vm = tenant.get(&vm_path).await.ok(200);
@@ -233,6 +234,19 @@ async fn walk(image: &Path) {
         .await
         .ok(200);
     assert!(held.is_empty(), "{held:?}");
+    // Its GPUs come back once scrubbed, a moment after the VM is destroyed (slower on a
+    // busy machine): until then the node has none free for the next VM.
+    let server = placed.server_uuid.expect("a placed VM names its server");
+    wait_for(Duration::from_secs(120), || async {
+        let srv: passage_model::api::Server =
+            op.get(&format!("/v1/servers/{server}")).await.ok(200);
+        srv.assignable_devices?
+            .iter()
+            .all(|d| d.state == passage_model::DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await
+    .expect("the GPUs were scrubbed");
     let again: Vm = tenant
         .post(
             "/v1/vms",

@@ -1387,6 +1387,131 @@ both!(
     task_results_write_the_functions_their_tasks_changed
 );
 
+/// Results of several nodes recorded together write their changed functions in one read
+/// and one update: every field a report carries lands (a NUMA node, a driver gone, no
+/// IOMMU group), a node with two reports gets them in order, and a report that changes
+/// what a node can place (a function that no longer matches its variant) takes its own
+/// path and recounts the free index.
+async fn task_results_of_many_nodes_write_their_functions_together(b: Backend) {
+    use passage_model::protocol::{Task, TaskResult};
+    use passage_server::store::job_log::{self, NewTask};
+    use passage_server::store::tasks::{self, Completion};
+    let (_tdb, db, a, ids) = seeded(b).await;
+    let functions: Vec<passage_model::PciDevice> = devices::for_server(&db, a)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.pci)
+        .collect();
+    let mut nodes = vec![a];
+    for n in 1..4 {
+        let token = format!("jt-{n}");
+        servers::insert_join_token(&db, &token, "test", i64::MAX)
+            .await
+            .unwrap();
+        let s = servers::register(&db, &token, &format!("cn-{n}"), &format!("cred-{n}"))
+            .await
+            .unwrap()
+            .unwrap();
+        devices::apply_inventory(&db, s, None, &functions, devices::Coverage::Whole)
+            .await
+            .unwrap();
+        nodes.push(s);
+    }
+    let (b_, c, d) = (nodes[1], nodes[2], nodes[3]);
+    let mut tasks_of = Vec::new();
+    let mut queued = Vec::new();
+    for s in [a, b_, c, d, d] {
+        let id = passage_model::TaskId::new_ordered();
+        let t = Task::StopVm {
+            vm_uuid: VmId::new_ordered(),
+        };
+        queued.push(NewTask::new(id, s, None, &t).unwrap());
+        tasks_of.push(id);
+    }
+    job_log::write(&db, &[], &queued).await.unwrap();
+    let function = |id: &str| {
+        functions
+            .iter()
+            .find(|d| d.id.to_string() == id)
+            .unwrap()
+            .clone()
+    };
+    let with = |devices: Vec<passage_model::PciDevice>| TaskResult {
+        devices,
+        ..TaskResult::success()
+    };
+    let mut a0 = function(&ids[0]);
+    a0.driver = Some("vfio-pci".into());
+    a0.numa_node = Some(7);
+    let mut a1 = function(&ids[1]);
+    a1.driver = None;
+    a1.iommu_group = None;
+    let mut b0 = function(&ids[0]);
+    b0.driver = Some("vfio-pci".into());
+    let mut c0 = function(&ids[0]);
+    c0.device = passage_model::pci::HexId(0x1234);
+    let mut d_first = function(&ids[0]);
+    d_first.driver = Some("vfio-pci".into());
+    let mut d_then = function(&ids[0]);
+    d_then.driver = Some("nvidia".into());
+    let results = [
+        (a, vec![a0, a1]),
+        (b_, vec![b0]),
+        (c, vec![c0]),
+        (d, vec![d_first]),
+        (d, vec![d_then]),
+    ];
+    let done: Vec<Completion> = results
+        .iter()
+        .zip(&tasks_of)
+        .map(|((s, f), t)| Completion::new(*t, *s, &with(f.clone())).unwrap())
+        .collect();
+    let recorded = tasks::complete_many(&db, &done).await.unwrap();
+    assert_eq!(recorded, vec![true; 5]);
+    let stored = |s: ServerId, id: &str| {
+        let db = &db;
+        let id = id.to_string();
+        async move {
+            devices::for_server(db, s)
+                .await
+                .unwrap()
+                .into_iter()
+                .find(|d| d.pci.id.to_string() == id)
+                .unwrap()
+        }
+    };
+    let got = stored(a, &ids[0]).await;
+    assert_eq!(got.pci.driver.as_deref(), Some("vfio-pci"));
+    assert_eq!(got.pci.numa_node, Some(7));
+    assert_eq!(got.variant.as_deref(), Some("H100"));
+    let got = stored(a, &ids[1]).await;
+    assert_eq!(got.pci.driver, None, "a driver gone");
+    assert_eq!(got.pci.iommu_group, None, "no IOMMU group");
+    assert_eq!(got.state, DeviceState::Unassigned);
+    let got = stored(b_, &ids[0]).await;
+    assert_eq!(got.pci.driver.as_deref(), Some("vfio-pci"));
+    assert_eq!(got.pci.iommu_group, function(&ids[0]).iommu_group);
+    let got = stored(c, &ids[0]).await;
+    assert_eq!(got.pci.device, passage_model::pci::HexId(0x1234));
+    assert_eq!(got.variant, None, "no longer an H100");
+    assert_eq!(
+        stored(d, &ids[0]).await.pci.driver.as_deref(),
+        Some("nvidia"),
+        "a node's reports in their order"
+    );
+    assert_eq!(
+        stored(d, &ids[1]).await.pci,
+        function(&ids[1]),
+        "only what was reported"
+    );
+    crate::common::assert_free_index_exact(&db, "after a batch of changed functions").await;
+}
+both!(
+    task_results_of_many_nodes_write_their_functions_together_on,
+    task_results_of_many_nodes_write_their_functions_together
+);
+
 /// The job runner's lane commits without waiting for the disk on Postgres; every other
 /// connection waits.
 async fn the_jobs_lane_alone_relaxes_commits(b: Backend) {
