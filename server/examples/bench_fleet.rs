@@ -88,6 +88,28 @@ impl Proc {
     }
 }
 
+/// Room a simulated node's fake sysfs tree takes on a tmpfs (about 2.9 MiB: a thousand
+/// small files and links), with some to spare.
+const TREE_BYTES: u64 = 4 << 20;
+
+/// Where the simulated nodes' trees go: a tmpfs (`/dev/shm`) when it has room, as sysfs is
+/// in memory on a real node; a thousand nodes' million files on a disk took minutes to
+/// write and to delete, and the next run's start waited behind the last one's deletion.
+fn sim_parent(servers: usize) -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    let room = rustix::fs::statvfs(shm)
+        .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+        .unwrap_or(0);
+    if room >= (servers as u64).saturating_mul(TREE_BYTES)
+        && let Ok(d) = tempfile::Builder::new()
+            .prefix("passage-bench-fleet")
+            .tempdir_in(shm)
+    {
+        return d;
+    }
+    tempfile::tempdir().unwrap()
+}
+
 fn start(a: &Args, db: &str, sim_dir: &std::path::Path) -> (Child, String) {
     let mut cmd = Command::new(&a.server_bin);
     cmd.args(["--listen", "127.0.0.1:0", "--database", db])
@@ -200,7 +222,9 @@ async fn main() {
     let limit = Duration::from_secs(a.phase_limit_secs);
     let dir = tempfile::tempdir().unwrap();
     let db = common::database(&a.backend, dir.path()).await;
-    let sim_dir = dir.path().join("sim");
+    let sims = sim_parent(a.servers);
+    let sim_dir = sims.path().join("sim");
+    println!("simulated nodes' trees in {}", sim_dir.display());
     let t = Instant::now();
     let (mut child, base) = start(&a, &db, &sim_dir);
     let server = Proc {

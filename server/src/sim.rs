@@ -66,19 +66,11 @@ fn sim_runtime() -> anyhow::Result<&'static tokio::runtime::Runtime> {
 /// Starts the simulated nodes; they register (or reconnect) on their own.
 pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<()> {
     let rt = sim_runtime()?;
+    generate_trees(spec).await?;
     for i in 0..spec.servers {
         let node_dir = spec.dir.join(format!("node-{i}"));
         let sysfs = node_dir.join("sysfs");
         let state = node_dir.join("state");
-        if !sysfs.exists() {
-            let fake = FakeSpec {
-                gpus: spec.gpus,
-                model: spec.model,
-                numa_nodes: 2,
-            };
-            let out = sysfs.clone();
-            tokio::task::spawn_blocking(move || node_agent::fake::generate(&out, &fake)).await??;
-        }
         adopt(ctx, &state, base_url).await?;
         let token = new_secret(JOIN_TOKEN_PREFIX);
         let expires = crate::store::now_ms() + 3_600_000;
@@ -100,6 +92,61 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             }
         });
     }
+    Ok(())
+}
+
+/// Writes the fake sysfs tree of every node that has none yet, on as many threads as the
+/// machine has CPUs: a tree is about a thousand files and links, so a fleet of a thousand
+/// nodes is a million, and one thread writing them kept the fleet from starting for
+/// minutes. A tree is written under a temporary name and renamed when whole, so a start
+/// cut short leaves no half tree that a later start would take for a node's.
+async fn generate_trees(spec: &SimSpec) -> anyhow::Result<()> {
+    let missing: Vec<PathBuf> = (0..spec.servers)
+        .map(|i| spec.dir.join(format!("node-{i}")))
+        .filter(|d| !d.join("sysfs").exists())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let fake = FakeSpec {
+        gpus: spec.gpus,
+        model: spec.model,
+        numa_nodes: 2,
+    };
+    let count = missing.len();
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let missing = std::sync::Arc::new(missing);
+    let mut workers = Vec::new();
+    for _ in 0..threads.min(count) {
+        let (next, missing) = (next.clone(), missing.clone());
+        workers.push(tokio::task::spawn_blocking(
+            move || -> anyhow::Result<()> {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(node) = missing.get(i) else {
+                        return Ok(());
+                    };
+                    let partial = node.join("sysfs.partial");
+                    if partial.exists() {
+                        std::fs::remove_dir_all(&partial)?;
+                    }
+                    node_agent::fake::generate(&partial, &fake)?;
+                    std::fs::rename(&partial, node.join("sysfs"))?;
+                }
+            },
+        ));
+    }
+    for w in workers {
+        w.await??;
+    }
+    tracing::info!(
+        nodes = count,
+        threads,
+        secs = started.elapsed().as_secs_f64(),
+        "simulated nodes' sysfs trees written"
+    );
     Ok(())
 }
 
@@ -126,4 +173,38 @@ async fn adopt(ctx: &Ctx, state: &Path, base_url: &str) -> anyhow::Result<()> {
         credential::save(state, &c)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn trees_are_written_whole_and_a_half_tree_is_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = SimSpec {
+            servers: 3,
+            gpus: 1,
+            model: GpuModel::H100,
+            dir: dir.path().to_path_buf(),
+            ca_cert: None,
+        };
+        // A start cut short in node-1's tree.
+        let half = dir.path().join("node-1/sysfs.partial");
+        std::fs::create_dir_all(&half).unwrap();
+        std::fs::write(half.join("junk"), "x").unwrap();
+        generate_trees(&spec).await.unwrap();
+        for i in 0..3 {
+            let node = dir.path().join(format!("node-{i}"));
+            let found = node_agent::host::discover(&node.join("sysfs")).devices;
+            assert!(!found.is_empty(), "node-{i} has its functions");
+            assert!(!node.join("sysfs.partial").exists());
+        }
+        assert!(!dir.path().join("node-1/sysfs/junk").exists());
+        // A tree already there is kept.
+        let kept = dir.path().join("node-0/sysfs/kept");
+        std::fs::write(&kept, "x").unwrap();
+        generate_trees(&spec).await.unwrap();
+        assert!(kept.exists());
+    }
 }
