@@ -779,21 +779,24 @@ macro_rules! impl_inventory_tx {
                 variants: &[passage_model::Variant],
             ) -> StoreResult<Vec<&'r Report<'a>>> {
                 let servers: Vec<String> = reports.iter().map(|r| r.server.to_string()).collect();
-                let mut ids: Vec<String> = reports
+                // Each function by its node and address: nodes share addresses, and an
+                // address alone would read every listed node's function at it.
+                let keys: Vec<String> = reports
                     .iter()
-                    .flat_map(|r| r.devices.iter().map(|d| d.id.to_string()))
+                    .zip(&servers)
+                    .flat_map(|(r, s)| r.devices.iter().map(move |d| format!("{s} {}", d.id)))
                     .collect();
-                ids.sort();
-                ids.dedup();
-                // Nodes share addresses: an id may name another node's row too, which is
-                // left out below by its server.
+                let (in_servers, in_keys) = (padded(&servers), padded(&keys));
+                // The servers' list lets the read walk each node's functions by key, as
+                // one node's read does; the pairs pick the reported ones among them.
                 let sql = known_sql(&format!(
-                    "d.server_uuid IN ({}) AND (d.state = 'shared' OR d.id IN ({}))",
-                    page::marks(1, servers.len()),
-                    page::marks(1 + servers.len(), ids.len())
+                    "d.server_uuid IN ({}) AND (d.state = 'shared' \
+                     OR d.server_uuid || ' ' || d.id IN ({}))",
+                    page::marks(1, in_servers.len()),
+                    page::marks(1 + in_servers.len(), in_keys.len())
                 ));
                 let mut q = sqlx::query_as(&sql);
-                for s in servers.iter().chain(&ids) {
+                for s in in_servers.iter().chain(&in_keys) {
                     q = q.bind(s.as_str());
                 }
                 let rows: Vec<KnownRow> = q.fetch_all(&mut **self).await?;
@@ -832,7 +835,7 @@ macro_rules! impl_inventory_tx {
                 let refs: Vec<(String, &InventoryWrite<'_>)> =
                     writes.iter().map(|(s, w)| (s.clone(), w)).collect();
                 for chunk in refs.chunks(CHANGED_CHUNK) {
-                    let (sql, args) = plain_update_sql(now, chunk);
+                    let (sql, args) = plain_update_sql(now, &padded(chunk));
                     crate::bind_args!(sqlx::query(&sql), &args)
                         .execute(&mut **self)
                         .await?;
@@ -901,6 +904,19 @@ fn plain_reports<'r, 'a>(reports: &'r [Report<'a>]) -> (Vec<&'r Report<'a>>, Vec
             && !r.devices.is_empty()
             && per_server.get(&r.server) == Some(&1)
     })
+}
+
+/// `items` with its last one repeated up to the next power of two: a statement's text
+/// then takes one of a few lengths, and the connection's cache of prepared statements
+/// keeps them, where a text per count was prepared anew and pushed the others out. A
+/// value twice in an `IN` list, or a row written twice with the same values, changes
+/// nothing.
+fn padded<T: Clone>(items: &[T]) -> Vec<T> {
+    let mut v = items.to_vec();
+    if let Some(last) = items.last() {
+        v.resize(items.len().next_power_of_two(), last.clone());
+    }
+    v
 }
 
 /// The update of a chunk of driver-and-details writes ([`InventoryWrite::plain`]) to rows
@@ -1418,4 +1434,18 @@ pub async fn candidates_on(
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padded;
+
+    #[test]
+    fn lists_are_padded_to_a_power_of_two_with_their_last_item() {
+        assert_eq!(padded::<u8>(&[]), Vec::<u8>::new());
+        assert_eq!(padded(&[1]), vec![1]);
+        assert_eq!(padded(&[1, 2, 3]), vec![1, 2, 3, 3]);
+        assert_eq!(padded(&[1, 2, 3, 4, 5]), vec![1, 2, 3, 4, 5, 5, 5, 5]);
+        assert_eq!(padded(&[1, 2, 3, 4]), vec![1, 2, 3, 4]);
+    }
 }
