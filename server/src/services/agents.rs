@@ -170,9 +170,18 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
     let waker = ctx.tasks_queued.handle(&server);
     loop {
         let notified = waker.notified();
-        let got = tasks::take(&ctx.db, server, TASK_BATCH, redeliver).await?;
-        if !got.is_empty() || tokio::time::Instant::now() >= deadline {
-            return Ok(got);
+        if !ctx.queue_marks.known_empty(&server) {
+            let count = ctx.queue_marks.count(&server);
+            let got = tasks::take(&ctx.db, server, TASK_BATCH, redeliver).await?;
+            if got.len() < usize::try_from(TASK_BATCH).unwrap_or(usize::MAX) {
+                ctx.queue_marks.drained(&server, count);
+            }
+            if !got.is_empty() {
+                return Ok(got);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Vec::new());
         }
         let until = match ctx.replica_poll() {
             // The poll covers a task whose announcement was lost.

@@ -19,6 +19,7 @@ pub mod networks;
 pub mod ops;
 pub mod pacer;
 pub mod placer;
+pub mod queue_marks;
 pub mod servers;
 pub mod task_results;
 pub mod vm_ops;
@@ -48,6 +49,8 @@ pub struct Services {
     pub cfg: Config,
     /// Wakes a node's long poll when a task is queued for it.
     pub tasks_queued: wakers::Wakers<passage_model::ServerId>,
+    /// Whether a node's long poll must look at its queue ([`queue_marks`]).
+    pub queue_marks: queue_marks::QueueMarks,
     /// Wakes the job step waiting on a task when its result arrives.
     pub task_done: wakers::Wakers<passage_model::TaskId>,
     /// Results for the job steps of this process that wait for them.
@@ -144,6 +147,7 @@ pub fn wake_on_notify(ctx: &Ctx) {
             match n.channel() {
                 QUEUED_CHANNEL => {
                     if let Ok(s) = n.payload().parse() {
+                        ctx.queue_marks.queued(&s);
                         ctx.tasks_queued.wake(&s);
                     }
                 }
@@ -181,6 +185,7 @@ impl Services {
             db,
             cfg,
             tasks_queued: wakers::Wakers::default(),
+            queue_marks: queue_marks::QueueMarks::default(),
             task_done: wakers::Wakers::default(),
             task_results: task_results::TaskResults::default(),
             metrics: metrics::Metrics::default(),

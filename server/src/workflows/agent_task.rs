@@ -61,6 +61,7 @@ pub async fn run_raw_as(
     };
     queued.map_err(|e| StepError::from(e).context(format!("could not queue {name}")))?;
     // Other replicas were told as the task was written.
+    ctx.queue_marks.queued(&server);
     ctx.tasks_queued.wake(&server);
     let deadline = tokio::time::Instant::now() + timeout_for(ctx, &task);
     loop {
