@@ -48,13 +48,20 @@ async fn seeded(b: Backend) -> (TestDb, Db, passage_model::ServerId, Vec<String>
 }
 
 async fn device_state(db: &Db, server: ServerId, id: &str) -> DeviceState {
+    stored_device(db, server, id).await.state
+}
+
+async fn stored_device(
+    db: &Db,
+    server: ServerId,
+    id: &str,
+) -> passage_server::store::devices::DeviceRecord {
     devices::for_server(db, server)
         .await
         .unwrap()
         .into_iter()
         .find(|d| d.pci.id.to_string() == id)
         .unwrap()
-        .state
 }
 
 async fn tenant(db: &Db, login: &'static str, quota: Option<u32>) -> AccountId {
@@ -1357,13 +1364,8 @@ async fn task_results_write_the_functions_their_tasks_changed(b: Backend) {
         let db = &db;
         let id = id.to_string();
         async move {
-            devices::for_server(db, s)
-                .await
-                .unwrap()
-                .into_iter()
-                .find(|d| d.pci.id.to_string() == id)
-                .map(|d| (d.pci.driver, d.state, d.variant.is_some()))
-                .unwrap()
+            let d = stored_device(db, s, &id).await;
+            (d.pci.driver, d.state, d.variant.is_some())
         }
     };
     let vfio = |(driver, state, variant): (Option<String>, DeviceState, bool)| {
@@ -1472,14 +1474,7 @@ async fn task_results_of_many_nodes_write_their_functions_together(b: Backend) {
     let stored = |s: ServerId, id: &str| {
         let db = &db;
         let id = id.to_string();
-        async move {
-            devices::for_server(db, s)
-                .await
-                .unwrap()
-                .into_iter()
-                .find(|d| d.pci.id.to_string() == id)
-                .unwrap()
-        }
+        async move { stored_device(db, s, &id).await }
     };
     let got = stored(a, &ids[0]).await;
     assert_eq!(got.pci.driver.as_deref(), Some("vfio-pci"));
