@@ -145,28 +145,29 @@ pub async fn set_state(db: &Db, uuid: VmId, from: &[VmState], to: VmState) -> St
 
 /// Starts a destroy: the VM goes `destroying` and its destroy job is written, together.
 pub async fn begin_destroy(db: &Db, uuid: VmId, job: NewJob) -> StoreResult<Vm> {
-    in_tx!(db, |tx| {
-        let n = sqlx::query(&format!(
+    // The row as the update leaves it is the answer: no read after the commit.
+    let row: VmRow = in_tx!(db, |tx| {
+        let row: Option<VmRow> = sqlx::query_as(&format!(
             "UPDATE vms SET state = 'destroying', job_uuid = $2, updated_at = $3 \
-             WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed') AND {NO_JOB_RUNNING}",
+             WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed') AND {NO_JOB_RUNNING} \
+             RETURNING {COLS}",
         ))
         .bind(uuid.to_string())
         .bind(job.uuid.to_string())
         .bind(now_ms())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if n != 1 {
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
             return Err(StoreError::InvalidState(
                 "the VM has a job running (provision, stop, start, resize, migrate or destroy); \
                  wait for it"
                     .into(),
             ));
-        }
+        };
         tx.insert_jobs(std::slice::from_ref(&job)).await?;
-        Ok(())
+        Ok(row)
     })?;
-    get(db, uuid).await
+    row.into_view()
 }
 
 /// VMs on a server, for the server object's `vms` map.
