@@ -644,55 +644,47 @@ macro_rules! impl_inventory_tx {
                     let d = w.device;
                     match &w.was {
                         None => {
-                            sqlx::query(
-                                "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, \
-                                 subsystem, revision, class, driver, numa_node, iommu_group, variant, \
-                                 state, used_by, generation, missing, taint, updated_at, details) \
-                                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                                 'unassigned', NULL, 0, 0, NULL, $14, $15)",
+                            let mut args = vec![
+                                Arg::Text(server_s.clone()),
+                                Arg::Text(w.id.clone()),
+                                Arg::Text(d.address().to_string()),
+                            ];
+                            args.extend(w.reported());
+                            args.push(Arg::Int(now));
+                            crate::bind_args!(
+                                sqlx::query(
+                                    "INSERT INTO devices (server_uuid, id, bdf, vendor, device, \
+                                     subvendor, subsystem, revision, class, driver, numa_node, \
+                                     iommu_group, variant, details, state, used_by, generation, \
+                                     missing, taint, updated_at) \
+                                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+                                     CAST($11 AS BIGINT), CAST($12 AS BIGINT), $13, $14, \
+                                     'unassigned', NULL, 0, 0, NULL, $15)",
+                                ),
+                                &args
                             )
-                            .bind(&server_s)
-                            .bind(&w.id)
-                            .bind(d.address().to_string())
-                            .bind(d.vendor.to_string())
-                            .bind(d.device.to_string())
-                            .bind(d.subvendor.to_string())
-                            .bind(d.subsystem.to_string())
-                            .bind(d.revision.to_string())
-                            .bind(d.class.to_string())
-                            .bind(&d.driver)
-                            .bind(d.numa_node.map(i64::from))
-                            .bind(d.iommu_group.map(i64::from))
-                            .bind(&w.variant)
-                            .bind(now)
-                            .bind(&w.details)
                             .execute(&mut **self)
                             .await?;
                         }
                         Some(was) => {
-                            sqlx::query(
-                                "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
-                                 subsystem = $6, revision = $7, class = $8, driver = $9, \
-                                 numa_node = $10, iommu_group = $11, variant = $12, missing = 0, \
-                                 taint = CASE WHEN CAST($15 AS TEXT) IS NOT NULL THEN $15 \
-                                   WHEN missing = 1 THEN NULL ELSE taint END, \
-                                 updated_at = $13, details = $14 WHERE server_uuid = $1 AND id = $2",
+                            let mut args =
+                                vec![Arg::Text(server_s.clone()), Arg::Text(w.id.clone())];
+                            args.extend(w.reported());
+                            args.push(Arg::Int(now));
+                            args.push(w.health.clone().map_or(Arg::Null, Arg::Text));
+                            crate::bind_args!(
+                                sqlx::query(
+                                    "UPDATE devices SET vendor = $3, device = $4, subvendor = $5, \
+                                     subsystem = $6, revision = $7, class = $8, driver = $9, \
+                                     numa_node = CAST($10 AS BIGINT), \
+                                     iommu_group = CAST($11 AS BIGINT), variant = $12, \
+                                     details = $13, missing = 0, \
+                                     taint = CASE WHEN CAST($15 AS TEXT) IS NOT NULL THEN $15 \
+                                       WHEN missing = 1 THEN NULL ELSE taint END, \
+                                     updated_at = $14 WHERE server_uuid = $1 AND id = $2",
+                                ),
+                                &args
                             )
-                            .bind(&server_s)
-                            .bind(&w.id)
-                            .bind(d.vendor.to_string())
-                            .bind(d.device.to_string())
-                            .bind(d.subvendor.to_string())
-                            .bind(d.subsystem.to_string())
-                            .bind(d.revision.to_string())
-                            .bind(d.class.to_string())
-                            .bind(&d.driver)
-                            .bind(d.numa_node.map(i64::from))
-                            .bind(d.iommu_group.map(i64::from))
-                            .bind(&w.variant)
-                            .bind(now)
-                            .bind(&w.details)
-                            .bind(&w.health)
                             .execute(&mut **self)
                             .await?;
                             if was.missing != 0 {
@@ -922,28 +914,10 @@ fn padded<T: Clone>(items: &[T]) -> Vec<T> {
 /// The update of a chunk of driver-and-details writes ([`InventoryWrite::plain`]) to rows
 /// that stay as placeable as they were, with its values (`now` first).
 fn plain_update_sql(now: i64, writes: &[(String, &InventoryWrite<'_>)]) -> (String, Vec<Arg>) {
-    let text = |o: &Option<String>| o.clone().map_or(Arg::Null, Arg::Text);
-    // Numbers go as text: a VALUES column keeps one type over its rows, and NULL is text
-    // here; the SET casts them back.
-    let number = |o: Option<u32>| o.map_or(Arg::Null, |n| Arg::Text(n.to_string()));
     let mut args = vec![Arg::Int(now)];
     for (server, w) in writes {
-        let d = w.device;
-        args.extend([
-            Arg::Text(server.clone()),
-            Arg::Text(w.id.clone()),
-            Arg::Text(d.vendor.to_string()),
-            Arg::Text(d.device.to_string()),
-            Arg::Text(d.subvendor.to_string()),
-            Arg::Text(d.subsystem.to_string()),
-            Arg::Text(d.revision.to_string()),
-            Arg::Text(d.class.to_string()),
-            text(&d.driver),
-            number(d.numa_node),
-            number(d.iommu_group),
-            text(&w.variant),
-            text(&w.details),
-        ]);
+        args.extend([Arg::Text(server.clone()), Arg::Text(w.id.clone())]);
+        args.extend(w.reported());
     }
     (
         format!(
@@ -1020,6 +994,29 @@ impl<'a> InventoryWrite<'a> {
             details,
             health,
         }))
+    }
+
+    /// What the report says of the function, in the order every statement that writes it
+    /// takes: vendor, device, subvendor, subsystem, revision, class, driver, NUMA node,
+    /// IOMMU group, variant, details. The numbers go as text (a `VALUES` column keeps one
+    /// type over its rows, and a NULL here is text); the statements cast them back.
+    fn reported(&self) -> [Arg; 11] {
+        let d = self.device;
+        let text = |o: &Option<String>| o.clone().map_or(Arg::Null, Arg::Text);
+        let number = |o: Option<u32>| o.map_or(Arg::Null, |n| Arg::Text(n.to_string()));
+        [
+            Arg::Text(d.vendor.to_string()),
+            Arg::Text(d.device.to_string()),
+            Arg::Text(d.subvendor.to_string()),
+            Arg::Text(d.subsystem.to_string()),
+            Arg::Text(d.revision.to_string()),
+            Arg::Text(d.class.to_string()),
+            text(&d.driver),
+            number(d.numa_node),
+            number(d.iommu_group),
+            text(&self.variant),
+            text(&self.details),
+        ]
     }
 
     /// Whether the write rewrites a known, present function without a taint: what
