@@ -83,6 +83,35 @@ impl Proc {
             .unwrap_or(0)
     }
 
+    /// Context switches so far (voluntary and not) of each of the server's threads, by
+    /// thread id.
+    fn switches(&self) -> std::collections::HashMap<String, u64> {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else {
+            return Default::default();
+        };
+        dir.flatten()
+            .map(|t| {
+                let s = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+                let n: u64 = s
+                    .lines()
+                    .filter(|l| l.contains("ctxt_switches:"))
+                    .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                    .sum();
+                (t.file_name().to_string_lossy().into_owned(), n)
+            })
+            .collect()
+    }
+
+    /// Context switches of the server's threads since `before` (a thread that ended
+    /// meanwhile is not counted: a run's threads live as long as it, but for a few of the
+    /// simulated nodes' blocking threads that end after 10 s without work).
+    fn switches_since(&self, before: &std::collections::HashMap<String, u64>) -> u64 {
+        self.switches()
+            .iter()
+            .map(|(tid, n)| n.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+            .sum()
+    }
+
     fn open_files(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid)).map_or(0, |d| d.count())
     }
@@ -276,6 +305,7 @@ async fn main() {
 
     // Creations: accepted, then all running.
     let cpu0 = server.cpu_secs();
+    let sw0 = server.switches();
     let first = Instant::now();
     let (h, b, o) = (http.clone(), base.clone(), op.clone());
     let created: Arc<std::sync::Mutex<Vec<String>>> = Default::default();
@@ -322,13 +352,15 @@ async fn main() {
             .unwrap_or(0)
     };
     let cpu_create = server.cpu_secs() - cpu0;
+    let sw_create = server.switches_since(&sw0);
     match running {
         Some(d) => println!(
-            "running: all {n} devices used {:.2} s after the first request = {:.0} VMs/s end to end ({vms_running} VMs running); server CPU {:.1} s = {:.2} ms per VM",
+            "running: all {n} devices used {:.2} s after the first request = {:.0} VMs/s end to end ({vms_running} VMs running); server CPU {:.1} s = {:.2} ms per VM, {:.0} context switches per VM",
             d.as_secs_f64(),
             n as f64 / d.as_secs_f64(),
             cpu_create,
-            cpu_create * 1000.0 / n.max(1) as f64
+            cpu_create * 1000.0 / n.max(1) as f64,
+            sw_create as f64 / n.max(1) as f64
         ),
         None => println!("running: not all {n} within {limit:?} ({vms_running} VMs running)"),
     }
@@ -336,6 +368,7 @@ async fn main() {
     // Deletions: accepted, then every device clean and free again.
     let uuids = Arc::new(std::mem::take(&mut *created.lock().unwrap()));
     let cpu0 = server.cpu_secs();
+    let sw0 = server.switches();
     let first = Instant::now();
     let (h, b, o, u) = (http.clone(), base.clone(), op.clone(), uuids.clone());
     let (lat, codes, wall) = burst(a.clients, uuids.len(), move |i| {
@@ -364,12 +397,14 @@ async fn main() {
     })
     .await;
     let cpu_delete = server.cpu_secs() - cpu0;
+    let sw_delete = server.switches_since(&sw0);
     match clean {
         Some(d) => println!(
-            "clean: all {total} devices unassigned {:.2} s after the first deletion; server CPU {:.1} s = {:.2} ms per VM",
+            "clean: all {total} devices unassigned {:.2} s after the first deletion; server CPU {:.1} s = {:.2} ms per VM, {:.0} context switches per VM",
             d.as_secs_f64(),
             cpu_delete,
-            cpu_delete * 1000.0 / uuids.len().max(1) as f64
+            cpu_delete * 1000.0 / uuids.len().max(1) as f64,
+            sw_delete as f64 / uuids.len().max(1) as f64
         ),
         None => println!("clean: not within {limit:?}"),
     }

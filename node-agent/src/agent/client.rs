@@ -245,6 +245,23 @@ impl AgentClient {
             .await?;
         Ok(())
     }
+    /// Posts a result and long-polls in the same request: the tasks queued for this node,
+    /// as [`Self::poll_tasks`] answers. `None` from a server that only records the result
+    /// (204): the node polls on its own then.
+    pub async fn post_result_then_poll(
+        &self,
+        id: TaskId,
+        result: &TaskResult,
+        wait: Duration,
+    ) -> Result<Option<Vec<TaskEnvelope>>, ClientError> {
+        let secs = wait.as_secs();
+        let req = self
+            .http
+            .post(self.url(&format!("tasks/{id}/result?wait={secs}")))
+            .json(result);
+        self.send("task result", req, wait + REQUEST_TIMEOUT).await
+    }
+
     /// How far a long task has come; the server shows it on the job step.
     pub async fn post_progress(
         &self,

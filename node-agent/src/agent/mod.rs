@@ -203,6 +203,9 @@ struct Agent {
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
     last_inventory: Mutex<Option<InventoryReport>>,
+    /// The inventory a result being posted brings the server to: a result's answer may
+    /// be a long poll, and a heartbeat meanwhile need not upload what it carries.
+    sending: std::sync::Mutex<Option<InventoryReport>>,
     /// Tasks running in the background (downloads): a task the server sends again while
     /// it runs (a poll before its result is in) is not started twice.
     in_flight: std::sync::Mutex<HashSet<TaskId>>,
@@ -292,7 +295,16 @@ impl Agent {
         let Some(found) = self.discover(last.as_ref()).await else {
             return Ok(());
         };
+        if self.sending().as_ref() == Some(&found.report) {
+            // Unless that result is refused: then `last` stays as it was, and the next
+            // heartbeat uploads.
+            return Ok(());
+        }
         self.upload(&mut last, found).await
+    }
+
+    fn sending(&self) -> std::sync::MutexGuard<'_, Option<InventoryReport>> {
+        self.sending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn upload(
@@ -358,7 +370,8 @@ impl Agent {
                         .collect();
                     let after = InventoryReport {
                         devices: now,
-                        ..before.clone()
+                        host: before.host,
+                        bridges: before.bridges.clone(),
                     };
                     return Ok(Some(Changes {
                         devices,
@@ -440,8 +453,14 @@ impl Agent {
     }
 
     async fn task_loop(self: Arc<Self>) -> Result<(), AgentError> {
+        // What the last result's answer brought: the next poll's tasks.
+        let mut next: Vec<TaskEnvelope> = Vec::new();
         loop {
-            let polled = with_retry("task poll", || self.client.poll_tasks(LONG_POLL)).await;
+            let polled = if next.is_empty() {
+                with_retry("task poll", || self.client.poll_tasks(LONG_POLL)).await
+            } else {
+                Ok(std::mem::take(&mut next))
+            };
             let envelopes = match polled {
                 Ok(t) => t,
                 Err(e) => {
@@ -454,7 +473,8 @@ impl Agent {
                     continue;
                 }
             };
-            for env in envelopes {
+            let count = envelopes.len();
+            for (i, env) in envelopes.into_iter().enumerate() {
                 // A download can take minutes: it runs beside the other tasks, so one
                 // VM's image does not hold up another VM's stop or scrub. The rest run in
                 // turn, as the server sends them.
@@ -466,13 +486,17 @@ impl Agent {
                     }
                     let agent = self.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = agent.clone().handle(env).await {
+                        if let Err(e) = agent.clone().handle(env, false).await {
                             error!(error = %e, "task result could not be reported");
                         }
                         agent.in_flight().remove(&id);
                     });
                 } else {
-                    self.clone().handle(env).await?;
+                    // The last result of the batch asks for the next batch in its answer.
+                    let then_poll = i + 1 == count;
+                    if let Some(more) = self.clone().handle(env, then_poll).await? {
+                        next = more;
+                    }
                 }
             }
         }
@@ -482,15 +506,23 @@ impl Agent {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs one task, posting its progress while it runs and then its result.
-    async fn handle(self: Arc<Self>, env: TaskEnvelope) -> Result<(), AgentError> {
+    /// Runs one task, posting its progress while it runs and then its result. With
+    /// `then_poll` the result's answer is also the next long poll: its tasks are returned
+    /// (`None` when the server did not send any, or refused the result).
+    async fn handle(
+        self: Arc<Self>,
+        env: TaskEnvelope,
+        then_poll: bool,
+    ) -> Result<Option<Vec<TaskEnvelope>>, AgentError> {
         let name = env.task.name();
         info!(task = %env.id, kind = name, "running task");
         let (tx, rx) = watch::channel(TaskProgress { done: 0, total: 0 });
-        let poster = tokio::spawn(post_progress(self.client.clone(), env.id, rx));
-        let mut result = self.executor.clone().run(env.task.clone(), tx).await;
-        // The sender is gone: the poster sends what it has left and ends.
-        let _ = poster.await;
+        // The task runs on a blocking thread: its progress is posted from here meanwhile.
+        // The poster ends when the task drops its sender, after sending what it has left.
+        let (mut result, ()) = tokio::join!(
+            self.executor.clone().run(env.task.clone(), tx),
+            post_progress(self.client.clone(), env.id, rx)
+        );
         if result.ok {
             info!(task = %env.id, kind = name, "task succeeded");
         } else {
@@ -514,28 +546,49 @@ impl Agent {
             Task::SetVfs { .. } => self.changed_functions(None).await?,
             _ => None,
         };
-        if let Some(c) = &changes {
-            result.devices = c.devices.clone();
-        }
-        match with_retry("task result", || self.client.post_result(env.id, &result)).await {
-            Ok(()) => {
-                if let Some(c) = changes {
+        // What the server will have once it takes the result; remembered when it has.
+        let before = changes.map(|c| {
+            result.devices = c.devices;
+            *self.sending() = Some(c.after);
+            c.before
+        });
+        let posted = with_retry("task result", || async {
+            if then_poll {
+                self.client
+                    .post_result_then_poll(env.id, &result, LONG_POLL)
+                    .await
+            } else {
+                self.client
+                    .post_result(env.id, &result)
+                    .await
+                    .map(|()| None)
+            }
+        })
+        .await;
+        match posted {
+            Ok(next) => {
+                if let Some(before) = before {
                     // Unless a heartbeat reported in between: its report is newer.
                     let mut last = self.last_inventory.lock().await;
-                    if last.as_ref() == Some(&c.before) {
-                        *last = Some(c.after);
+                    let after = self.sending().take();
+                    if last.as_ref() == Some(&before) {
+                        *last = after;
                     }
                 }
+                Ok(next)
             }
             Err(e) => {
+                *self.sending() = None;
                 if let Some(f) = self.fatal(&e) {
                     return Err(f);
                 }
-                // The next heartbeat's inventory brings the functions' new state.
+                // The next heartbeat's inventory brings the functions' new state. A
+                // result whose answer was lost in a long poll and was sent again is
+                // refused as already recorded: that too lands here.
                 warn!(task = %env.id, error = %e, "task result refused");
+                Ok(None)
             }
         }
-        Ok(())
     }
 }
 
@@ -677,6 +730,7 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         ),
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
+        sending: std::sync::Mutex::new(None),
         in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;

@@ -52,15 +52,23 @@ pub async fn poll_tasks(
     Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response())
 }
 
+/// `POST /agent/v1/tasks/{id}/result`: 204 once the result is recorded. With `?wait=N`
+/// the answer is also the node's next poll: 200 with the tasks queued for it, as
+/// `GET /agent/v1/tasks?wait=N` answers, so a node that works through its queue makes
+/// one request per task instead of two.
 pub async fn task_result(
     State(ctx): State<Ctx>,
     AgentServer(server): AgentServer,
     Path(raw): Path<String>,
+    ApiQuery(q): ApiQuery<TasksQuery>,
     ApiJson(result): ApiJson<TaskResult>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Response> {
     let task: TaskId = raw.parse().map_err(|_| ApiError::not_found("task"))?;
     agents::task_result(&ctx, server, task, result).await?;
-    Ok(StatusCode::NO_CONTENT)
+    match q.wait {
+        Some(wait) => Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response()),
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
 }
 
 /// `POST /agent/v1/tasks/{id}/progress`: how far a long task has come.

@@ -318,8 +318,8 @@ fn rfc3339(field: &str, value: Option<&str>) -> ApiResult<Option<DateTime<Utc>>>
         .transpose()
 }
 
-/// `GET /agent/v1/tasks`: how long to wait for a task, in seconds (the agent API is not
-/// in the document).
+/// `GET /agent/v1/tasks` and `POST /agent/v1/tasks/{id}/result`: how long to wait for a
+/// task, in seconds (the agent API is not in the document).
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct TasksQuery {
     pub wait: Option<u64>,

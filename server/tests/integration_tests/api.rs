@@ -603,3 +603,55 @@ async fn lists_page_newest_first(b: Backend) {
         .invalid("limit");
 }
 both!(lists_page_newest_first_on, lists_page_newest_first);
+
+/// A node that answers a task with `?wait=N` gets its next tasks in the same answer,
+/// as its long poll would: a VM is provisioned with one request per task. A result sent
+/// again is refused as recorded (no poll is made for it), and a result without `wait`
+/// is answered 204 as before.
+async fn a_result_answer_is_the_next_poll(b: Backend) {
+    use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+    let s = TestServer::start(b, crate::common::fast_config()).await;
+    let (_, cred, _) = s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let vm: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"alias": "one-trip", "package": "gpu-1x", "image": "test-image"}),
+        )
+        .await
+        .ok(202);
+    let node = s.client(Some(&cred));
+    let mut tasks: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=5").await.ok(200);
+    let mut seen = Vec::new();
+    while let Some(t) = tasks.pop() {
+        assert!(tasks.is_empty(), "one task at a time for one VM: {tasks:?}");
+        seen.push(t.task.name());
+        let path = format!("/agent/v1/tasks/{}/result", t.id);
+        if matches!(t.task, Task::StartVm { .. }) {
+            // The last task: a plain answer, then the VM runs.
+            node.post::<()>(&path, &TaskResult::success()).await.ok(204);
+            node.post::<()>(&format!("{path}?wait=1"), &TaskResult::success())
+                .await
+                .fails(409, ErrorCode::Conflict);
+            break;
+        }
+        tasks = node
+            .post(&format!("{path}?wait=5"), &TaskResult::success())
+            .await
+            .ok(200);
+    }
+    assert_eq!(seen, ["bind_passthrough", "fetch_image", "start_vm"]);
+    let running = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
+        let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+        (v.state == VmState::Running).then_some(v)
+    })
+    .await;
+    assert!(running.is_some(), "the VM runs");
+    // Nothing is left queued for the node.
+    let none: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=0").await.ok(200);
+    assert!(none.is_empty(), "{none:?}");
+}
+both!(
+    a_result_answer_is_the_next_poll_on,
+    a_result_answer_is_the_next_poll
+);
