@@ -2,8 +2,9 @@
 //!
 //! Paths (all JSON, under `/agent/v1`): `POST register` (join token → node credential),
 //! then with `Authorization: Bearer <credential>`: `POST heartbeat`, `PUT inventory`,
-//! `GET tasks?wait=SECONDS` (long-poll), `POST tasks/{id}/result`,
-//! `POST tasks/{id}/progress` ([`TaskProgress`], while a long task runs), and
+//! `GET tasks?wait=SECONDS` (long-poll), `POST tasks/{id}/result`, `POST tasks/results`
+//! (several results at once, [`TaskResults`]; both take `?wait=SECONDS` and then answer
+//! the next poll's tasks too), `POST tasks/{id}/progress` ([`TaskProgress`], while a long task runs), and
 //! `GET images/{sha256}` (an image file's bytes, honouring `Range: bytes=N-` so an
 //! interrupted download resumes).
 
@@ -406,6 +407,40 @@ impl TaskResult {
             console: None,
         }
     }
+}
+
+/// Results a node posts together, at most this many.
+pub const MAX_RESULTS_PER_POST: usize = 32;
+
+/// `POST tasks/results`: the results of several of the node's tasks. Each is recorded or
+/// refused on its own, as if posted alone.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskResults {
+    pub results: Vec<TaskOutcome>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskOutcome {
+    pub task: TaskId,
+    pub result: TaskResult,
+}
+
+/// The answer to [`TaskResults`]: the results not recorded, each with the error it would
+/// have had alone (the rest are recorded), and with `?wait=` the node's next tasks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskResultsAnswer {
+    #[serde(default)]
+    pub refused: Vec<RefusedResult>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<TaskEnvelope>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusedResult {
+    pub task: TaskId,
+    pub error: crate::ApiErrorBody,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

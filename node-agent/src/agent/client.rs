@@ -5,7 +5,7 @@ use passage_model::TaskId;
 use passage_model::images::Sha256;
 use passage_model::protocol::{
     Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TaskEnvelope,
-    TaskProgress, TaskResult,
+    TaskProgress, TaskResult, TaskResults, TaskResultsAnswer,
 };
 use reqwest::StatusCode;
 use serde::de::DeserializeOwned;
@@ -85,6 +85,11 @@ impl ClientError {
             }
             ClientError::Decode { .. } | ClientError::Url(_) | ClientError::CaCert { .. } => false,
         }
+    }
+
+    /// The server does not know the call: an older server, for a call added since.
+    pub fn is_unknown_call(&self) -> bool {
+        self.status() == Some(404)
     }
 
     pub fn status(&self) -> Option<u16> {
@@ -260,6 +265,25 @@ impl AgentClient {
             .post(self.url(&format!("tasks/{id}/result?wait={secs}")))
             .json(result);
         self.send("task result", req, wait + REQUEST_TIMEOUT).await
+    }
+
+    /// Posts several results at once; with `wait`, the answer is also the next long poll.
+    /// Each result is recorded or refused on its own: the refused ones are in the answer.
+    /// A server without this call answers 404 (see [`ClientError::is_unknown_call`]).
+    pub async fn post_results(
+        &self,
+        results: &TaskResults,
+        wait: Option<Duration>,
+    ) -> Result<TaskResultsAnswer, ClientError> {
+        let (path, timeout) = match wait {
+            Some(w) => (
+                format!("tasks/results?wait={}", w.as_secs()),
+                w + REQUEST_TIMEOUT,
+            ),
+            None => ("tasks/results".to_string(), REQUEST_TIMEOUT),
+        };
+        let req = self.http.post(self.url(&path)).json(results);
+        self.send("task results", req, timeout).await
     }
 
     /// How far a long task has come; the server shows it on the job step.

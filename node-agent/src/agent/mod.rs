@@ -15,8 +15,9 @@ use crate::hypervisor::{self, HypervisorKind};
 use crate::scrub::{ScrubEnv, ScrubOverrides};
 use passage_model::TaskId;
 use passage_model::protocol::{
-    Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, MAX_TASK_DEVICES, PROTOCOL_VERSION,
-    RegisterRequest, Task, TaskEnvelope, TaskProgress,
+    Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, MAX_RESULTS_PER_POST, MAX_TASK_DEVICES,
+    PROTOCOL_VERSION, RegisterRequest, Task, TaskEnvelope, TaskOutcome, TaskProgress, TaskResult,
+    TaskResults,
 };
 use passage_model::{PciAddress, PciDevice};
 use std::collections::HashSet;
@@ -209,6 +210,8 @@ struct Agent {
     /// Tasks running in the background (downloads): a task the server sends again while
     /// it runs (a poll before its result is in) is not started twice.
     in_flight: std::sync::Mutex<HashSet<TaskId>>,
+    /// The server answered `tasks/results` with 404: it is older, results go one by one.
+    single_results: std::sync::atomic::AtomicBool,
 }
 
 impl Agent {
@@ -353,7 +356,10 @@ impl Agent {
         rebound: Option<Vec<PciAddress>>,
     ) -> Result<Option<Changes>, AgentError> {
         let mut last = self.last_inventory.lock().await;
-        if let (Some(addrs), Some(before)) = (rebound, last.as_ref()) {
+        // Results posted after this one's may be on their way: the server will have
+        // their functions first, so this task's are told against those.
+        let base = self.sending().clone().or_else(|| last.clone());
+        if let (Some(addrs), Some(before)) = (rebound, base.as_ref()) {
             let (root, disc) = (self.sysfs_root.clone(), self.discoverer.clone());
             let prev = before.devices.clone();
             let read =
@@ -385,10 +391,10 @@ impl Agent {
                 Err(e) => warn!(error = %e, "reading rebound functions panicked"),
             }
         }
-        let Some(found) = self.discover(last.as_ref()).await else {
+        let Some(found) = self.discover(base.as_ref()).await else {
             return Ok(None);
         };
-        let Some(before) = last.as_ref() else {
+        let Some(before) = base.as_ref() else {
             return self.upload(&mut last, found).await.map(|()| None);
         };
         let now = &found.report;
@@ -473,8 +479,9 @@ impl Agent {
                     continue;
                 }
             };
-            let count = envelopes.len();
-            for (i, env) in envelopes.into_iter().enumerate() {
+            // Results not posted yet: the quick tasks of a batch post theirs together.
+            let mut group: Vec<Finished> = Vec::new();
+            for env in envelopes {
                 // A download can take minutes: it runs beside the other tasks, so one
                 // VM's image does not hold up another VM's stop or scrub. The rest run in
                 // turn, as the server sends them.
@@ -486,18 +493,54 @@ impl Agent {
                     }
                     let agent = self.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = agent.clone().handle(env, false).await {
+                        let done = agent.clone().run_task(env).await;
+                        if let Err(e) = agent.post_group(vec![done], false).await {
                             error!(error = %e, "task result could not be reported");
                         }
                         agent.in_flight().remove(&id);
                     });
-                } else {
-                    // The last result of the batch asks for the next batch in its answer.
-                    let then_poll = i + 1 == count;
-                    if let Some(more) = self.clone().handle(env, then_poll).await? {
-                        next = more;
-                    }
+                    continue;
                 }
+                let run = self.clone().run_task(env);
+                tokio::pin!(run);
+                // While a task runs, the results before it go once they have waited
+                // GROUP_WAIT: a slow task does not hold up a quick one's. They are posted
+                // beside the task, never instead of it: the task may hold the inventory
+                // lock that recording their post takes.
+                let mut posting = None;
+                let done = loop {
+                    let due = group
+                        .first()
+                        .filter(|_| posting.is_none())
+                        .map(|f| f.at + GROUP_WAIT);
+                    tokio::select! {
+                        done = &mut run => break done,
+                        () = sleep_until_some(due), if due.is_some() => {
+                            let earlier = std::mem::take(&mut group);
+                            posting = Some(Box::pin(self.post_group(earlier, false)));
+                        }
+                        posted = or_pending(posting.as_mut()), if posting.is_some() => {
+                            posted?;
+                            posting = None;
+                        }
+                    }
+                };
+                // In order: the inventory the next results bring builds on these.
+                if let Some(p) = posting {
+                    p.await?;
+                }
+                // A console is read for someone waiting: it goes at once.
+                let now = done.result.console.is_some();
+                group.push(done);
+                if now || group.len() >= MAX_RESULTS_PER_POST {
+                    self.post_group(std::mem::take(&mut group), false).await?;
+                }
+            }
+            // The batch's last results ask for the next batch in their answer.
+            if !group.is_empty()
+                && let Some(more) = self.post_group(group, true).await?
+            {
+                next = more;
             }
         }
     }
@@ -506,14 +549,9 @@ impl Agent {
         self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs one task, posting its progress while it runs and then its result. With
-    /// `then_poll` the result's answer is also the next long poll: its tasks are returned
-    /// (`None` when the server did not send any, or refused the result).
-    async fn handle(
-        self: Arc<Self>,
-        env: TaskEnvelope,
-        then_poll: bool,
-    ) -> Result<Option<Vec<TaskEnvelope>>, AgentError> {
+    /// Runs one task, posting its progress while it runs; the result is for
+    /// [`Self::post_group`], with the functions the task changed.
+    async fn run_task(self: Arc<Self>, env: TaskEnvelope) -> Finished {
         let name = env.task.name();
         info!(task = %env.id, kind = name, "running task");
         let (tx, rx) = watch::channel(TaskProgress { done: 0, total: 0 });
@@ -541,54 +579,174 @@ impl Agent {
                     a.dedup();
                     a
                 });
-                self.changed_functions(functions).await?
+                self.changed_functions(functions).await
             }
-            Task::SetVfs { .. } => self.changed_functions(None).await?,
-            _ => None,
+            Task::SetVfs { .. } => self.changed_functions(None).await,
+            _ => Ok(None),
+        };
+        let changes = match changes {
+            Ok(c) => c,
+            Err(e) => {
+                // Only a refused credential ends up here: the post will say so again.
+                warn!(error = %e, "reading the functions a task changed");
+                None
+            }
         };
         // What the server will have once it takes the result; remembered when it has.
-        let before = changes.map(|c| {
+        let inventory = changes.map(|c| {
             result.devices = c.devices;
-            *self.sending() = Some(c.after);
-            c.before
+            *self.sending() = Some(c.after.clone());
+            (c.before, c.after)
         });
-        let posted = with_retry("task result", || async {
-            if then_poll {
-                self.client
-                    .post_result_then_poll(env.id, &result, LONG_POLL)
-                    .await
-            } else {
-                self.client
-                    .post_result(env.id, &result)
-                    .await
-                    .map(|()| None)
-            }
-        })
-        .await;
-        match posted {
-            Ok(next) => {
-                if let Some(before) = before {
-                    // Unless a heartbeat reported in between: its report is newer.
-                    let mut last = self.last_inventory.lock().await;
-                    let after = self.sending().take();
-                    if last.as_ref() == Some(&before) {
-                        *last = after;
+        Finished {
+            id: env.id,
+            result,
+            inventory,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Posts results in one request (each alone to a server without `tasks/results`).
+    /// With `then_poll` the answer is also the next long poll: its tasks are returned
+    /// (`None` when it brought none, or was refused). A refused result is logged and
+    /// dropped; the next heartbeat's inventory brings the functions it changed.
+    async fn post_group(
+        &self,
+        group: Vec<Finished>,
+        then_poll: bool,
+    ) -> Result<Option<Vec<TaskEnvelope>>, AgentError> {
+        let wait = then_poll.then_some(LONG_POLL);
+        let (all_taken, next) = if group.len() > 1 && !self.single_results() {
+            let body = TaskResults {
+                results: group
+                    .iter()
+                    .map(|f| TaskOutcome {
+                        task: f.id,
+                        result: f.result.clone(),
+                    })
+                    .collect(),
+            };
+            match with_retry("task results", || self.client.post_results(&body, wait)).await {
+                Ok(answer) => {
+                    for r in &answer.refused {
+                        warn!(task = %r.task, code = ?r.error.code, error = %r.error.message,
+                            "task result refused");
                     }
+                    (answer.refused.is_empty(), answer.tasks)
                 }
-                Ok(next)
+                Err(e) if e.is_unknown_call() => {
+                    info!("the server takes results one at a time");
+                    self.single_results
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    self.post_each(&group, wait).await?
+                }
+                Err(e) => self.refused(&e).map(|()| (false, None))?,
             }
-            Err(e) => {
-                *self.sending() = None;
-                if let Some(f) = self.fatal(&e) {
-                    return Err(f);
+        } else {
+            self.post_each(&group, wait).await?
+        };
+        self.taken(&group, all_taken).await;
+        Ok(next)
+    }
+
+    /// Posts results one request each; the last one's answer is the next poll with `wait`.
+    async fn post_each(
+        &self,
+        group: &[Finished],
+        wait: Option<Duration>,
+    ) -> Result<(bool, Option<Vec<TaskEnvelope>>), AgentError> {
+        let mut all_taken = true;
+        let mut next = None;
+        for (i, f) in group.iter().enumerate() {
+            let posted = with_retry("task result", || async {
+                match wait.filter(|_| i + 1 == group.len()) {
+                    Some(w) => self.client.post_result_then_poll(f.id, &f.result, w).await,
+                    None => self
+                        .client
+                        .post_result(f.id, &f.result)
+                        .await
+                        .map(|()| None),
                 }
-                // The next heartbeat's inventory brings the functions' new state. A
-                // result whose answer was lost in a long poll and was sent again is
-                // refused as already recorded: that too lands here.
-                warn!(task = %env.id, error = %e, "task result refused");
-                Ok(None)
+            })
+            .await;
+            match posted {
+                Ok(n) => next = n,
+                Err(e) => {
+                    all_taken = false;
+                    // A result whose answer was lost in a long poll and was sent again is
+                    // refused as already recorded: that too lands here.
+                    warn!(task = %f.id, "task result refused");
+                    self.refused(&e)?;
+                }
             }
         }
+        Ok((all_taken, next))
+    }
+
+    /// A post that failed: fatal for a refused credential, logged otherwise.
+    fn refused(&self, e: &ClientError) -> Result<(), AgentError> {
+        match self.fatal(e) {
+            Some(f) => Err(f),
+            None => {
+                warn!(error = %e, "task results not reported");
+                Ok(())
+            }
+        }
+    }
+
+    fn single_results(&self) -> bool {
+        self.single_results
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// After a group's post: the inventory its results brought the server to is the last
+    /// report, when the server took them all and nothing reported in between (a
+    /// heartbeat's upload is newer). Otherwise the next heartbeat uploads.
+    async fn taken(&self, group: &[Finished], all_taken: bool) {
+        let first = group.iter().find_map(|f| f.inventory.as_ref());
+        let final_ = group.iter().rev().find_map(|f| f.inventory.as_ref());
+        let (Some((before, _)), Some((_, after))) = (first, final_) else {
+            return;
+        };
+        let mut last = self.last_inventory.lock().await;
+        let mut sending = self.sending();
+        if all_taken && last.as_ref() == Some(before) {
+            *last = Some(after.clone());
+        }
+        // A task since may have built on these results: its own post settles it.
+        if !all_taken || sending.as_ref() == Some(after) {
+            *sending = None;
+        }
+    }
+}
+
+/// A task run, its result not yet posted.
+struct Finished {
+    id: TaskId,
+    result: TaskResult,
+    /// The inventory the task's changed functions were read against, and the one they
+    /// bring the server to.
+    inventory: Option<(InventoryReport, InventoryReport)>,
+    /// When it ended.
+    at: tokio::time::Instant,
+}
+
+/// How long a quick task's result may wait for the next ones of its batch, to be posted
+/// with them in one request.
+const GROUP_WAIT: Duration = Duration::from_millis(50);
+
+/// `f`'s output, or never when there is none.
+async fn or_pending<F: Future + Unpin>(f: Option<&mut F>) -> F::Output {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -731,6 +889,7 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
         sending: std::sync::Mutex::new(None),
+        single_results: std::sync::atomic::AtomicBool::new(false),
         in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;

@@ -11,7 +11,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use passage_model::TaskId;
 use passage_model::protocol::{
-    Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, TaskResult,
+    Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, TaskResult, TaskResults,
+    TaskResultsAnswer,
 };
 
 pub async fn register(
@@ -69,6 +70,23 @@ pub async fn task_result(
         Some(wait) => Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response()),
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }
+}
+
+/// `POST /agent/v1/tasks/results`: several results at once ([`TaskResults`]), each
+/// recorded or refused as alone; 200 with the refused ones and, with `?wait=N`, the node's
+/// next tasks as `GET /agent/v1/tasks?wait=N` answers them.
+pub async fn task_results(
+    State(ctx): State<Ctx>,
+    AgentServer(server): AgentServer,
+    ApiQuery(q): ApiQuery<TasksQuery>,
+    ApiJson(batch): ApiJson<TaskResults>,
+) -> ApiResult<Response> {
+    let refused = agents::task_results(&ctx, server, batch).await?;
+    let tasks = match q.wait {
+        Some(wait) => Some(agents::poll_tasks(&ctx, server, wait).await?),
+        None => None,
+    };
+    Ok(Json(TaskResultsAnswer { refused, tasks }).into_response())
 }
 
 /// `POST /agent/v1/tasks/{id}/progress`: how far a long task has come.

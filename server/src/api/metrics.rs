@@ -75,6 +75,14 @@ pub async fn render(State(ctx): State<Ctx>, caller: Caller) -> ApiResult<Respons
         let labels = format!("job=\"{}\",step=\"{}\"", label(job), label(step));
         histogram(&mut out, "passage_job_step_seconds", &labels, h);
     }
+    out.push_str(
+        "# HELP passage_agent_result_posts_total Nodes' requests that posted task results.\n",
+    );
+    out.push_str("# TYPE passage_agent_result_posts_total counter\n");
+    let _ = writeln!(out, "passage_agent_result_posts_total {}", m.result_posts);
+    out.push_str("# HELP passage_agent_results_total Task results the nodes posted.\n");
+    out.push_str("# TYPE passage_agent_results_total counter\n");
+    let _ = writeln!(out, "passage_agent_results_total {}", m.results);
     Ok((
         [(
             header::CONTENT_TYPE,

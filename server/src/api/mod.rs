@@ -241,6 +241,7 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/heartbeat", post(agent::heartbeat))
         .route("/inventory", put(agent::inventory))
         .route("/tasks", get(agent::poll_tasks))
+        .route("/tasks/results", post(agent::task_results))
         .route("/tasks/{uuid}/result", post(agent::task_result))
         .route("/tasks/{uuid}/progress", post(agent::task_progress))
         .route("/images/{sha256}", get(agent::image_file))

@@ -198,24 +198,96 @@ pub async fn task_result(
     task: TaskId,
     result: TaskResult,
 ) -> ApiResult<()> {
+    let done = checked_result(server, task, &result, "")?;
+    ctx.metrics.result_post(1);
+    super::completions::complete(ctx, done, result).await?;
+    Ok(())
+}
+
+/// A result's bounds, and the completion to record: the functions the task changed are
+/// written with the result, in its transaction. `at` prefixes the fields an error names.
+fn checked_result(
+    server: ServerId,
+    task: TaskId,
+    result: &TaskResult,
+    at: &str,
+) -> ApiResult<tasks::Completion> {
     if result
         .error
         .as_ref()
         .is_some_and(|e| e.len() > passage_model::protocol::MAX_ERROR_LEN)
     {
-        return Err(ApiError::invalid("error", "too long"));
+        return Err(ApiError::invalid(format!("{at}error"), "too long"));
     }
     if result.scrub_reports.len() > passage_model::protocol::MAX_TASK_DEVICES {
-        return Err(ApiError::invalid("scrub_reports", "too many"));
+        return Err(ApiError::invalid(format!("{at}scrub_reports"), "too many"));
     }
     if result.devices.len() > passage_model::protocol::MAX_TASK_DEVICES {
-        return Err(ApiError::invalid("devices", "too many"));
+        return Err(ApiError::invalid(format!("{at}devices"), "too many"));
     }
-    check_functions(&result.devices)?;
-    // The functions the task changed are written with the result, in its transaction.
-    let done = tasks::Completion::new(task, server, &result)?;
-    super::completions::complete(ctx, done, result).await?;
-    Ok(())
+    check_functions(&result.devices).map_err(|mut e| {
+        if let Some(f) = e.field.take() {
+            e.message = format!("{at}{}", e.message);
+            e.field = Some(format!("{at}{f}"));
+        }
+        e
+    })?;
+    Ok(tasks::Completion::new(task, server, result)?)
+}
+
+/// Several results of the node's tasks at once, each recorded or refused as it would be
+/// alone; they reach the completions batcher together, so they are usually written in
+/// one statement. A body out of bounds is refused whole (400) and records nothing. The
+/// refused ones are returned; a failure that is not the result's own (the database) fails
+/// the whole call, so that the node sends them all again.
+pub async fn task_results(
+    ctx: &Ctx,
+    server: ServerId,
+    batch: passage_model::protocol::TaskResults,
+) -> ApiResult<Vec<passage_model::protocol::RefusedResult>> {
+    use passage_model::protocol::{MAX_RESULTS_PER_POST, RefusedResult};
+    if batch.results.len() > MAX_RESULTS_PER_POST {
+        return Err(ApiError::invalid(
+            "results",
+            format!("at most {MAX_RESULTS_PER_POST} results per post"),
+        ));
+    }
+    let mut seen = HashSet::new();
+    let mut checked = Vec::with_capacity(batch.results.len());
+    for (i, r) in batch.results.into_iter().enumerate() {
+        if !seen.insert(r.task) {
+            return Err(ApiError::invalid(
+                format!("results[{i}].task"),
+                "posted twice",
+            ));
+        }
+        let done = checked_result(server, r.task, &r.result, &format!("results[{i}].result."))?;
+        checked.push((r.task, done, r.result));
+    }
+    ctx.metrics.result_post(checked.len());
+    let recorded = futures_util::future::join_all(checked.into_iter().map(
+        |(task, done, result)| async move {
+            (task, super::completions::complete(ctx, done, result).await)
+        },
+    ))
+    .await;
+    let mut refused = Vec::new();
+    for (task, r) in recorded {
+        let Err(e) = r else { continue };
+        let e = ApiError::from(e);
+        if e.code == ErrorCode::InternalError {
+            return Err(e);
+        }
+        refused.push(RefusedResult {
+            task,
+            error: passage_model::ApiErrorBody {
+                code: e.code,
+                message: e.message,
+                field: e.field,
+            },
+        });
+    }
+    Ok(refused)
 }
 
 /// A node's progress on one of its own tasks, shown on the job step waiting for it.

@@ -48,6 +48,9 @@ pub struct Inner {
     pub placement_latency: Histogram,
     /// By (job, step).
     pub steps: BTreeMap<(String, String), Histogram>,
+    /// Requests of nodes that posted task results, and the results they carried.
+    pub result_posts: u64,
+    pub results: u64,
 }
 
 impl Metrics {
@@ -64,6 +67,14 @@ impl Metrics {
                 .entry((job.to_string(), step.to_string()))
                 .or_default()
                 .observe(took);
+        }
+    }
+
+    /// A node's request that posted `results` task results.
+    pub fn result_post(&self, results: usize) {
+        if let Ok(mut m) = self.inner.lock() {
+            m.result_posts += 1;
+            m.results += u64::try_from(results).unwrap_or(u64::MAX);
         }
     }
 

@@ -655,3 +655,224 @@ both!(
     a_result_answer_is_the_next_poll_on,
     a_result_answer_is_the_next_poll
 );
+
+/// `POST /agent/v1/tasks/results`: a node's results at once, each recorded or refused as
+/// alone, and with `?wait=` the next poll's tasks in the same answer; a body out of
+/// bounds records none of them.
+async fn results_posted_together(b: Backend) {
+    use passage_model::protocol::{
+        MAX_RESULTS_PER_POST, Task, TaskEnvelope, TaskResult, TaskResultsAnswer,
+    };
+    let s = TestServer::start(b, crate::common::fast_config()).await;
+    let (_, cred, _) = s.manual_node(2).await;
+    s.h100_catalog(1).await;
+    let mut vms = Vec::new();
+    for alias in ["together-a", "together-b"] {
+        let vm: Vm = s
+            .post(
+                "/v1/vms",
+                &json!({"alias": alias, "package": "gpu-1x", "image": "test-image"}),
+            )
+            .await
+            .ok(202);
+        vms.push(vm.uuid);
+    }
+    let node = s.client(Some(&cred));
+    let mut binds: Vec<TaskEnvelope> = Vec::new();
+    while binds.len() < 2 {
+        let got: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=5").await.ok(200);
+        assert!(!got.is_empty(), "both VMs' binds are queued: {binds:?}");
+        binds.extend(got);
+    }
+    assert!(
+        binds
+            .iter()
+            .all(|t| matches!(t.task, Task::BindPassthrough { .. })),
+        "{binds:?}"
+    );
+    let ok = |t: &TaskEnvelope| json!({"task": t.id, "result": TaskResult::success()});
+    let path = "/agent/v1/tasks/results";
+
+    // Out of bounds, whole: nothing is recorded.
+    let twice = json!({"results": [ok(&binds[0]), ok(&binds[1]), ok(&binds[0])]});
+    node.post::<()>(path, &twice)
+        .await
+        .invalid("results[2].task");
+    let bad = json!({"results": [ok(&binds[0]), {"task": binds[1].id, "result": {"ok": false,
+        "error": "x".repeat(passage_model::protocol::MAX_ERROR_LEN + 1)}}]});
+    node.post::<()>(path, &bad)
+        .await
+        .invalid("results[1].result.error");
+    let many: Vec<_> = (0..=MAX_RESULTS_PER_POST)
+        .map(|_| json!({"task": passage_model::TaskId::new_random(), "result": TaskResult::success()}))
+        .collect();
+    node.post::<()>(path, &json!({"results": many}))
+        .await
+        .invalid("results");
+
+    // Both recorded; the answer brings each VM's next task.
+    let answer: TaskResultsAnswer = node
+        .post(
+            &format!("{path}?wait=5"),
+            &json!({"results": [ok(&binds[0]), ok(&binds[1])]}),
+        )
+        .await
+        .ok(200);
+    assert!(answer.refused.is_empty(), "{answer:?}");
+    let mut next = answer.tasks.expect("a poll's answer with ?wait=");
+    while next.len() < 2 {
+        let more: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=5").await.ok(200);
+        assert!(
+            !more.is_empty(),
+            "both VMs' next tasks are queued: {next:?}"
+        );
+        next.extend(more);
+    }
+    assert!(
+        next.iter()
+            .all(|t| matches!(t.task, Task::FetchImage { .. })),
+        "{next:?}"
+    );
+
+    // Each refused as alone: one already has a result, one is no task of this node's;
+    // the third is recorded. Without `?wait=` no tasks are answered.
+    let unknown = passage_model::TaskId::new_random();
+    let answer: TaskResultsAnswer = node
+        .post(
+            path,
+            &json!({"results": [ok(&binds[0]), ok(&next[0]),
+            {"task": unknown, "result": TaskResult::success()}]}),
+        )
+        .await
+        .ok(200);
+    assert_eq!(answer.tasks, None);
+    let refused: Vec<_> = answer
+        .refused
+        .iter()
+        .map(|r| (r.task, r.error.code))
+        .collect();
+    assert_eq!(
+        refused,
+        [
+            (binds[0].id, ErrorCode::Conflict),
+            (unknown, ErrorCode::ResourceNotFound)
+        ]
+    );
+    // Recorded: posted alone now, it is refused as having a result.
+    node.post::<()>(
+        &format!("/agent/v1/tasks/{}/result", next[0].id),
+        &TaskResult::success(),
+    )
+    .await
+    .fails(409, ErrorCode::Conflict);
+    // Another node cannot post this node's results.
+    let (_, other, _) = s.manual_node(1).await;
+    let answer: TaskResultsAnswer = s
+        .client(Some(&other))
+        .post(path, &json!({"results": [ok(&next[1])]}))
+        .await
+        .ok(200);
+    assert_eq!(answer.refused.len(), 1, "{answer:?}");
+    assert_eq!(answer.refused[0].error.code, ErrorCode::ResourceNotFound);
+}
+both!(results_posted_together_on, results_posted_together);
+
+/// The real agent loop, finding four VMs' first tasks queued when it starts, posts the
+/// results of a batch together: fewer result requests than results, as `/metrics`
+/// counts them, and every VM runs.
+async fn an_agent_posts_a_batch_results_together(b: Backend) {
+    use node_agent::agent::{AgentConfig, Credential, credential};
+    use node_agent::fake::{FakeSpec, GpuModel};
+    use std::time::Duration;
+    let s = TestServer::start(b, fast_config()).await;
+    s.h100_catalog(1).await;
+    // The node registers and reports by hand, so its tasks queue before its loop runs.
+    let dir = tempfile::tempdir().unwrap();
+    let (sysfs, state) = (dir.path().join("sysfs"), dir.path().join("state"));
+    let spec = FakeSpec {
+        gpus: 4,
+        model: GpuModel::H100,
+        numa_nodes: 2,
+    };
+    node_agent::fake::generate_with(&sysfs, &spec, &Default::default()).unwrap();
+    let body = json!({"join_token": s.join_token().await, "hostname": "cn-batch",
+                      "agent_version": "t", "protocol_version": 1});
+    let reg: RegisterResponse = s
+        .client(None)
+        .post("/agent/v1/register", &body)
+        .await
+        .ok(201);
+    let devices = node_agent::host::discover(&sysfs).devices;
+    s.with(&reg.credential)
+        .put::<()>("/agent/v1/inventory", &json!({ "devices": devices }))
+        .await
+        .ok(204);
+    let mut vms = Vec::new();
+    for i in 0..4 {
+        let vm: Vm = s
+            .post(
+                "/v1/vms",
+                &json!({"alias": format!("batch-{i}"), "package": "gpu-1x", "image": "test-image"}),
+            )
+            .await
+            .ok(202);
+        vms.push(vm.uuid);
+    }
+    let counts = || async {
+        let text = s
+            .http
+            .get(s.url("/metrics"))
+            .bearer_auth(&s.admin)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let read = |name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+        };
+        (
+            read("passage_agent_results_total"),
+            read("passage_agent_result_posts_total"),
+        )
+    };
+    assert_eq!(counts().await, (0, 0));
+    std::fs::create_dir_all(&state).unwrap();
+    let cred = Credential {
+        server_url: s.base.clone(),
+        server_uuid: reg.server_uuid,
+        credential: reg.credential.clone(),
+    };
+    credential::save(&state, &cred).unwrap();
+    let cfg = AgentConfig {
+        server_url: s.base.clone(),
+        join_token: String::new(),
+        sysfs_root: sysfs.clone(),
+        state_dir: state.clone(),
+        hypervisor: node_agent::hypervisor::HypervisorKind::Sim,
+        heartbeat: Duration::from_secs(1),
+        hostname: "cn-batch".into(),
+        ca_cert: None,
+    };
+    let agent = tokio::spawn(node_agent::agent::run(cfg));
+    for vm in &vms {
+        let running = crate::common::wait_for(Duration::from_secs(30), || async {
+            let v: Vm = s.get(&format!("/v1/vms/{vm}")).await.ok(200);
+            (v.state == VmState::Running).then_some(())
+        })
+        .await;
+        assert!(running.is_some(), "VM {vm} runs");
+    }
+    agent.abort();
+    let (results, posts) = counts().await;
+    // Each VM: bind, fetch_image, start_vm. The four binds came in one batch.
+    assert!(results >= 12, "{results} results");
+    assert!(posts < results, "{posts} posts for {results} results");
+}
+both!(
+    an_agent_posts_a_batch_results_together_on,
+    an_agent_posts_a_batch_results_together
+);
