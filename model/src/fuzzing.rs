@@ -8,7 +8,7 @@ use crate::decode::json_object;
 use crate::pci::{DevicePath, HexId, PciAddress, PciClass, PciDevice, Revision};
 use crate::protocol::{
     Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TaskEnvelope,
-    TaskResult,
+    TaskResult, TaskResults, TaskResultsAnswer,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -68,6 +68,8 @@ pub fn agent_messages(data: &[u8]) {
     json_roundtrip(json_object::<Heartbeat>(data));
     json_roundtrip(json_object::<InventoryReport>(data));
     json_roundtrip(json_object::<TaskResult>(data));
+    json_roundtrip(json_object::<TaskResults>(data));
+    json_roundtrip(serde_json::from_slice::<TaskResultsAnswer>(data));
     json_roundtrip(serde_json::from_slice::<RegisterResponse>(data));
     json_roundtrip(serde_json::from_slice::<HeartbeatResponse>(data));
     json_roundtrip(serde_json::from_slice::<TaskEnvelope>(data));
@@ -93,6 +95,8 @@ mod tests {
         r#"{"devices":[]}"#,
         r#"{"ok":true}"#,
         r#"{"ok":false,"error":"no"}"#,
+        r#"{"results":[{"task":"3f2a6c1e-8a4b-4c7d-9e2f-1a2b3c4d5e6f","result":{"ok":true}}]}"#,
+        r#"{"refused":[{"task":"3f2a6c1e-8a4b-4c7d-9e2f-1a2b3c4d5e6f","error":{"code":"Conflict","message":"the task already has a result"}}],"tasks":[]}"#,
         r#"{"id":"3f2a6c1e-8a4b-4c7d-9e2f-1a2b3c4d5e6f","task":{"type":"start_vm","vm":{"uuid":"3f2a6c1e-8a4b-4c7d-9e2f-1a2b3c4d5e6f","vcpus":8,"memory_mib":65536,"devices":["/devices/pci0000:00/0000:00:01.0/0000:01:00.0"]}}}"#,
     ];
 

@@ -408,6 +408,29 @@ async fn main() {
         ),
         None => println!("clean: not within {limit:?}"),
     }
+    let text = http
+        .get(format!("{base}/metrics"))
+        .bearer_auth(&op)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let metric = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0)
+    };
+    let (results, posts) = (
+        metric("passage_agent_results_total"),
+        metric("passage_agent_result_posts_total"),
+    );
+    println!(
+        "task results: {results} in {posts} requests = {:.2} requests per VM for {:.2} results",
+        posts as f64 / uuids.len().max(1) as f64,
+        results as f64 / uuids.len().max(1) as f64,
+    );
     println!(
         "server peak RSS: {} MiB; open files now {}",
         server.status_kib("VmHWM:") / 1024,

@@ -482,15 +482,16 @@ impl Agent {
             // Results not posted yet: the quick tasks of a batch post theirs together.
             let mut group: Vec<Finished> = Vec::new();
             for env in envelopes {
+                if self.in_flight().contains(&env.id) {
+                    debug!(task = %env.id, "task already running");
+                    continue;
+                }
                 // A download can take minutes: it runs beside the other tasks, so one
                 // VM's image does not hold up another VM's stop or scrub. The rest run in
                 // turn, as the server sends them.
-                if matches!(env.task, Task::FetchImage { .. }) {
+                if self.executor.runs_long(&env.task) {
                     let id = env.id;
-                    if !self.in_flight().insert(id) {
-                        debug!(task = %id, "task already running");
-                        continue;
-                    }
+                    self.in_flight().insert(id);
                     let agent = self.clone();
                     tokio::spawn(async move {
                         let done = agent.clone().run_task(env).await;

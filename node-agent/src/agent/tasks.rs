@@ -61,6 +61,19 @@ impl Executor {
             .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")))
     }
 
+    /// Whether `task` may take minutes: a `FetchImage` whose image is not in the cache
+    /// yet (one that is makes the VM's disk on it and is done). Without an image service
+    /// (the sim hypervisor) nothing is fetched at all.
+    pub fn runs_long(&self, task: &Task) -> bool {
+        match task {
+            Task::FetchImage { disk, .. } => self
+                .images
+                .as_ref()
+                .is_some_and(|i| !i.cache.path(&disk.image.sha256).is_file()),
+            _ => false,
+        }
+    }
+
     async fn fetch_image(
         &self,
         vm: VmId,
