@@ -8,6 +8,7 @@
 //! state_dir = "/var/lib/passage-agent"
 //! hypervisor = "qemu"
 //! heartbeat_secs = 10
+//! inventory_secs = 60
 //! hostname = "cn-7"
 //! ca_cert = "/etc/passage/ca.pem"
 //! # Scrub tools (see `FileConfig`); each defaults as described there.
@@ -45,6 +46,8 @@ pub struct FileConfig {
     #[serde(default, deserialize_with = "hypervisor_kind")]
     pub hypervisor: Option<HypervisorKind>,
     pub heartbeat_secs: Option<u64>,
+    /// How often the whole inventory is read again (`--inventory-secs`).
+    pub inventory_secs: Option<u64>,
     pub hostname: Option<String>,
     /// The `nvidia-smi` the `nvidia_reset` scrub step runs, and discovery asks for MIG
     /// mode on GPUs that host vGPUs. Default: `nvidia-smi` on the agent's `PATH` (on a
@@ -90,6 +93,8 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("config file {path}: heartbeat_secs must be between 1 and 3600, not {value}")]
     Heartbeat { path: PathBuf, value: u64 },
+    #[error("config file {path}: inventory_secs must be between 1 and 3600, not {value}")]
+    Inventory { path: PathBuf, value: u64 },
     #[error("config file {path}: {key} must be an absolute path, not {value:?}")]
     RelativePath {
         path: PathBuf,
@@ -130,6 +135,14 @@ impl FileConfig {
             && !(1..=3600).contains(&v)
         {
             return Err(ConfigError::Heartbeat {
+                path: path.to_path_buf(),
+                value: v,
+            });
+        }
+        if let Some(v) = cfg.inventory_secs
+            && !(1..=3600).contains(&v)
+        {
+            return Err(ConfigError::Inventory {
                 path: path.to_path_buf(),
                 value: v,
             });
@@ -239,6 +252,7 @@ mod tests {
             state_dir = "/var/lib/passage-agent"
             hypervisor = "cloud-hypervisor"
             heartbeat_secs = 5
+            inventory_secs = 30
             hostname = "cn-1"
             nvidia_smi = "/usr/bin/nvidia-smi"
             gpu_zero_helper = "/opt/passage/passage-gpu-zero"
@@ -249,6 +263,7 @@ mod tests {
         assert_eq!(c.server.as_deref(), Some("http://127.0.0.1:8080"));
         assert_eq!(c.hypervisor, Some(HypervisorKind::CloudHypervisor));
         assert_eq!(c.heartbeat_secs, Some(5));
+        assert_eq!(c.inventory_secs, Some(30));
         assert_eq!(c.image_cache_gib, Some(20));
         let o = c.scrub_overrides();
         assert_eq!(o.nvidia_smi, Some(PathBuf::from("/usr/bin/nvidia-smi")));
@@ -272,6 +287,8 @@ mod tests {
             "heartbeat_secs = 0",
             "heartbeat_secs = -1",
             "heartbeat_secs = 99999",
+            "inventory_secs = 0",
+            "inventory_secs = 99999",
             "[[[",
             "server = \"a\"\nserver = \"b\"",
             "nvidia_smi = \"bin/nvidia-smi\"",

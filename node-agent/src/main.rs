@@ -107,6 +107,11 @@ enum Command {
         /// Default 10.
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
         heartbeat_secs: Option<u64>,
+        /// How often a heartbeat also reads the whole inventory again (a change made
+        /// behind the agent's back shows within this; tasks report theirs at once).
+        /// Default 60.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        inventory_secs: Option<u64>,
         #[arg(long)]
         hostname: Option<String>,
         /// A PEM file of CA certificates to trust for an https:// server, besides the
@@ -194,6 +199,7 @@ fn main() -> ExitCode {
             state_dir,
             hypervisor,
             heartbeat_secs,
+            inventory_secs,
             hostname,
             ca_cert,
             image_cache_gib,
@@ -252,6 +258,9 @@ fn main() -> ExitCode {
                     .unwrap_or(HypervisorKind::Sim),
                 heartbeat: Duration::from_secs(
                     heartbeat_secs.or(file.heartbeat_secs).unwrap_or(10),
+                ),
+                inventory_every: Duration::from_secs(
+                    inventory_secs.or(file.inventory_secs).unwrap_or(60),
                 ),
                 hostname: hostname
                     .or(file.hostname)

@@ -83,6 +83,7 @@ pub async fn start(ctx: &Ctx, base_url: &str, spec: &SimSpec) -> anyhow::Result<
             hypervisor: HypervisorKind::Sim,
             // As a real agent does by default.
             heartbeat: Duration::from_secs(10),
+            inventory_every: Duration::from_secs(60),
             hostname: format!("sim-{i}"),
             ca_cert: spec.ca_cert.clone(),
         };

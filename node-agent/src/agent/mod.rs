@@ -59,6 +59,10 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     pub hypervisor: HypervisorKind,
     pub heartbeat: Duration,
+    /// How often a heartbeat also reads the whole inventory again when nothing asked for
+    /// it sooner: a function changed behind the agent's back (an operator's driver bind,
+    /// a device gone) shows within this. Tasks send the functions they change at once.
+    pub inventory_every: Duration,
     pub hostname: String,
     /// A PEM bundle of CA certificates to trust for an `https://` server, besides the
     /// public roots.
@@ -212,6 +216,9 @@ struct Agent {
     in_flight: std::sync::Mutex<HashSet<TaskId>>,
     /// The server answered `tasks/results` with 404: it is older, results go one by one.
     single_results: std::sync::atomic::AtomicBool,
+    /// Something the server should have was not taken (an upload failed, a result with
+    /// changed functions was refused): the next heartbeat reads the whole inventory.
+    inventory_due: std::sync::atomic::AtomicBool,
 }
 
 impl Agent {
@@ -296,6 +303,7 @@ impl Agent {
     async fn report_inventory(&self) -> Result<(), AgentError> {
         let mut last = self.last_inventory.lock().await;
         let Some(found) = self.discover(last.as_ref()).await else {
+            self.inventory_due();
             return Ok(());
         };
         if self.sending().as_ref() == Some(&found.report) {
@@ -337,6 +345,7 @@ impl Agent {
                 None => {
                     // Not remembered, so the next heartbeat tries again.
                     warn!(error = %e, "inventory upload failed");
+                    self.inventory_due();
                     Ok(())
                 }
             },
@@ -392,6 +401,7 @@ impl Agent {
             }
         }
         let Some(found) = self.discover(base.as_ref()).await else {
+            self.inventory_due();
             return Ok(None);
         };
         let Some(before) = base.as_ref() else {
@@ -427,9 +437,15 @@ impl Agent {
         }))
     }
 
-    async fn heartbeat_loop(self: Arc<Self>, every: Duration) -> Result<(), AgentError> {
+    async fn heartbeat_loop(
+        self: Arc<Self>,
+        every: Duration,
+        inventory_every: Duration,
+    ) -> Result<(), AgentError> {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The inventory was read just before the loop starts.
+        let mut read_at = tokio::time::Instant::now();
         loop {
             tick.tick().await;
             let hv = self.executor.hypervisor.clone();
@@ -454,7 +470,15 @@ impl Agent {
                     warn!(error = %e, "heartbeat failed");
                 }
             }
-            self.report_inventory().await?;
+            // A whole pass reads every attribute of every function: on a node that runs
+            // its tasks and reports their changes itself, once in a while is enough.
+            let due = self
+                .inventory_due
+                .swap(false, std::sync::atomic::Ordering::Relaxed);
+            if due || read_at.elapsed() >= inventory_every {
+                read_at = tokio::time::Instant::now();
+                self.report_inventory().await?;
+            }
         }
     }
 
@@ -695,6 +719,12 @@ impl Agent {
         }
     }
 
+    /// The next heartbeat reads and reports the whole inventory.
+    fn inventory_due(&self) {
+        self.inventory_due
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn single_results(&self) -> bool {
         self.single_results
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -709,6 +739,9 @@ impl Agent {
         let (Some((before, _)), Some((_, after))) = (first, final_) else {
             return;
         };
+        if !all_taken {
+            self.inventory_due();
+        }
         let mut last = self.last_inventory.lock().await;
         let mut sending = self.sending();
         if all_taken && last.as_ref() == Some(before) {
@@ -891,11 +924,12 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         last_inventory: Mutex::new(None),
         sending: std::sync::Mutex::new(None),
         single_results: std::sync::atomic::AtomicBool::new(false),
+        inventory_due: std::sync::atomic::AtomicBool::new(false),
         in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;
     tokio::select! {
-        r = agent.clone().heartbeat_loop(cfg.heartbeat) => r,
+        r = agent.clone().heartbeat_loop(cfg.heartbeat, cfg.inventory_every) => r,
         r = agent.clone().task_loop() => r,
         _ = tokio::signal::ctrl_c() => {
             info!("interrupted; stopping");
@@ -917,6 +951,7 @@ mod redaction_tests {
             state_dir: "/var/lib/passage-agent".into(),
             hypervisor: HypervisorKind::Sim,
             heartbeat: Duration::from_secs(10),
+            inventory_every: Duration::from_secs(10),
             hostname: "cn-1".into(),
             ca_cert: None,
         };

@@ -192,6 +192,7 @@ async fn a_slow_download_runs_beside_other_tasks_and_reports_progress() {
         state_dir: state.clone(),
         hypervisor: HypervisorKind::Qemu,
         heartbeat: Duration::from_secs(1),
+        inventory_every: Duration::from_secs(1),
         hostname: "cn-test".into(),
         ca_cert: None,
     };

@@ -60,6 +60,7 @@ async fn first_inventory(
         state_dir: dir.join("state"),
         hypervisor,
         heartbeat: Duration::from_secs(1),
+        inventory_every: Duration::from_secs(1),
         hostname: "cn-test".into(),
         ca_cert: None,
     };

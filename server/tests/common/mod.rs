@@ -264,6 +264,7 @@ impl TestServer {
             state_dir: state.clone(),
             hypervisor: HypervisorKind::Sim,
             heartbeat: Duration::from_secs(1),
+            inventory_every: Duration::from_secs(1),
             hostname: format!("node-{}", self.agents.len()),
             ca_cert: None,
         };

@@ -854,6 +854,7 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
         state_dir: state.clone(),
         hypervisor: node_agent::hypervisor::HypervisorKind::Sim,
         heartbeat: Duration::from_secs(1),
+        inventory_every: Duration::from_secs(1),
         hostname: "cn-batch".into(),
         ca_cert: None,
     };

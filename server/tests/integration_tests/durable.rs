@@ -205,7 +205,14 @@ async fn killed_at_every_boundary(b: Backend) {
             .arg(&sysfs)
             .arg("--state-dir")
             .arg(db.dir.path().join("agent"))
-            .args(["--hypervisor", "sim", "--heartbeat-secs", "1"])
+            .args([
+                "--hypervisor",
+                "sim",
+                "--heartbeat-secs",
+                "1",
+                "--inventory-secs",
+                "1",
+            ])
             .env("RUST_LOG", "error")
             .spawn()
             .unwrap(),

@@ -119,7 +119,14 @@ pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, Gu
             .arg(&sysfs)
             .arg("--state-dir")
             .arg(&state)
-            .args(["--hypervisor", "qemu", "--heartbeat-secs", "1"])
+            .args([
+                "--hypervisor",
+                "qemu",
+                "--heartbeat-secs",
+                "1",
+                "--inventory-secs",
+                "1",
+            ])
             .env("PASSAGE_QEMU_ACCEL", "tcg")
             .env("RUST_LOG", "warn")
             .spawn()
@@ -229,6 +236,8 @@ async fn walk(b: Backend) {
                 "--hypervisor",
                 "sim",
                 "--heartbeat-secs",
+                "1",
+                "--inventory-secs",
                 "1",
                 "--hostname",
                 "cn-e2e",

@@ -134,7 +134,14 @@ async fn https_for_clients_and_agents_with_reload() {
             .arg(dir.join("agent-state"))
             .arg("--ca-cert")
             .arg(&cert)
-            .args(["--heartbeat-secs", "1", "--hostname", "cn-tls"])
+            .args([
+                "--heartbeat-secs",
+                "1",
+                "--inventory-secs",
+                "1",
+                "--hostname",
+                "cn-tls",
+            ])
             .env("RUST_LOG", "warn")
             .spawn()
             .unwrap(),
