@@ -216,6 +216,19 @@ impl TestServer {
         r.token
     }
 
+    /// `/metrics` as the operator reads it (Prometheus text).
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .bearer_auth(&self.admin)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     pub async fn join_token(&self) -> String {
         let t: JoinToken = self
             .as_admin()

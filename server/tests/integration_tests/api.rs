@@ -819,16 +819,7 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
         vms.push(vm.uuid);
     }
     let counts = || async {
-        let text = s
-            .http
-            .get(s.url("/metrics"))
-            .bearer_auth(&s.admin)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = s.metrics().await;
         let read = |name: &str| -> u64 {
             text.lines()
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())

@@ -242,16 +242,7 @@ async fn usage_audit_metrics(b: Backend) {
     // Metrics: fleet gauges, placements, step durations (Prometheus text, read raw).
     let r = s.http.get(s.url("/metrics")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 401);
-    let text = s
-        .http
-        .get(s.url("/metrics"))
-        .bearer_auth(&s.admin)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.metrics().await;
     let settled = wait_for(Duration::from_secs(30), || async {
         let t = s
             .http
