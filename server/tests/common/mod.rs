@@ -341,7 +341,17 @@ impl TestServer {
             numa_nodes: 2,
         };
         node_agent::fake::generate_with(&root, &spec, opts).unwrap();
-        let devices = node_agent::host::discover(&root).devices;
+        self.register_tree(&root, host).await
+    }
+
+    /// A node registered by hand that reported the inventory of the tree at `root` (and
+    /// `host`): (server uuid, node credential, devices reported). No agent loop runs.
+    pub async fn register_tree(
+        &self,
+        root: &std::path::Path,
+        host: Option<Value>,
+    ) -> (ServerId, String, Vec<PciDevice>) {
+        let devices = node_agent::host::discover(root).devices;
         let jt = self.join_token().await;
         let body = json!({"join_token": jt, "hostname": "cn-manual", "agent_version": "t",
                           "protocol_version": 1});

@@ -795,18 +795,7 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
         numa_nodes: 2,
     };
     node_agent::fake::generate_with(&sysfs, &spec, &Default::default()).unwrap();
-    let body = json!({"join_token": s.join_token().await, "hostname": "cn-batch",
-                      "agent_version": "t", "protocol_version": 1});
-    let reg: RegisterResponse = s
-        .client(None)
-        .post("/agent/v1/register", &body)
-        .await
-        .ok(201);
-    let devices = node_agent::host::discover(&sysfs).devices;
-    s.with(&reg.credential)
-        .put::<()>("/agent/v1/inventory", &json!({ "devices": devices }))
-        .await
-        .ok(204);
+    let (server_uuid, node_credential, _) = s.register_tree(&sysfs, None).await;
     let mut vms = Vec::new();
     for i in 0..4 {
         let vm: Vm = s
@@ -834,8 +823,8 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
     std::fs::create_dir_all(&state).unwrap();
     let cred = Credential {
         server_url: s.base.clone(),
-        server_uuid: reg.server_uuid,
-        credential: reg.credential.clone(),
+        server_uuid,
+        credential: node_credential,
     };
     credential::save(&state, &cred).unwrap();
     let cfg = AgentConfig {
