@@ -40,8 +40,8 @@ struct Discovered {
 /// report once the server has them, if `before` is still the last one.
 struct Changes {
     devices: Vec<PciDevice>,
-    before: InventoryReport,
-    after: InventoryReport,
+    before: Arc<InventoryReport>,
+    after: Arc<InventoryReport>,
 }
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/passage-agent";
@@ -207,10 +207,13 @@ struct Agent {
     discoverer: Arc<Discoverer>,
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
-    last_inventory: Mutex<Option<InventoryReport>>,
+    // Shared, not copied: a task's changes keep the reports they were read against and
+    // bring the server to, and copying a node's whole list several times per bind was
+    // most of what a bind cost the agent after the bind itself.
+    last_inventory: Mutex<Option<Arc<InventoryReport>>>,
     /// The inventory a result being posted brings the server to: a result's answer may
     /// be a long poll, and a heartbeat meanwhile need not upload what it carries.
-    sending: std::sync::Mutex<Option<InventoryReport>>,
+    sending: std::sync::Mutex<Option<Arc<InventoryReport>>>,
     /// Tasks running in the background (downloads): a task the server sends again while
     /// it runs (a poll before its result is in) is not started twice.
     in_flight: std::sync::Mutex<HashSet<TaskId>>,
@@ -302,11 +305,11 @@ impl Agent {
     /// that cannot be read is not reported as empty: that would look like lost devices.
     async fn report_inventory(&self) -> Result<(), AgentError> {
         let mut last = self.last_inventory.lock().await;
-        let Some(found) = self.discover(last.as_ref()).await else {
+        let Some(found) = self.discover(last.as_deref()).await else {
             self.inventory_due();
             return Ok(());
         };
-        if self.sending().as_ref() == Some(&found.report) {
+        if self.sending().as_deref() == Some(&found.report) {
             // Unless that result is refused: then `last` stays as it was, and the next
             // heartbeat uploads.
             return Ok(());
@@ -314,17 +317,17 @@ impl Agent {
         self.upload(&mut last, found).await
     }
 
-    fn sending(&self) -> std::sync::MutexGuard<'_, Option<InventoryReport>> {
+    fn sending(&self) -> std::sync::MutexGuard<'_, Option<Arc<InventoryReport>>> {
         self.sending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn upload(
         &self,
-        last: &mut Option<InventoryReport>,
+        last: &mut Option<Arc<InventoryReport>>,
         found: Discovered,
     ) -> Result<(), AgentError> {
         let report = found.report;
-        if last.as_ref() == Some(&report) {
+        if last.as_deref() == Some(&report) {
             return Ok(());
         }
         for n in &found.notes {
@@ -337,7 +340,7 @@ impl Agent {
                     skipped = found.skipped,
                     "inventory reported"
                 );
-                *last = Some(report);
+                *last = Some(Arc::new(report));
                 Ok(())
             }
             Err(e) => match self.fatal(&e) {
@@ -370,10 +373,11 @@ impl Agent {
         let base = self.sending().clone().or_else(|| last.clone());
         if let (Some(addrs), Some(before)) = (rebound, base.as_ref()) {
             let (root, disc) = (self.sysfs_root.clone(), self.discoverer.clone());
-            let prev = before.devices.clone();
-            let read =
-                tokio::task::spawn_blocking(move || disc.try_rediscover(&root, &addrs, &prev))
-                    .await;
+            let prev = before.clone();
+            let read = tokio::task::spawn_blocking(move || {
+                disc.try_rediscover(&root, &addrs, &prev.devices)
+            })
+            .await;
             match read {
                 Ok(Ok(Some(now))) => {
                     let devices: Vec<PciDevice> = before
@@ -383,11 +387,11 @@ impl Agent {
                         .filter(|(a, b)| a != b)
                         .map(|(_, b)| b.clone())
                         .collect();
-                    let after = InventoryReport {
+                    let after = Arc::new(InventoryReport {
                         devices: now,
                         host: before.host,
                         bridges: before.bridges.clone(),
-                    };
+                    });
                     return Ok(Some(Changes {
                         devices,
                         before: before.clone(),
@@ -400,7 +404,7 @@ impl Agent {
                 Err(e) => warn!(error = %e, "reading rebound functions panicked"),
             }
         }
-        let Some(found) = self.discover(base.as_ref()).await else {
+        let Some(found) = self.discover(base.as_deref()).await else {
             self.inventory_due();
             return Ok(None);
         };
@@ -433,7 +437,7 @@ impl Agent {
         Ok(Some(Changes {
             devices,
             before: before.clone(),
-            after: found.report,
+            after: Arc::new(found.report),
         }))
     }
 
@@ -760,7 +764,7 @@ struct Finished {
     result: TaskResult,
     /// The inventory the task's changed functions were read against, and the one they
     /// bring the server to.
-    inventory: Option<(InventoryReport, InventoryReport)>,
+    inventory: Option<(Arc<InventoryReport>, Arc<InventoryReport>)>,
     /// When it ended.
     at: tokio::time::Instant,
 }

@@ -133,7 +133,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         ctx.metrics.placement(outcome, started.elapsed());
         r?
     };
-    workflows::spawn(ctx.clone(), job);
+    workflows::spawn_with(ctx.clone(), job, Some(vm.clone()));
     Ok(vm)
 }
 
@@ -546,28 +546,58 @@ pub async fn list(
 }
 
 pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let job = JobId::new_random();
+    let new_job = |owner| {
+        workflows::new_job::<Destroy>(job, Some(uuid), Some(owner), &())
+            .map_err(|e| StoreError::Corrupt(e.to_string()))
+    };
+    // Tried at once, before any read: nearly every deletion is of a VM at rest that the
+    // caller may change, and reading it first cost every deletion a read. The row the
+    // update leaves is checked in its transaction; anything else is told apart below.
+    let first = vms::begin_destroy(&ctx.api_db, uuid, job, |vm| {
+        caller
+            .may_change(vm.owner_uuid)
+            .map_err(|_| StoreError::NotFound("vm"))?;
+        new_job(vm.owner_uuid)
+    })
+    .await;
+    let vm = match first {
+        Ok(vm) => vm,
+        Err(StoreError::InvalidState(_) | StoreError::NotFound(_)) => {
+            destroy_refused(ctx, caller, uuid, job, new_job).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    workflows::spawn_with(ctx.clone(), job, Some(vm.clone()));
+    Ok(vm)
+}
+
+/// A deletion the first try refused: the VM is missing, the caller's to see but not to
+/// change, destroyed, or busy with a job. Its answer says which; a job that is over in
+/// all but name is waited for (`settled`) and the deletion tried once more.
+async fn destroy_refused(
+    ctx: &Ctx,
+    caller: &Caller,
+    uuid: VmId,
+    job: JobId,
+    new_job: impl Fn(passage_model::AccountId) -> Result<jobs::NewJob, StoreError> + Send + Sync,
+) -> ApiResult<Vm> {
     let vm = get(ctx, caller, uuid).await?;
     caller.may_change(vm.owner_uuid)?;
     if vm.state == VmState::Destroyed {
         return Err(ApiError::invalid_state("the VM is already destroyed"));
     }
-    let job = JobId::new_random();
-    let new = workflows::new_job::<Destroy>(job, Some(uuid), Some(vm.owner_uuid), &())
-        .map_err(|e| ApiError::internal(e.to_string()))?;
-    // Tried at once: the VM's last job is nearly always over, and asking first (its job
-    // and steps) cost every deletion two reads. Refused for a job that is over in all but
-    // name, it waits for that job (`settled`) and tries once more.
-    let vm = match vms::begin_destroy(&ctx.api_db, uuid, new.clone()).await {
+    let owner = vm.owner_uuid;
+    let vm = match vms::begin_destroy(&ctx.api_db, uuid, job, |_| new_job(owner)).await {
         Err(StoreError::InvalidState(_)) if vm.job_uuid.is_some() => {
             let vm = settled(ctx, vm).await?;
             if vm.state == VmState::Destroyed {
                 return Err(ApiError::invalid_state("the VM is already destroyed"));
             }
-            vms::begin_destroy(&ctx.api_db, uuid, new).await?
+            vms::begin_destroy(&ctx.api_db, uuid, job, |_| new_job(owner)).await?
         }
         r => r?,
     };
-    workflows::spawn(ctx.clone(), job);
     Ok(vm)
 }
 

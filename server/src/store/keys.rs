@@ -93,17 +93,6 @@ pub async fn list(
     Ok((rows.into_iter().map(SshKey::from).collect(), total))
 }
 
-/// Every key of an account, oldest first: what goes into its VMs' authorized keys.
-pub async fn all_of(db: &Db, account: AccountId) -> StoreResult<Vec<SshKey>> {
-    let sql =
-        format!("SELECT {COLS} FROM ssh_keys WHERE account_uuid = $1 ORDER BY created_at, name");
-    let rows: Vec<KeyRow> = on_read!(db, |p| sqlx::query_as(&sql)
-        .bind(account.to_string())
-        .fetch_all(p)
-        .await)?;
-    Ok(rows.into_iter().map(SshKey::from).collect())
-}
-
 pub async fn get(db: &Db, account: AccountId, name: &str) -> StoreResult<SshKey> {
     let sql = format!("SELECT {COLS} FROM ssh_keys WHERE account_uuid = $1 AND name = $2");
     let row: Option<KeyRow> = on_read!(db, |p| sqlx::query_as(&sql)

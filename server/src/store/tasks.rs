@@ -7,7 +7,7 @@ use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{bind_args, on_read, on_write};
 use passage_model::protocol::{TaskEnvelope, TaskResult};
 use passage_model::{JobId, PciDevice, ServerId, TaskId};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// The Postgres channels replicas tell each other on (`NOTIFY`; each listens:
 /// `services::wake_on_notify`): a task queued for a node (payload: the server's uuid) and
@@ -103,18 +103,18 @@ pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool
         return Ok(Vec::new());
     }
     let now = now_ms();
-    let mut reports: Vec<Report<'_>> = done
+    let changed = changed_by_server(done);
+    let mut reports: Vec<Report<'_>> = changed
         .iter()
-        .filter(|c| !c.changed.is_empty())
-        .map(|c| Report {
-            server: c.server,
+        .map(|(server, devices)| Report {
+            server: *server,
             host: None,
-            devices: &c.changed,
+            devices,
             coverage: Coverage::Changed,
         })
         .collect();
     // By server, as placements lock servers' rows (a report that recounts locks its
-    // own); one node's reports stay in the order they came.
+    // own).
     reports.sort_by_cached_key(|r| r.server.to_string());
     let written: Vec<String> = if reports.is_empty() {
         match db {
@@ -141,6 +141,30 @@ pub async fn complete_many(db: &Db, done: &[Completion]) -> StoreResult<Vec<bool
         .iter()
         .map(|c| written.contains(c.task.to_string().as_str()) && answered.insert(c.task))
         .collect())
+}
+
+/// The functions the tasks changed, one list per node: a node posts a batch's results
+/// together, and each of them applied as its own report cost a read and a write per
+/// function, where one report per node is read and written with the other nodes'. A
+/// function in several results takes its state in the last (the order the node sent
+/// them, which is the order its tasks left it in).
+fn changed_by_server(done: &[Completion]) -> Vec<(ServerId, Vec<PciDevice>)> {
+    let mut out: Vec<(ServerId, Vec<PciDevice>)> = Vec::new();
+    let mut at: HashMap<ServerId, usize> = HashMap::new();
+    for c in done.iter().filter(|c| !c.changed.is_empty()) {
+        let i = *at.entry(c.server).or_insert_with(|| {
+            out.push((c.server, Vec::new()));
+            out.len() - 1
+        });
+        let devices = &mut out[i].1;
+        for d in &c.changed {
+            match devices.iter_mut().find(|x| x.id == d.id) {
+                Some(x) => *x = d.clone(),
+                None => devices.push(d.clone()),
+            }
+        }
+    }
+    out
 }
 
 /// SQLite's statement for [`complete_many`]: one row of values per result.

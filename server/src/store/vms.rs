@@ -10,7 +10,7 @@ use super::room::Allocation;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
-use passage_model::{DeviceEvent, PackageId, ServerId, VmId};
+use passage_model::{DeviceEvent, JobId, PackageId, ServerId, VmId};
 
 #[derive(sqlx::FromRow)]
 struct VmRow {
@@ -144,16 +144,24 @@ pub async fn set_state(db: &Db, uuid: VmId, from: &[VmState], to: VmState) -> St
 }
 
 /// Starts a destroy: the VM goes `destroying` and its destroy job is written, together.
-pub async fn begin_destroy(db: &Db, uuid: VmId, job: NewJob) -> StoreResult<Vm> {
+/// Starts `job`, the VM's destroy, if the VM is at rest with no job running: the job is
+/// `job_for` the VM as the update leaves it, which may refuse it (the transaction is
+/// then undone, and its error is the answer).
+pub async fn begin_destroy(
+    db: &Db,
+    uuid: VmId,
+    job: JobId,
+    job_for: impl FnOnce(&Vm) -> StoreResult<NewJob> + Send,
+) -> StoreResult<Vm> {
     // The row as the update leaves it is the answer: no read after the commit.
-    let row: VmRow = in_tx!(db, |tx| {
+    in_tx!(db, |tx| {
         let row: Option<VmRow> = sqlx::query_as(&format!(
             "UPDATE vms SET state = 'destroying', job_uuid = $2, updated_at = $3 \
              WHERE uuid = $1 AND state IN ('running', 'stopped', 'failed') AND {NO_JOB_RUNNING} \
              RETURNING {COLS}",
         ))
         .bind(uuid.to_string())
-        .bind(job.uuid.to_string())
+        .bind(job.to_string())
         .bind(now_ms())
         .fetch_optional(&mut *tx)
         .await?;
@@ -164,10 +172,11 @@ pub async fn begin_destroy(db: &Db, uuid: VmId, job: NewJob) -> StoreResult<Vm> 
                     .into(),
             ));
         };
-        tx.insert_jobs(std::slice::from_ref(&job)).await?;
-        Ok(row)
-    })?;
-    row.into_view()
+        let vm = row.into_view()?;
+        let new = job_for(&vm)?;
+        tx.insert_jobs(std::slice::from_ref(&new)).await?;
+        Ok(vm)
+    })
 }
 
 /// VMs on a server, for the server object's `vms` map.
@@ -416,18 +425,28 @@ pub async fn reconcile_exits(
     Ok(gone)
 }
 
-/// A VM's metadata for its guest.
-pub async fn metadata(
-    db: &Db,
-    uuid: VmId,
-) -> StoreResult<std::collections::BTreeMap<String, String>> {
-    let text: Option<String> = on_read!(db, |c| sqlx::query_scalar(
-        "SELECT metadata FROM vms WHERE uuid = $1"
+/// What a VM's guest is told at its launch, read together: its metadata, and its owner's
+/// public keys (oldest first) as they are now.
+pub struct GuestInputs {
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub keys: Vec<String>,
+}
+
+pub async fn guest_inputs(db: &Db, uuid: VmId) -> StoreResult<GuestInputs> {
+    // One row per key (one with no key when the owner has none), each with the metadata.
+    let rows: Vec<(String, Option<String>)> = on_read!(db, |c| sqlx::query_as(
+        "SELECT v.metadata, k.public_key FROM vms v \
+         LEFT JOIN ssh_keys k ON k.account_uuid = v.owner_uuid \
+         WHERE v.uuid = $1 ORDER BY k.created_at, k.name"
     )
     .bind(uuid.to_string())
-    .fetch_optional(c)
+    .fetch_all(c)
     .await)?;
-    serde_json::from_str(&text.ok_or(StoreError::NotFound("vm"))?).map_err(corrupt)
+    let first = rows.first().ok_or(StoreError::NotFound("vm"))?;
+    Ok(GuestInputs {
+        metadata: serde_json::from_str(&first.0).map_err(corrupt)?,
+        keys: rows.into_iter().filter_map(|(_, k)| k).collect(),
+    })
 }
 
 /// A VM that will not run (its provision unwound) gives its addresses back, and its row

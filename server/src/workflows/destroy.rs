@@ -37,7 +37,7 @@ impl Workflow for Destroy {
                 agent_task::run(ctx, server, job, task).await.map(drop)
             }
             DestroyStep::Unbind => {
-                let held = held(ctx, &vm).await?;
+                let held = run.held_first(ctx, &vm).await?;
                 if held.is_empty() {
                     return Ok(());
                 }
@@ -50,7 +50,8 @@ impl Workflow for Destroy {
             }
             DestroyStep::DeleteDisk => super::disk::delete(ctx, server, job, &vm).await,
             DestroyStep::Release => {
-                let held = held(ctx, &vm).await?;
+                // As `unbind` read them, when it ran in this run: the VM gains none.
+                let held = run.held_first(ctx, &vm).await?;
                 let w = DeviceWrite::destroyed(vm.uuid, Some(server), &held);
                 crate::services::device_log::write(ctx, w).await?;
                 // The last VM built from a deleted image: its file may go now.

@@ -29,7 +29,7 @@ pub mod scrub;
 pub mod sriov;
 
 pub use error::StepError;
-pub use runner::{resume_all, run, spawn, unwind};
+pub use runner::{resume_all, run, spawn, spawn_with, unwind};
 
 use crate::services::Ctx;
 use crate::store::jobs::{JobRecord, NewJob};
@@ -106,6 +106,9 @@ pub struct Run<W: Workflow> {
     steps: Vec<(W::Step, StepState, bool)>,
     /// The VM as first read, for a workflow that [`Workflow::KEEPS_VM`].
     kept_vm: tokio::sync::OnceCell<Vm>,
+    /// The devices the VM held when a step of this run first read them
+    /// ([`Run::held_first`]).
+    held: tokio::sync::OnceCell<Vec<String>>,
 }
 
 impl<W: Workflow> Run<W> {
@@ -138,7 +141,21 @@ impl<W: Workflow> Run<W> {
             payload,
             steps,
             kept_vm: tokio::sync::OnceCell::new(),
+            held: tokio::sync::OnceCell::new(),
         })
+    }
+
+    /// Starts from `vm`, as the write that started the job left it, when the workflow
+    /// keeps its VM and it is the job's.
+    pub(crate) fn given(self, vm: Option<Vm>) -> Self {
+        if let Some(vm) = vm
+            && W::KEEPS_VM
+            && self.vm == Some(vm.uuid)
+        {
+            // Empty until now: `Run::of` made it.
+            let _ = self.kept_vm.set(vm);
+        }
+        self
     }
 
     fn find(&self, step: W::Step) -> Option<&(W::Step, StepState, bool)> {
@@ -167,6 +184,18 @@ impl<W: Workflow> Run<W> {
             return Ok(self.kept_vm.get_or_try_init(read).await?.clone());
         }
         Ok(read().await?)
+    }
+
+    /// The devices the VM held when a step of this run first read them, by id. Only for
+    /// a workflow whose VM gains no device while it runs, and whose later steps only move
+    /// them: a device it stopped holding since is then skipped by the move, as any move
+    /// skips a device not held by its VM.
+    pub async fn held_first(&self, ctx: &Ctx, vm: &Vm) -> Result<Vec<String>, StepError> {
+        Ok(self
+            .held
+            .get_or_try_init(|| provision::held(ctx, vm))
+            .await?
+            .clone())
     }
 
     fn set(&mut self, idx: usize, state: StepState) {

@@ -90,11 +90,11 @@ pub(super) async fn spec(
     let cloud_init = match disk {
         None => None,
         Some(_) => {
-            let keys = crate::store::keys::all_of(&ctx.jobs_db, vm.owner_uuid).await?;
-            let mut metadata = vms::metadata(&ctx.jobs_db, vm.uuid).await?;
+            let vms::GuestInputs { mut metadata, keys } =
+                vms::guest_inputs(&ctx.jobs_db, vm.uuid).await?;
             Some(CloudInitSpec {
                 hostname: vm.alias.clone(),
-                ssh_authorized_keys: keys.into_iter().map(|k| k.key).collect(),
+                ssh_authorized_keys: keys,
                 user_data: metadata.remove(passage_model::metadata::USER_DATA),
                 user_script: metadata.remove(passage_model::metadata::USER_SCRIPT),
                 metadata,

@@ -12,7 +12,7 @@ use crate::services::{Ctx, job_log};
 use crate::store::job_log::StepWrite;
 use crate::store::jobs::{self, JobRecord};
 use passage_model::JobId;
-use passage_model::api::{JobState, StepState};
+use passage_model::api::{JobState, StepState, Vm};
 use passage_model::jobs::Steps;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +20,13 @@ use std::time::{Duration, Instant};
 
 /// Runs a job in the background, unless this process runs it already.
 pub fn spawn(ctx: Ctx, job: JobId) {
+    spawn_with(ctx, job, None);
+}
+
+/// [`spawn`] for a job whose VM the caller has just written, as that write left it: a
+/// workflow that keeps its VM ([`Workflow::KEEPS_VM`]) starts from this copy instead of
+/// reading the row again (a read per creation and per deletion).
+pub fn spawn_with(ctx: Ctx, job: JobId, vm: Option<Vm>) {
     let fresh = ctx
         .running_jobs
         .lock()
@@ -34,7 +41,7 @@ pub fn spawn(ctx: Ctx, job: JobId) {
         let permit = ctx.job_permits.clone().acquire_owned().await;
         // Boxed: a waiting task's size is then that of the wait, not of the whole job's
         // state machine, and a burst of 10,000 creations queues 10,000 waiting tasks.
-        if let Err(e) = Box::pin(run(&ctx, job)).await {
+        if let Err(e) = Box::pin(run_given(&ctx, job, vm)).await {
             tracing::error!(%job, error = %e, "job runner failed");
         }
         drop(permit);
@@ -71,6 +78,11 @@ fn keep_lease(ctx: &Ctx, job: JobId, lost: Arc<AtomicBool>) -> tokio::task::Join
 
 /// Runs (or resumes) a job to its end.
 pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
+    run_given(ctx, job, None).await
+}
+
+/// [`run`], with the VM as the write that started the job left it ([`spawn_with`]).
+async fn run_given(ctx: &Ctx, job: JobId, vm: Option<Vm>) -> ApiResult<()> {
     if ctx.stopping.load(Ordering::SeqCst) {
         return Ok(());
     }
@@ -83,7 +95,7 @@ pub async fn run(ctx: &Ctx, job: JobId) -> ApiResult<()> {
     };
     let lost = Arc::new(AtomicBool::new(false));
     let lease = keep_lease(ctx, job, lost.clone());
-    let r = dispatch!(rec.kind, W => run_claimed::<W>(ctx, rec, &lost).await);
+    let r = dispatch!(rec.kind, W => run_claimed::<W>(ctx, rec, &lost, vm).await);
     lease.abort();
     r
 }
@@ -122,11 +134,16 @@ async fn act<W: Workflow>(ctx: &Ctx, run: &Run<W>, step: W::Step) -> Result<(), 
     fault::<W>(ctx, step)
 }
 
-async fn run_claimed<W: Workflow>(ctx: &Ctx, rec: JobRecord, lost: &AtomicBool) -> ApiResult<()> {
+async fn run_claimed<W: Workflow>(
+    ctx: &Ctx,
+    rec: JobRecord,
+    lost: &AtomicBool,
+    vm: Option<Vm>,
+) -> ApiResult<()> {
     let () = StepsOfKind::<W>::CHECK;
     let job = rec.uuid;
     let mut run = match Run::<W>::of(&rec) {
-        Ok(r) => r,
+        Ok(r) => r.given(vm),
         Err(e) => {
             // Nothing of it can run or be undone: say why and stop.
             tracing::error!(%job, error = %e, "a job that cannot be read");

@@ -191,19 +191,10 @@ async fn pipelines(
     ids: &[String],
 ) -> Result<std::collections::BTreeMap<String, Vec<passage_model::protocol::ScrubAction>>, StepError>
 {
-    let variants = crate::store::variants::list(&ctx.jobs_db).await?;
     // Only the devices scrubbed: a server's whole device list per scrub was most of
     // what a fleet's destroys read.
-    let of = devices::variants_of(&ctx.jobs_db, server, ids).await?;
-    let mut out = std::collections::BTreeMap::new();
-    for (id, variant) in of {
-        let steps = variant
-            .as_ref()
-            .and_then(|name| variants.iter().find(|v| &v.name == name))
-            .and_then(|v| v.scrub.clone());
-        if let Some(steps) = steps {
-            out.insert(id, steps);
-        }
-    }
-    Ok(out)
+    Ok(devices::scrub_pipelines(&ctx.jobs_db, server, ids)
+        .await?
+        .into_iter()
+        .collect())
 }

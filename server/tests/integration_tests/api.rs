@@ -664,7 +664,7 @@ async fn results_posted_together(b: Backend) {
         MAX_RESULTS_PER_POST, Task, TaskEnvelope, TaskResult, TaskResultsAnswer,
     };
     let s = TestServer::start(b, crate::common::fast_config()).await;
-    let (_, cred, _) = s.manual_node(2).await;
+    let (server, cred, reported) = s.manual_node(2).await;
     s.h100_catalog(1).await;
     let mut vms = Vec::new();
     for alias in ["together-a", "together-b"] {
@@ -710,15 +710,42 @@ async fn results_posted_together(b: Backend) {
         .await
         .invalid("results");
 
-    // Both recorded; the answer brings each VM's next task.
+    // Both recorded, with the functions each bind changed; a function in both takes its
+    // state in the later one. The answer brings each VM's next task.
+    let gpus: Vec<passage_model::PciDevice> = reported
+        .iter()
+        .filter(|d| d.class.is_gpu_like())
+        .cloned()
+        .collect();
+    assert_eq!(gpus.len(), 2, "{reported:?}");
+    let with = |t: &TaskEnvelope, drivers: &[(usize, &str)]| {
+        let mut r = TaskResult::success();
+        for (i, driver) in drivers {
+            let mut d = gpus[*i].clone();
+            d.driver = Some(driver.to_string());
+            r.devices.push(d);
+        }
+        json!({"task": t.id, "result": r})
+    };
     let answer: TaskResultsAnswer = node
         .post(
             &format!("{path}?wait=5"),
-            &json!({"results": [ok(&binds[0]), ok(&binds[1])]}),
+            &json!({"results": [
+                with(&binds[0], &[(0, "vfio-pci"), (1, "in-between")]),
+                with(&binds[1], &[(1, "vfio-pci")]),
+            ]}),
         )
         .await
         .ok(200);
     assert!(answer.refused.is_empty(), "{answer:?}");
+    let rows: Vec<passage_model::api::DeviceRow> = s.get("/v1/devices").await.ok(200);
+    for g in &gpus {
+        let row = rows
+            .iter()
+            .find(|r| r.server_uuid == server && r.id == g.id)
+            .unwrap_or_else(|| panic!("{} in {rows:?}", g.id));
+        assert_eq!(row.driver.as_deref(), Some("vfio-pci"), "{row:?}");
+    }
     let mut next = answer.tasks.expect("a poll's answer with ?wait=");
     while next.len() < 2 {
         let more: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=5").await.ok(200);

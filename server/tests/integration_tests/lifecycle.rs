@@ -315,3 +315,67 @@ both!(
     a_vm_seen_settled_takes_the_next_action_at_once_on,
     a_vm_seen_settled_takes_the_next_action_at_once
 );
+
+/// A deletion is tried before the VM is read: a VM at rest that the caller may not change
+/// must still answer as a read would (404 to another tenant, 403 to a reader) and be left
+/// as it was; the answers after the owner's deletion say why each is refused.
+async fn only_whom_may_change_a_vm_at_rest_deletes_it(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(1).await;
+    s.h100_catalog(1).await;
+    let (_, owner) = s.tenant("owner").await;
+    let (_, other) = s.tenant("other").await;
+    s.post::<passage_model::api::Account>(
+        "/v1/accounts",
+        &json!({"login":"ro","password":"reader-password","role":"reader"}),
+    )
+    .await
+    .ok(201);
+    let reader = s.login("ro", "reader-password").await;
+    let vm: Vm = s
+        .with(&owner)
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias":"v","package":"gpu-1x"}),
+        )
+        .await
+        .ok(202);
+    let path = format!("/v1/vms/{}", vm.uuid);
+    let job = s.wait_job(vm.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    let before: Vm = s.get(&path).await.ok(200);
+    assert_eq!(before.state, VmState::Running);
+
+    s.with(&other)
+        .delete::<Vm>(&path)
+        .await
+        .fails(404, ErrorCode::ResourceNotFound);
+    s.with(&reader).delete::<Vm>(&path).await.err(403);
+    let after: Vm = s.get(&path).await.ok(200);
+    assert_eq!(after, before, "a refused deletion changed the VM");
+    assert_eq!(node.running_vms(), vec![vm.uuid.to_string()]);
+
+    let gone: Vm = s.with(&owner).delete(&path).await.ok(202);
+    assert_eq!(gone.state, VmState::Destroying);
+    assert_ne!(gone.job_uuid, before.job_uuid);
+    s.with(&owner)
+        .delete::<Vm>(&path)
+        .await
+        .fails(409, ErrorCode::InvalidState);
+    let job = s.wait_job(gone.job_uuid.unwrap()).await;
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert!(node.running_vms().is_empty());
+    s.with(&owner)
+        .delete::<Vm>(&path)
+        .await
+        .fails(409, ErrorCode::InvalidState);
+    s.with(&other)
+        .delete::<Vm>(&path)
+        .await
+        .fails(404, ErrorCode::ResourceNotFound);
+    free_again(&s, node.uuid, 1).await;
+}
+both!(
+    only_whom_may_change_a_vm_at_rest_deletes_it_on,
+    only_whom_may_change_a_vm_at_rest_deletes_it
+);
