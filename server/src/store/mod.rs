@@ -224,7 +224,7 @@ impl Db {
             })
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let opts = PgConnectOptions::from_str(url)?;
-            let pool = PgPoolOptions::new()
+            let pool = pg_pool_options()
                 .max_connections(16)
                 .acquire_timeout(Duration::from_secs(60))
                 .connect_with(opts)
@@ -261,7 +261,7 @@ impl Db {
                     opts = opts.options([("synchronous_commit", "off")]);
                 }
                 Db::Postgres(
-                    PgPoolOptions::new()
+                    pg_pool_options()
                         .max_connections(connections.max(1))
                         // Opened in the background at start: the first request that needs
                         // the lane does not wait for a connection to be set up.
@@ -307,6 +307,26 @@ impl Db {
             Db::Postgres(p) => p.close().await,
         }
     }
+}
+
+/// How long a Postgres connection may sit in the pool before it is pinged as it is taken.
+const PG_PING_IDLE: Duration = Duration::from_secs(1);
+
+/// Postgres pools ping a connection as it is taken only when it sat idle for a while
+/// ([`PG_PING_IDLE`]): a database restarted or a connection cut meanwhile is found there
+/// and the connection replaced, while one in steady use goes straight to its statement
+/// instead of paying a round trip to the database first.
+fn pg_pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PG_PING_IDLE {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
 }
 
 /// Waits for a turn to write, where the handle takes one (see [`Db::first_in_line`]).

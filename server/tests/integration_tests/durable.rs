@@ -535,3 +535,45 @@ async fn two_replicas_on_postgres() {
     }
     b.server.abort();
 }
+
+/// Postgres connections are pinged as they leave the pool only after sitting idle: cut
+/// while idle (as a database restart cuts them), each is found dead and replaced before a
+/// request uses it, and every request after the cut succeeds. Nothing else runs meanwhile
+/// (no node, no reconciler), so the requests are the first to take the cut connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_cut_while_idle_are_replaced() {
+    let cfg = passage_server::config::Config {
+        reconcile_every: Duration::from_secs(3600),
+        ..fast_config()
+    };
+    let s = TestServer::start(Backend::Postgres, cfg).await;
+    s.h100_catalog(1).await;
+    // Several connections in the pool, each used.
+    let reads = (0..16).map(|_| s.get::<Vec<Package>>("/v1/packages"));
+    for r in futures_util::future::join_all(reads).await {
+        r.ok(200);
+    }
+    let name = s.db.url.rsplit('/').next().unwrap().to_string();
+    let admin = sqlx::PgPool::connect(&crate::common::pg_admin_url())
+        .await
+        .unwrap();
+    let cut: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(&name)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert!(cut.len() >= 2, "the server's connections were cut: {cut:?}");
+    admin.close().await;
+    // Past the idle time after which a connection is pinged.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for _ in 0..20 {
+        s.get::<Vec<Package>>("/v1/packages").await.ok(200);
+    }
+    let reads = (0..16).map(|_| s.get::<Vec<Vm>>("/v1/vms"));
+    for r in futures_util::future::join_all(reads).await {
+        r.ok(200);
+    }
+}
