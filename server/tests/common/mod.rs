@@ -443,6 +443,18 @@ impl TestServer {
         (a.uuid, self.login(login, "tenant-password").await)
     }
 
+    /// A read-only operator account `login` (password `reader-password`) and a session of
+    /// it.
+    pub async fn reader(&self, login: &str) -> String {
+        self.post::<Account>(
+            "/v1/accounts",
+            &json!({"login": login, "password": "reader-password", "role": "reader"}),
+        )
+        .await
+        .ok(201);
+        self.login(login, "reader-password").await
+    }
+
     /// `job` once it has ended, either way.
     pub async fn wait_job(&self, job: JobId) -> Job {
         wait_for(Duration::from_secs(60), || async {

@@ -78,13 +78,7 @@ async fn auth_and_roles(b: Backend) {
         .ok(200);
 
     // A read-only operator reads everything and changes nothing.
-    s.post::<Account>(
-        "/v1/accounts",
-        &json!({"login":"ro","password":"reader-password","role":"reader"}),
-    )
-    .await
-    .ok(201);
-    let reader = s.login("ro", "reader-password").await;
+    let reader = s.reader("ro").await;
     let list: Vec<Account> = s.with(&reader).get("/v1/accounts").await.ok(200);
     assert_eq!(list.len(), 4);
     s.with(&reader)

@@ -129,13 +129,7 @@ async fn operators_manage_any_accounts_keys_and_readers_only_read(backend: Backe
     assert_eq!(op.get::<Vec<SshKey>>(&path).await.ok(200).len(), 1);
     op.get::<SshKey>(&format!("{path}/given")).await.ok(200);
 
-    op.post::<passage_model::api::Account>(
-        "/v1/accounts",
-        &json!({"login": "ro", "password": "reader-password", "role": "reader"}),
-    )
-    .await
-    .ok(201);
-    let ro = s.with(&s.login("ro", "reader-password").await);
+    let ro = s.with(&s.reader("ro").await);
     assert_eq!(ro.get::<Vec<SshKey>>(&path).await.ok(200).len(), 1);
     ro.post::<SshKey>(&path, &json!({"key": nth_key(1)}))
         .await

@@ -325,13 +325,7 @@ async fn only_whom_may_change_a_vm_at_rest_deletes_it(b: Backend) {
     s.h100_catalog(1).await;
     let (_, owner) = s.tenant("owner").await;
     let (_, other) = s.tenant("other").await;
-    s.post::<passage_model::api::Account>(
-        "/v1/accounts",
-        &json!({"login":"ro","password":"reader-password","role":"reader"}),
-    )
-    .await
-    .ok(201);
-    let reader = s.login("ro", "reader-password").await;
+    let reader = s.reader("ro").await;
     let vm: Vm = s
         .with(&owner)
         .post(

@@ -633,13 +633,7 @@ async fn the_fleet_device_list(b: Backend) {
     list::<DeviceRow>(s, &f.alice.1, "/v1/devices", &[])
         .await
         .fails(403, ErrorCode::Forbidden);
-    s.post::<passage_model::api::Account>(
-        "/v1/accounts",
-        &json!({"login": "rita", "password": "reader-password", "role": "reader"}),
-    )
-    .await
-    .ok(201);
-    let reader = s.login("rita", "reader-password").await;
+    let reader = s.reader("rita").await;
     let seen: Vec<DeviceRow> = walks_like_one_page(s, &reader, "/v1/devices", &[]).await;
     assert_eq!(keys(&seen), keys(&whole));
 }

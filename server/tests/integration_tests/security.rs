@@ -52,13 +52,7 @@ async fn bola_matrix(b: Backend) {
     let pkg_uuid = packages[0].uuid;
     let (owner_uuid, owner) = s.tenant("owner").await;
     let (_, other) = s.tenant("other").await;
-    s.post::<Account>(
-        "/v1/accounts",
-        &json!({"login":"ro","password":"reader-password","role":"reader"}),
-    )
-    .await
-    .ok(201);
-    let reader = s.login("ro", "reader-password").await;
+    let reader = s.reader("ro").await;
     let vm: Vm = s
         .with(&owner)
         .post(
