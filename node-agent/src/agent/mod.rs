@@ -208,8 +208,7 @@ struct Agent {
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
     // Shared, not copied: a task's changes keep the reports they were read against and
-    // bring the server to, and copying a node's whole list several times per bind was
-    // most of what a bind cost the agent after the bind itself.
+    // bring the server to, and a bind or unbind copied the node's whole list five times.
     last_inventory: Mutex<Option<Arc<InventoryReport>>>,
     /// The inventory a result being posted brings the server to: a result's answer may
     /// be a long poll, and a heartbeat meanwhile need not upload what it carries.

@@ -143,10 +143,10 @@ pub async fn set_state(db: &Db, uuid: VmId, from: &[VmState], to: VmState) -> St
     Ok(n == 1)
 }
 
-/// Starts a destroy: the VM goes `destroying` and its destroy job is written, together.
-/// Starts `job`, the VM's destroy, if the VM is at rest with no job running: the job is
-/// `job_for` the VM as the update leaves it, which may refuse it (the transaction is
-/// then undone, and its error is the answer).
+/// Starts a destroy: the VM goes `destroying` and its destroy job `job` is written,
+/// together, if the VM is at rest with no job running. The job written is `job_for` the
+/// VM as the update leaves it, which may refuse it instead (the transaction is then
+/// undone, and its error is the answer).
 pub async fn begin_destroy(
     db: &Db,
     uuid: VmId,
