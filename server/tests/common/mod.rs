@@ -822,3 +822,44 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A child process killed (and reaped) when dropped.
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `node-agent` binary built beside the server's.
+pub fn node_agent_bin() -> PathBuf {
+    let p = std::path::Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins; \
+         cargo xtask test does)",
+        p.display()
+    );
+    p
+}
+
+/// `node-agent run` joining `server` with `token`, on the tree at `sysfs`, keeping its
+/// state in `state`, heartbeating and reading its inventory every second; callers add
+/// the hypervisor, hostname and environment they need.
+pub fn agent_command(
+    server: &str,
+    token: &str,
+    sysfs: &std::path::Path,
+    state: &std::path::Path,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(node_agent_bin());
+    cmd.args(["run", "--server", server, "--join-token", token])
+        .arg("--sysfs-root")
+        .arg(sysfs)
+        .arg("--state-dir")
+        .arg(state)
+        .args(["--heartbeat-secs", "1", "--inventory-secs", "1"]);
+    cmd
+}

@@ -3,7 +3,9 @@
 //! into a clean failure; two replicas on one Postgres never run a job twice.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use crate::common::{Backend, Client, TestDb, TestServer, fast_config, wait_for};
+use crate::common::{
+    Backend, Client, Proc, TestDb, TestServer, agent_command, fast_config, node_agent_bin, wait_for,
+};
 use passage_model::api::{
     AssignableDevice, Job, JobState, JoinToken, LoginResponse, Package, Vm, VmState,
 };
@@ -11,19 +13,9 @@ use passage_model::jobs::JobKind;
 use passage_model::{DeviceState, ErrorCode, JobId, ServerId, Variant};
 use serde_json::json;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 struct Server {
     proc: Proc,
@@ -166,11 +158,8 @@ async fn killed_at_every_boundary(b: Backend) {
     let api = Api {
         base: format!("http://127.0.0.1:{port}"),
     };
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
-    assert!(
-        agent_bin.exists(),
-        "build the binaries first (cargo xtask test does)"
-    );
+    // Its agent outlives every server process below: checked before any starts.
+    node_agent_bin();
 
     // Set up with a plain server: catalog and one node of 8 GPUs whose agent outlives
     // every server process below.
@@ -199,20 +188,8 @@ async fn killed_at_every_boundary(b: Backend) {
     let sysfs = db.dir.path().join("sysfs");
     node_agent::fake::generate(&sysfs, &node_agent::fake::FakeSpec::default()).unwrap();
     let _agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", &api.base, "--join-token", &jt.token])
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(db.dir.path().join("agent"))
-            .args([
-                "--hypervisor",
-                "sim",
-                "--heartbeat-secs",
-                "1",
-                "--inventory-secs",
-                "1",
-            ])
+        agent_command(&api.base, &jt.token, &sysfs, &db.dir.path().join("agent"))
+            .args(["--hypervisor", "sim"])
             .env("RUST_LOG", "error")
             .spawn()
             .unwrap(),

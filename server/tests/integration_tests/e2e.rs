@@ -2,7 +2,7 @@
 //! operator sets up, tenant provisions and destroys, the device is scrubbed before reuse.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use crate::common::{Backend, Client, TestDb, wait_for};
+use crate::common::{Backend, Client, Proc, TestDb, agent_command, node_agent_bin, wait_for};
 use passage_model::api::{
     Account, DeviceEventRecord, JoinToken, LoginResponse, Package, ScrubRecord, Server,
     ServerStatus, Vm, VmState,
@@ -11,17 +11,8 @@ use passage_model::{DeviceState, ServerId, Variant};
 use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
-
-pub(super) struct Proc(pub(super) Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// An active public qcow2 image `name` with the file at `path`, uploaded by the operator
 /// (`token`).
@@ -113,20 +104,8 @@ pub(super) async fn qemu_node(db: &TestDb, base: &str, op: &Client) -> (Proc, Gu
     assert!(out.status.success(), "{out:?}");
     let state = db.dir.path().join("agent-state");
     let agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", base, "--join-token", &jt.token])
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(&state)
-            .args([
-                "--hypervisor",
-                "qemu",
-                "--heartbeat-secs",
-                "1",
-                "--inventory-secs",
-                "1",
-            ])
+        agent_command(base, &jt.token, &sysfs, &state)
+            .args(["--hypervisor", "qemu"])
             .env("PASSAGE_QEMU_ACCEL", "tcg")
             .env("RUST_LOG", "warn")
             .spawn()
@@ -152,17 +131,6 @@ pub(super) async fn provision_ended(op: &Client, vm: &Vm) -> passage_model::api:
     })
     .await
     .expect("the provision ended")
-}
-
-pub(super) fn node_agent_bin() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
-    assert!(
-        p.exists(),
-        "{} is missing: build the binaries first (cargo build --workspace --bins; \
-         cargo xtask test does)",
-        p.display()
-    );
-    p
 }
 
 pub(super) fn start_server(db: &TestDb, extra: &[&str]) -> (Proc, String) {
@@ -225,23 +193,10 @@ async fn walk(b: Backend) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let state = db.dir.path().join("agent-state");
     let _agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", &base, "--join-token", &jt.token])
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(db.dir.path().join("agent-state"))
-            .args([
-                "--hypervisor",
-                "sim",
-                "--heartbeat-secs",
-                "1",
-                "--inventory-secs",
-                "1",
-                "--hostname",
-                "cn-e2e",
-            ])
+        agent_command(&base, &jt.token, &sysfs, &state)
+            .args(["--hypervisor", "sim", "--hostname", "cn-e2e"])
             .env("RUST_LOG", "warn")
             .spawn()
             .unwrap(),

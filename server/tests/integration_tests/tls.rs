@@ -4,22 +4,13 @@
 //! a key that does not match its certificate stops the start with a clear error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use crate::common::{Backend, TestDb, wait_for};
+use crate::common::{Backend, Proc, TestDb, agent_command, node_agent_bin, wait_for};
 use passage_model::api::{JoinToken, LoginResponse, Server, ServerStatus};
 use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A self-signed certificate for this host's loopback names; answers (cert, key) paths.
 fn certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
@@ -111,7 +102,7 @@ async fn https_for_clients_and_agents_with_reload() {
         .json()
         .await
         .unwrap();
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_server")).with_file_name("node-agent");
+    let agent_bin = node_agent_bin();
     let sysfs = dir.join("sysfs");
     let out = Command::new(&agent_bin)
         .args(["fake-sysfs", "--out"])
@@ -125,23 +116,10 @@ async fn https_for_clients_and_agents_with_reload() {
         String::from_utf8_lossy(&out.stderr)
     );
     let _agent = Proc(
-        Command::new(&agent_bin)
-            .args(["run", "--server", &base, "--join-token"])
-            .arg(&jt.token)
-            .arg("--sysfs-root")
-            .arg(&sysfs)
-            .arg("--state-dir")
-            .arg(dir.join("agent-state"))
+        agent_command(&base, &jt.token, &sysfs, &dir.join("agent-state"))
             .arg("--ca-cert")
             .arg(&cert)
-            .args([
-                "--heartbeat-secs",
-                "1",
-                "--inventory-secs",
-                "1",
-                "--hostname",
-                "cn-tls",
-            ])
+            .args(["--hostname", "cn-tls"])
             .env("RUST_LOG", "warn")
             .spawn()
             .unwrap(),
