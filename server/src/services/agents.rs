@@ -172,7 +172,7 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
         let notified = waker.notified();
         if !ctx.queue_marks.known_empty(&server) {
             let count = ctx.queue_marks.count(&server);
-            let got = tasks::take(&ctx.db, server, TASK_BATCH, redeliver).await?;
+            let got = super::task_takes::take(ctx, server, TASK_BATCH, redeliver).await?;
             if got.len() < usize::try_from(TASK_BATCH).unwrap_or(usize::MAX) {
                 ctx.queue_marks.drained(&server, count);
             }

@@ -22,6 +22,7 @@ pub mod placer;
 pub mod queue_marks;
 pub mod servers;
 pub mod task_results;
+pub mod task_takes;
 pub mod vm_ops;
 pub mod vms;
 pub mod wakers;
@@ -76,6 +77,8 @@ pub struct Services {
     pub job_log: batcher::Batcher<job_log::Pending>,
     /// Nodes' task results waiting to be recorded together.
     pub completions: batcher::Batcher<completions::Pending>,
+    /// The long polls looking at their queues, taken together (`task_takes`).
+    pub task_takes: batcher::Batcher<task_takes::Look>,
     /// Job steps' device moves (and scrub reports) waiting to be written together.
     pub device_log: batcher::Batcher<device_log::Pending>,
     /// Live tokens by the SHA-256 of their secret.
@@ -199,6 +202,7 @@ impl Services {
             audit: batcher::Batcher::new(audit::LINGER),
             job_log: batcher::Batcher::new(job_log::LINGER),
             completions: batcher::Batcher::new(completions::LINGER),
+            task_takes: batcher::Batcher::new(task_takes::LINGER),
             device_log: batcher::Batcher::new(device_log::LINGER),
             tokens: cache::TtlCache::default(),
             node_credentials: cache::TtlCache::default(),

@@ -68,6 +68,81 @@ pub async fn take(
         .collect()
 }
 
+/// [`take`] for several nodes in one statement: each gets up to `limit` of its oldest
+/// deliverable tasks, as it would alone. Nodes woken together (a batch of job steps
+/// queued a task for each) are served by one write instead of one each.
+pub async fn take_many(
+    db: &Db,
+    servers: &[ServerId],
+    limit: i64,
+    redeliver_after_ms: i64,
+) -> StoreResult<HashMap<ServerId, Vec<TaskEnvelope>>> {
+    let mut out: HashMap<ServerId, Vec<TaskEnvelope>> = HashMap::new();
+    match servers {
+        [] => return Ok(out),
+        [one] => {
+            out.insert(*one, take(db, *one, limit, redeliver_after_ms).await?);
+            return Ok(out);
+        }
+        _ => {}
+    }
+    let now = now_ms();
+    let cut = now - redeliver_after_ms;
+    let deliverable =
+        |c: &str| format!("(state = 'queued' OR (state = 'taken' AND taken_at < {c}))");
+    // The oldest `limit` of each node's deliverable tasks, numbered within the node. As
+    // in `take`, the condition is stated again outside, for Postgres's re-check of a row
+    // another replica took meanwhile.
+    let mut rows: Vec<(String, String, String, i64)> = match db {
+        Db::Sqlite { .. } => {
+            let mut q = Sql::default();
+            let sql = format!(
+                "UPDATE tasks SET state = 'taken', taken_at = {} WHERE {} AND uuid IN \
+                 (SELECT uuid FROM (SELECT uuid, ROW_NUMBER() OVER \
+                 (PARTITION BY server_uuid ORDER BY created_at) AS n FROM tasks \
+                 WHERE server_uuid IN ({}) AND {}) WHERE n <= {}) \
+                 RETURNING uuid, server_uuid, payload, created_at",
+                q.int(now),
+                deliverable(&q.int(cut)),
+                q.list(servers),
+                deliverable(&q.int(cut)),
+                q.int(limit),
+            );
+            on_write!(db, |p| bind_args!(sqlx::query_as(&sql), &q.args)
+                .fetch_all(p)
+                .await)?
+        }
+        Db::Postgres(p) => {
+            let sql = format!(
+                "UPDATE tasks SET state = 'taken', taken_at = $4 WHERE server_uuid = ANY($1) \
+                 AND {d} AND uuid IN (SELECT uuid FROM (SELECT uuid, ROW_NUMBER() OVER \
+                 (PARTITION BY server_uuid ORDER BY created_at) AS n FROM tasks \
+                 WHERE server_uuid = ANY($1) AND {d}) s WHERE n <= $3) \
+                 RETURNING uuid, server_uuid, payload, created_at",
+                d = deliverable("$2")
+            );
+            sqlx::query_as(&sql)
+                .bind(servers.iter().map(ToString::to_string).collect::<Vec<_>>())
+                .bind(cut)
+                .bind(limit)
+                .bind(now)
+                .fetch_all(p)
+                .await?
+        }
+    };
+    // RETURNING keeps no order.
+    rows.sort_by_key(|r| r.3);
+    for (uuid, server, payload, _) in rows {
+        out.entry(parse_uuid(&server, "server")?)
+            .or_default()
+            .push(TaskEnvelope {
+                id: parse_uuid(&uuid, "task")?,
+                task: serde_json::from_str(&payload).map_err(corrupt)?,
+            });
+    }
+    Ok(out)
+}
+
 /// A node's result for one of its tasks, to record.
 #[derive(Clone, Debug)]
 pub struct Completion {

@@ -1088,6 +1088,113 @@ both!(
     tasks_are_taken_oldest_first_and_once
 );
 
+/// Polls of several nodes looked at together: each node gets its own oldest tasks, at
+/// most the limit, in order, as it would alone; a node not asked for keeps its queue;
+/// 16 such looks at once deliver every task exactly once; a taken task comes back after
+/// the redelivery time.
+async fn tasks_taken_for_several_nodes_are_each_nodes_own(b: Backend) {
+    use passage_model::protocol::Task;
+    use passage_server::store::job_log::{self, NewTask};
+    use passage_server::store::tasks;
+    let (_tdb, db, first, _ids) = seeded(b).await;
+    let mut nodes = vec![first];
+    for i in 0..3 {
+        let token = format!("jt-{i}");
+        servers::insert_join_token(&db, &token, "test", i64::MAX)
+            .await
+            .unwrap();
+        let s = servers::register(&db, &token, &format!("cn-x{i}"), &format!("cred-x{i}"))
+            .await
+            .unwrap()
+            .unwrap();
+        nodes.push(s);
+    }
+    // 7, 5, 2 and 0 tasks, interleaved in time across the nodes.
+    let counts = [7, 5, 2, 0];
+    let mut queued: Vec<Vec<passage_model::TaskId>> = vec![Vec::new(); nodes.len()];
+    for round in 0..7 {
+        for (n, node) in nodes.iter().enumerate() {
+            if round >= counts[n] {
+                continue;
+            }
+            let task = Task::StopVm {
+                vm_uuid: VmId::new_ordered(),
+            };
+            let id = passage_model::TaskId::new_random();
+            let new = NewTask::new(id, *node, None, &task).unwrap();
+            job_log::write(&db, &[], &[new]).await.unwrap();
+            queued[n].push(id);
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    }
+    // The last node is not asked for; the one with no tasks is.
+    let asked = [nodes[0], nodes[1], nodes[3]];
+    let got = tasks::take_many(&db, &asked, 3, i64::MAX).await.unwrap();
+    let ids = |n: &ServerId| -> Vec<_> {
+        got.get(n)
+            .map(|t| t.iter().map(|t| t.id).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(ids(&nodes[0]), queued[0][..3], "the oldest, in order");
+    assert_eq!(ids(&nodes[1]), queued[1][..3], "the oldest, in order");
+    assert!(ids(&nodes[3]).is_empty(), "no tasks");
+    assert!(!got.contains_key(&nodes[2]), "not asked for");
+    let third = tasks::take(&db, nodes[2], 32, i64::MAX).await.unwrap();
+    let third: Vec<_> = third.iter().map(|t| t.id).collect();
+    assert_eq!(third, queued[2], "a node not asked for keeps its queue");
+
+    let looks: Vec<_> = (0..16)
+        .map(|_| {
+            let db = db.clone();
+            let asked = nodes.clone();
+            tokio::spawn(async move { tasks::take_many(&db, &asked, 1, i64::MAX).await.unwrap() })
+        })
+        .collect();
+    let mut delivered: Vec<passage_model::TaskId> = got
+        .values()
+        .flatten()
+        .map(|t| t.id)
+        .chain(third.iter().copied())
+        .collect();
+    for l in looks {
+        for (node, tasks) in l.await.unwrap() {
+            assert!(tasks.len() <= 1, "past the limit for {node}");
+            delivered.extend(tasks.into_iter().map(|t| t.id));
+        }
+    }
+    loop {
+        let more = tasks::take_many(&db, &nodes, 2, i64::MAX).await.unwrap();
+        if more.values().all(Vec::is_empty) {
+            break;
+        }
+        delivered.extend(more.into_values().flatten().map(|t| t.id));
+    }
+    let mut sorted = delivered.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), delivered.len(), "a task delivered twice");
+    assert_eq!(delivered.len(), 14, "every task delivered");
+
+    // Past the redelivery time, what was taken and never answered comes again, each
+    // node's own.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let again = tasks::take_many(&db, &nodes, 64, 1).await.unwrap();
+    for (n, node) in nodes.iter().enumerate() {
+        let mut ids: Vec<_> = again
+            .get(node)
+            .map(|t| t.iter().map(|t| t.id).collect())
+            .unwrap_or_default();
+        ids.sort();
+        let mut want = queued[n].clone();
+        want.sort();
+        assert_eq!(ids, want, "node {n}");
+    }
+}
+both!(
+    tasks_taken_for_several_nodes_are_each_nodes_own_on,
+    tasks_taken_for_several_nodes_are_each_nodes_own
+);
+
 /// One job log batch writes each job's progress as its runner asked: a first step
 /// started, a step ended with the next started, a job ended with or without its last
 /// step, and tasks queued; a step started again after a failure loses its error and keeps
