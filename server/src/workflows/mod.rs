@@ -109,6 +109,9 @@ pub struct Run<W: Workflow> {
     /// The devices the VM held when a step of this run first read them
     /// ([`Run::held_first`]).
     held: tokio::sync::OnceCell<Vec<String>>,
+    /// Whether the run starts from the VM as the write that started the job left it
+    /// ([`Run::given`]), not from a job read back (a restart, another replica's).
+    from_write: bool,
 }
 
 impl<W: Workflow> Run<W> {
@@ -142,20 +145,28 @@ impl<W: Workflow> Run<W> {
             steps,
             kept_vm: tokio::sync::OnceCell::new(),
             held: tokio::sync::OnceCell::new(),
+            from_write: false,
         })
     }
 
     /// Starts from `vm`, as the write that started the job left it, when the workflow
     /// keeps its VM and it is the job's.
-    pub(crate) fn given(self, vm: Option<Vm>) -> Self {
+    pub(crate) fn given(mut self, vm: Option<Vm>) -> Self {
         if let Some(vm) = vm
             && W::KEEPS_VM
             && self.vm == Some(vm.uuid)
         {
             // Empty until now: `Run::of` made it.
             let _ = self.kept_vm.set(vm);
+            self.from_write = true;
         }
         self
+    }
+
+    /// Whether this run started from the VM as the write that started the job left it,
+    /// in this process, rather than from a job read back after a restart.
+    pub fn from_write(&self) -> bool {
+        self.from_write
     }
 
     fn find(&self, step: W::Step) -> Option<&(W::Step, StepState, bool)> {

@@ -127,7 +127,12 @@ impl Workflow for Provision {
         let server = server_of(&vm)?;
         let job = Some(run.job);
         match step {
-            // The reservation was made with the VM row; check it still holds.
+            // The reservation was made with the VM row; check it still holds. A run that
+            // starts from the creation's own write needs no look: that transaction
+            // reserved exactly the VM's devices, and only the VM's own jobs (one at a time,
+            // this one first) move devices a VM holds; an inventory only flags them
+            // missing. A provision read back after a restart looks.
+            ProvisionStep::Reserve if run.from_write() => Ok(()),
             ProvisionStep::Reserve => {
                 let mut held = held(ctx, &vm).await?;
                 let mut want = ids(&vm);
