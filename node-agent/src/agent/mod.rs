@@ -360,49 +360,39 @@ impl Agent {
     /// (a function came or went, the host's resources or its bridges, nothing reported
     /// yet), the whole inventory is uploaded here instead and nothing is returned.
     ///
-    /// `rebound`: the functions a bind or unbind touched, read again alone when nothing
-    /// else can have changed (see [`Discoverer::try_rediscover`]).
+    /// `rebound`: the functions a bind or unbind touched as its own thread read them
+    /// right after it ([`Discoverer::reread`]), to put in the latest report in place of
+    /// their old selves when nothing else can have changed.
     async fn changed_functions(
         &self,
-        rebound: Option<Vec<PciAddress>>,
+        rebound: Option<Vec<PciDevice>>,
     ) -> Result<Option<Changes>, AgentError> {
         let mut last = self.last_inventory.lock().await;
         // Results posted after this one's may be on their way: the server will have
         // their functions first, so this task's are told against those.
         let base = self.sending().clone().or_else(|| last.clone());
-        if let (Some(addrs), Some(before)) = (rebound, base.as_ref()) {
-            let (root, disc) = (self.sysfs_root.clone(), self.discoverer.clone());
-            let prev = before.clone();
-            let read = tokio::task::spawn_blocking(move || {
-                disc.try_rediscover(&root, &addrs, &prev.devices)
-            })
-            .await;
-            match read {
-                Ok(Ok(Some(now))) => {
-                    let devices: Vec<PciDevice> = before
-                        .devices
-                        .iter()
-                        .zip(&now)
-                        .filter(|(a, b)| a != b)
-                        .map(|(_, b)| b.clone())
-                        .collect();
-                    let after = Arc::new(InventoryReport {
-                        devices: now,
-                        host: before.host,
-                        bridges: before.bridges.clone(),
-                    });
-                    return Ok(Some(Changes {
-                        devices,
-                        before: before.clone(),
-                        after,
-                    }));
-                }
-                // Only a whole pass can tell: below.
-                Ok(Ok(None)) => {}
-                Ok(Err(e)) => warn!(error = %e, "reading rebound functions failed"),
-                Err(e) => warn!(error = %e, "reading rebound functions panicked"),
-            }
+        if let (Some(read), Some(before)) = (rebound, base.as_ref())
+            && let Some(now) = crate::host::merge_reread(&before.devices, read)
+        {
+            let devices: Vec<PciDevice> = before
+                .devices
+                .iter()
+                .zip(&now)
+                .filter(|(a, b)| a != b)
+                .map(|(_, b)| b.clone())
+                .collect();
+            let after = Arc::new(InventoryReport {
+                devices: now,
+                host: before.host,
+                bridges: before.bridges.clone(),
+            });
+            return Ok(Some(Changes {
+                devices,
+                before: before.clone(),
+                after,
+            }));
         }
+        // Only a whole pass can tell: below.
         let Some(found) = self.discover(base.as_deref()).await else {
             self.inventory_due();
             return Ok(None);
@@ -583,10 +573,24 @@ impl Agent {
         let name = env.task.name();
         info!(task = %env.id, kind = name, "running task");
         let (tx, rx) = watch::channel(TaskProgress { done: 0, total: 0 });
+        // The functions a bind or unbind rebinds, read again on the task's own thread as
+        // soon as it is done (one hop to a blocking thread per task, not two). vGPU slots
+        // change their GPU's vGPUs: those come with a whole pass.
+        let rebound = match &env.task {
+            Task::BindPassthrough { devices, .. } | Task::UnbindPassthrough { devices, .. }
+                if devices.iter().all(|d| d.vgpu().is_none()) =>
+            {
+                let mut a: Vec<PciAddress> = devices.iter().map(|d| d.address()).collect();
+                a.sort();
+                a.dedup();
+                Some(a)
+            }
+            _ => None,
+        };
         // The task runs on a blocking thread: its progress is posted from here meanwhile.
         // The poster ends when the task drops its sender, after sending what it has left.
-        let (mut result, ()) = tokio::join!(
-            self.executor.clone().run(env.task.clone(), tx),
+        let ((mut result, reread), ()) = tokio::join!(
+            self.execute(env.task.clone(), tx, rebound),
             post_progress(self.client.clone(), env.id, rx)
         );
         if result.ok {
@@ -599,17 +603,9 @@ impl Agent {
         // made or taken down change the functions themselves: the whole inventory goes
         // first (`changed_functions` sees that).
         let changes = match &env.task {
-            Task::BindPassthrough { devices, .. } | Task::UnbindPassthrough { devices, .. } => {
-                // vGPU slots change their GPU's vGPUs: those come with a whole pass.
-                let functions = devices.iter().all(|d| d.vgpu().is_none()).then(|| {
-                    let mut a: Vec<PciAddress> = devices.iter().map(|d| d.address()).collect();
-                    a.sort();
-                    a.dedup();
-                    a
-                });
-                self.changed_functions(functions).await
+            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. } | Task::SetVfs { .. } => {
+                self.changed_functions(reread).await
             }
-            Task::SetVfs { .. } => self.changed_functions(None).await,
             _ => Ok(None),
         };
         let changes = match changes {
@@ -632,6 +628,35 @@ impl Agent {
             inventory,
             at: tokio::time::Instant::now(),
         }
+    }
+
+    /// Runs `task`; with `rebound`, reads those functions again on the same blocking
+    /// thread right after it (`None` when they could not all be read alone).
+    async fn execute(
+        &self,
+        task: Task,
+        progress: watch::Sender<TaskProgress>,
+        rebound: Option<Vec<PciAddress>>,
+    ) -> (TaskResult, Option<Vec<PciDevice>>) {
+        let Some(addrs) = rebound else {
+            return (self.executor.clone().run(task, progress).await, None);
+        };
+        let (exec, disc) = (self.executor.clone(), self.discoverer.clone());
+        let root = self.sysfs_root.clone();
+        let ran = tokio::task::spawn_blocking(move || {
+            let result = exec.execute(&task);
+            drop(progress);
+            let read = match disc.reread(&root, &addrs) {
+                Ok(read) => read,
+                Err(e) => {
+                    warn!(error = %e, "reading rebound functions failed");
+                    None
+                }
+            };
+            (result, read)
+        })
+        .await;
+        ran.unwrap_or_else(|e| (TaskResult::failure(format!("task crashed: {e}")), None))
     }
 
     /// Posts results in one request (each alone to a server without `tasks/results`).

@@ -51,8 +51,33 @@ impl FakeKernel {
         let bdf = bdf.trim();
         bdf.parse::<passage_model::PciAddress>()
             .map_err(|e| err(io::ErrorKind::InvalidInput, e.to_string()))?;
-        let dir = fs::canonicalize(self.root.join("bus/pci/devices").join(bdf))
-            .map_err(|_| err(io::ErrorKind::NotFound, format!("no such device {bdf}")))?;
+        let list = self.root.join("bus/pci/devices");
+        let missing = |_| err(io::ErrorKind::NotFound, format!("no such device {bdf}"));
+        let target = fs::read_link(list.join(bdf)).map_err(missing)?;
+        // The generator's links are relative and end at a real directory: resolved
+        // here without a system call per component, as `canonicalize` would make. Any
+        // other shape of link is left to `canonicalize`.
+        let mut dir = list;
+        for c in target.components() {
+            match c {
+                Component::ParentDir => {
+                    dir.pop();
+                }
+                Component::Normal(n) => dir.push(n),
+                _ => {}
+            }
+        }
+        // `..` only leading: it climbs out of `bus/pci/devices`, real directories.
+        let leading = target
+            .components()
+            .skip_while(|c| matches!(c, Component::ParentDir))
+            .all(|c| matches!(c, Component::Normal(_)));
+        let plain = target.is_relative()
+            && leading
+            && fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_dir());
+        if !plain {
+            dir = fs::canonicalize(self.root.join("bus/pci/devices").join(bdf)).map_err(missing)?;
+        }
         if !dir.starts_with(self.root.join("devices")) {
             return Err(err(
                 io::ErrorKind::InvalidData,

@@ -159,6 +159,21 @@ impl Discoverer {
         addrs: &[PciAddress],
         before: &[PciDevice],
     ) -> Result<Option<Vec<PciDevice>>, DiscoveryError> {
+        Ok(self
+            .reread(sysfs_root, addrs)?
+            .and_then(|read| merge_reread(before, read)))
+    }
+
+    /// The functions at `addrs` as they are now, read alone with this discoverer's
+    /// memory, for [`merge_reread`] into the inventory they belong to; `None` where one
+    /// is gone or unreadable (only a whole pass can say what the node has). Apart from
+    /// the merge so that a task's own thread reads its functions right after changing
+    /// them, and the merge is done against whatever inventory is the latest by then.
+    pub fn reread(
+        &self,
+        sysfs_root: &Path,
+        addrs: &[PciAddress],
+    ) -> Result<Option<Vec<PciDevice>>, DiscoveryError> {
         let root = fs::canonicalize(sysfs_root).map_err(|source| DiscoveryError::Root {
             path: sysfs_root.to_path_buf(),
             source,
@@ -168,12 +183,14 @@ impl Discoverer {
             path: list.clone(),
             source,
         })?;
-        let mut memory = std::mem::take(&mut *self.lock());
         let budget = if self.keep_open {
             FdBudget::from_rlimit()
         } else {
             FdBudget::none()
         };
+        // Held for the few functions' reads: tasks of one node re-reading at once take
+        // turns instead of each starting cold (a whole pass takes the memory out).
+        let mut memory = self.lock();
         let mut notes = Vec::new();
         let (shared, slots) = Shared::load(&root, &memory.slots, &mut notes);
         let names: Vec<std::ffi::OsString> = addrs.iter().map(|a| a.to_string().into()).collect();
@@ -188,37 +205,35 @@ impl Discoverer {
             &names,
         );
         memory.slots = slots;
-        let sound = part.skipped.is_empty() && part.devices.len() == addrs.len();
-        let mut now = before.to_vec();
-        let mut whole = !sound;
-        for mut d in part.devices {
-            let Some(old) = now.iter_mut().find(|o| o.id == d.id) else {
-                whole = true;
-                break;
-            };
-            let members = old.details.as_ref().map(|x| x.iommu_group_members.clone());
-            match (d.details.as_mut(), members) {
-                (Some(x), Some(members))
-                    if old.iommu_group == d.iommu_group && x.vgpu.is_none() =>
-                {
-                    x.iommu_group_members = members;
-                }
-                _ => {
-                    whole = true;
-                    break;
-                }
-            }
-            *old = d;
-        }
         memory.functions.extend(part.cached);
-        *self.lock() = memory;
-        Ok((!whole).then_some(now))
+        let sound = part.skipped.is_empty() && part.devices.len() == addrs.len();
+        Ok(sound.then_some(part.devices))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Memory> {
         // The maps hold no invariant a panicking pass could break.
         self.memory.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// `before` with the functions [`Discoverer::reread`] read in place of their old
+/// selves; `None` where only a whole pass can say what the node has: a function not in
+/// `before`, one that moved to another IOMMU group (its members are read with the whole
+/// tree), or one hosting vGPUs (MIG mode comes with a whole pass).
+pub fn merge_reread(before: &[PciDevice], read: Vec<PciDevice>) -> Option<Vec<PciDevice>> {
+    let mut now = before.to_vec();
+    for mut d in read {
+        let old = now.iter_mut().find(|o| o.id == d.id)?;
+        let members = old.details.as_ref().map(|x| x.iommu_group_members.clone());
+        match (d.details.as_mut(), members) {
+            (Some(x), Some(members)) if old.iommu_group == d.iommu_group && x.vgpu.is_none() => {
+                x.iommu_group_members = members;
+            }
+            _ => return None,
+        }
+        *old = d;
+    }
+    Some(now)
 }
 
 fn walk_tree(

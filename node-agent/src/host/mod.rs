@@ -12,7 +12,7 @@ mod vgpu_slots;
 
 pub use binding::{BindError, Binder, BindingRecord, BindingState, VFIO_DRIVER};
 pub use details::{PCI_IDS_VERSION, class_name, device_name, vendor_name};
-pub use discover::{Discoverer, Discovery, DiscoveryError, discover, try_discover};
+pub use discover::{Discoverer, Discovery, DiscoveryError, discover, merge_reread, try_discover};
 pub use resources::{ResourcesError, count_cpu_list, host_resources, mem_total_kib};
 pub use sriov::set_numvfs;
 pub use vgpu::NvidiaSmi;
