@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 /// Tasks handed to an agent per poll.
-const TASK_BATCH: i64 = 32;
+pub(super) const TASK_BATCH: i64 = 32;
 
 pub async fn register(ctx: &Ctx, req: RegisterRequest) -> ApiResult<RegisterResponse> {
     if req.protocol_version != PROTOCOL_VERSION {
@@ -161,7 +161,6 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
 pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec<TaskEnvelope>> {
     let wait = Duration::from_secs(wait.min(MAX_LONG_POLL_SECS));
     let deadline = tokio::time::Instant::now() + wait;
-    let redeliver = i64::try_from(ctx.cfg.task_redeliver_after.as_millis()).unwrap_or(i64::MAX);
     let key = server.to_string();
     if ctx.heartbeats.get(&key).is_none() {
         servers::heartbeat(&ctx.db, server).await?;
@@ -172,7 +171,7 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
         let notified = waker.notified();
         if !ctx.queue_marks.known_empty(&server) {
             let count = ctx.queue_marks.count(&server);
-            let got = super::task_takes::take(ctx, server, TASK_BATCH, redeliver).await?;
+            let got = super::task_takes::take(ctx, server).await?;
             if got.len() < usize::try_from(TASK_BATCH).unwrap_or(usize::MAX) {
                 ctx.queue_marks.drained(&server, count);
             }

@@ -20,28 +20,15 @@ pub const LINGER: std::time::Duration = std::time::Duration::ZERO;
 
 pub struct Look {
     server: ServerId,
-    limit: i64,
-    redeliver_after_ms: i64,
     answer: oneshot::Sender<StoreResult<Vec<TaskEnvelope>>>,
 }
 
-/// Takes up to `limit` of `server`'s deliverable tasks, as `tasks::take` does, together
-/// with the other nodes' polls looking at the same time.
-pub async fn take(
-    ctx: &Ctx,
-    server: ServerId,
-    limit: i64,
-    redeliver_after_ms: i64,
-) -> StoreResult<Vec<TaskEnvelope>> {
+/// Takes up to [`super::agents::TASK_BATCH`] of `server`'s deliverable tasks, as
+/// `tasks::take` does, together with the other nodes' polls looking at the same time.
+pub async fn take(ctx: &Ctx, server: ServerId) -> StoreResult<Vec<TaskEnvelope>> {
     let (answer, answered) = oneshot::channel();
-    let look = Look {
-        server,
-        limit,
-        redeliver_after_ms,
-        answer,
-    };
     ctx.task_takes
-        .submit(ctx, look, MAX_BATCH, run)
+        .submit(ctx, Look { server, answer }, MAX_BATCH, run)
         .await
         .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
     answered
@@ -50,56 +37,45 @@ pub async fn take(
 }
 
 async fn run(ctx: Ctx, batch: Vec<Look>) {
-    // One statement per limit and redelivery age (the same for every poll of a process).
-    let mut groups: Vec<Vec<Look>> = Vec::new();
-    for look in batch {
-        match groups.iter_mut().find(|g| {
-            g[0].limit == look.limit && g[0].redeliver_after_ms == look.redeliver_after_ms
-        }) {
-            Some(g) => g.push(look),
-            None => groups.push(vec![look]),
+    let limit = super::agents::TASK_BATCH;
+    let redeliver = i64::try_from(ctx.cfg.task_redeliver_after.as_millis()).unwrap_or(i64::MAX);
+    // A node polling twice at once: its first look takes what there is, the others find
+    // its queue as that one left it.
+    let mut seen = HashSet::new();
+    let servers: Vec<ServerId> = batch
+        .iter()
+        .filter(|l| seen.insert(l.server))
+        .map(|l| l.server)
+        .collect();
+    match tasks::take_many(&ctx.db, &servers, limit, redeliver).await {
+        Ok(mut got) => {
+            for look in batch {
+                let mine = got.remove(&look.server).unwrap_or_default();
+                let _ = look.answer.send(Ok(mine));
+            }
         }
-    }
-    for group in groups {
-        let (limit, redeliver) = (group[0].limit, group[0].redeliver_after_ms);
-        // A node polling twice at once: its first look takes what there is, the others
-        // find its queue as that one left it.
-        let mut seen = HashSet::new();
-        let servers: Vec<ServerId> = group
-            .iter()
-            .filter(|l| seen.insert(l.server))
-            .map(|l| l.server)
-            .collect();
-        match tasks::take_many(&ctx.db, &servers, limit, redeliver).await {
-            Ok(mut got) => {
-                for look in group {
-                    let mine = got.remove(&look.server).unwrap_or_default();
-                    let _ = look.answer.send(Ok(mine));
-                }
+        // One statement, all or nothing: each alone, so that an error is its own.
+        Err(e) if servers.len() > 1 => {
+            tracing::warn!(error = %e, nodes = servers.len(),
+                "taking tasks for a batch of nodes failed; taking them one by one");
+            let mut seen = HashSet::new();
+            for look in batch {
+                let r = if seen.insert(look.server) {
+                    tasks::take(&ctx.db, look.server, limit, redeliver).await
+                } else {
+                    Ok(Vec::new())
+                };
+                let _ = look.answer.send(r);
             }
-            // One statement, all or nothing: each alone, so that an error is its own.
-            Err(e) if servers.len() > 1 => {
-                tracing::warn!(error = %e, nodes = servers.len(),
-                    "taking tasks for a batch of nodes failed; taking them one by one");
-                let mut seen = HashSet::new();
-                for look in group {
-                    let r = if seen.insert(look.server) {
-                        tasks::take(&ctx.db, look.server, limit, redeliver).await
-                    } else {
-                        Ok(Vec::new())
-                    };
-                    let _ = look.answer.send(r);
-                }
-            }
-            Err(e) => {
-                let mut e = Some(e);
-                for look in group {
-                    let r = match e.take() {
-                        Some(e) => Err(e),
-                        None => Ok(Vec::new()),
-                    };
-                    let _ = look.answer.send(r);
-                }
+        }
+        Err(e) => {
+            let mut e = Some(e);
+            for look in batch {
+                let r = match e.take() {
+                    Some(e) => Err(e),
+                    None => Ok(Vec::new()),
+                };
+                let _ = look.answer.send(r);
             }
         }
     }
