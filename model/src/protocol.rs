@@ -260,6 +260,16 @@ pub enum Task {
     DeleteDisk {
         vm_uuid: VmId,
     },
+    /// A destroyed VM's work on its node in one task, as `stop_vm`, then
+    /// `unbind_passthrough` of `devices`, then `delete_disk` when `delete_disk`; the first
+    /// part that fails ends it, and its error names that part. Sent only to an agent that
+    /// said it runs it ([`TASKS_RUN`] on its poll).
+    DestroyVm {
+        vm_uuid: VmId,
+        devices: Vec<DevicePath>,
+        #[serde(default)]
+        delete_disk: bool,
+    },
     /// Answer the last [`MAX_CONSOLE_BYTES`] of the VM's serial console (in
     /// [`TaskResult::console`]); empty for a VM that never printed.
     ReadConsole {
@@ -323,12 +333,18 @@ impl Task {
             Task::StopVm { .. } => "stop_vm",
             Task::FetchImage { .. } => "fetch_image",
             Task::DeleteDisk { .. } => "delete_disk",
+            Task::DestroyVm { .. } => "destroy_vm",
             Task::ReadConsole { .. } => "read_console",
             Task::SetVfs { .. } => "set_vfs",
             Task::Scrub { .. } => "scrub",
         }
     }
 }
+
+/// The task kinds beyond protocol 1's first set that an agent runs, as it names them on
+/// each poll (`GET /agent/v1/tasks?wait=N&runs=destroy_vm`): an agent that does not name
+/// a kind is never sent one (it could not read the poll's answer).
+pub const TASKS_RUN: &str = "destroy_vm";
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

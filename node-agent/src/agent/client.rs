@@ -4,8 +4,8 @@
 use passage_model::TaskId;
 use passage_model::images::Sha256;
 use passage_model::protocol::{
-    Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TaskEnvelope,
-    TaskProgress, TaskResult, TaskResults, TaskResultsAnswer,
+    Heartbeat, HeartbeatResponse, InventoryReport, RegisterRequest, RegisterResponse, TASKS_RUN,
+    TaskEnvelope, TaskProgress, TaskResult, TaskResults, TaskResultsAnswer,
 };
 use reqwest::StatusCode;
 use serde::de::DeserializeOwned;
@@ -233,7 +233,9 @@ impl AgentClient {
     /// Long-polls for work; the server answers at the latest after `wait`.
     pub async fn poll_tasks(&self, wait: Duration) -> Result<Vec<TaskEnvelope>, ClientError> {
         let secs = wait.as_secs();
-        let req = self.http.get(self.url(&format!("tasks?wait={secs}")));
+        let req = self
+            .http
+            .get(self.url(&format!("tasks?wait={secs}&runs={TASKS_RUN}")));
         let tasks: Option<Vec<TaskEnvelope>> =
             self.send("tasks", req, wait + REQUEST_TIMEOUT).await?;
         Ok(tasks.unwrap_or_default())
@@ -262,7 +264,7 @@ impl AgentClient {
         let secs = wait.as_secs();
         let req = self
             .http
-            .post(self.url(&format!("tasks/{id}/result?wait={secs}")))
+            .post(self.url(&format!("tasks/{id}/result?wait={secs}&runs={TASKS_RUN}")))
             .json(result);
         self.send("task result", req, wait + REQUEST_TIMEOUT).await
     }
@@ -277,7 +279,7 @@ impl AgentClient {
     ) -> Result<TaskResultsAnswer, ClientError> {
         let (path, timeout) = match wait {
             Some(w) => (
-                format!("tasks/results?wait={}", w.as_secs()),
+                format!("tasks/results?wait={}&runs={TASKS_RUN}", w.as_secs()),
                 w + REQUEST_TIMEOUT,
             ),
             None => ("tasks/results".to_string(), REQUEST_TIMEOUT),

@@ -577,7 +577,9 @@ impl Agent {
         // soon as it is done (one hop to a blocking thread per task, not two). vGPU slots
         // change their GPU's vGPUs: those come with a whole pass.
         let rebound = match &env.task {
-            Task::BindPassthrough { devices, .. } | Task::UnbindPassthrough { devices, .. }
+            Task::BindPassthrough { devices, .. }
+            | Task::UnbindPassthrough { devices, .. }
+            | Task::DestroyVm { devices, .. }
                 if devices.iter().all(|d| d.vgpu().is_none()) =>
             {
                 let mut a: Vec<PciAddress> = devices.iter().map(|d| d.address()).collect();
@@ -603,9 +605,10 @@ impl Agent {
         // made or taken down change the functions themselves: the whole inventory goes
         // first (`changed_functions` sees that).
         let changes = match &env.task {
-            Task::BindPassthrough { .. } | Task::UnbindPassthrough { .. } | Task::SetVfs { .. } => {
-                self.changed_functions(reread).await
-            }
+            Task::BindPassthrough { .. }
+            | Task::UnbindPassthrough { .. }
+            | Task::DestroyVm { .. }
+            | Task::SetVfs { .. } => self.changed_functions(reread).await,
             _ => Ok(None),
         };
         let changes = match changes {

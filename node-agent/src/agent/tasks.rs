@@ -135,12 +135,7 @@ impl Executor {
                     self.binder.bind_checked(d).map_err(|e| e.to_string())
                 })
             }
-            Task::UnbindPassthrough { vm_uuid, devices } => self.each(devices, |d| {
-                if d.vgpu().is_some() {
-                    return self.vgpus.release(d, *vm_uuid);
-                }
-                self.binder.unbind_passthrough(d).map_err(|e| e.to_string())
-            }),
+            Task::UnbindPassthrough { vm_uuid, devices } => self.unbind(*vm_uuid, devices),
             Task::StartVm { vm } => {
                 if vm.devices.len() > MAX_TASK_DEVICES {
                     return too_many(vm.devices.len());
@@ -159,10 +154,7 @@ impl Executor {
                     Err(e) => TaskResult::failure(e.to_string()),
                 }
             }
-            Task::StopVm { vm_uuid } => match self.hypervisor.stop(*vm_uuid) {
-                Ok(()) => TaskResult::success(),
-                Err(e) => TaskResult::failure(e.to_string()),
-            },
+            Task::StopVm { vm_uuid } => self.stop(*vm_uuid),
             // A download: it runs on the async runtime (see `run`). Without images (the
             // sim) there is nothing to do.
             Task::FetchImage { .. } => match self.images {
@@ -178,21 +170,38 @@ impl Executor {
                 },
                 Err(e) => TaskResult::failure(e.to_string()),
             },
-            Task::DeleteDisk { vm_uuid } => {
-                let Some(images) = &self.images else {
-                    return TaskResult::success();
-                };
-                // QEMU writes to the disk while the VM runs: deleting it under the guest
-                // would lose nothing QEMU cares about but leave a VM without a disk.
-                if self.hypervisor.running().contains(vm_uuid) {
-                    return TaskResult::failure(format!(
-                        "VM {vm_uuid} is still running; stop it before deleting its disk"
-                    ));
+            Task::DeleteDisk { vm_uuid } => self.delete_disk(*vm_uuid),
+            Task::DestroyVm {
+                vm_uuid,
+                devices,
+                delete_disk,
+            } => {
+                if devices.len() > MAX_TASK_DEVICES {
+                    return too_many(devices.len());
                 }
-                match crate::images::delete_disk(&images.state_dir, *vm_uuid) {
-                    Ok(()) => TaskResult::success(),
-                    Err(e) => TaskResult::failure(e.to_string()),
+                // Each part only once the one before it succeeded: a device is never given
+                // back from under a running VM, nor its disk deleted.
+                let parts: [(&str, &dyn Fn() -> TaskResult); 3] = [
+                    ("stop_vm", &|| self.stop(*vm_uuid)),
+                    ("unbind_passthrough", &|| self.unbind(*vm_uuid, devices)),
+                    ("delete_disk", &|| {
+                        if *delete_disk {
+                            self.delete_disk(*vm_uuid)
+                        } else {
+                            TaskResult::success()
+                        }
+                    }),
+                ];
+                for (name, part) in parts {
+                    let r = part();
+                    if !r.ok {
+                        return TaskResult::failure(format!(
+                            "{name}: {}",
+                            r.error.as_deref().unwrap_or("failed")
+                        ));
+                    }
                 }
+                TaskResult::success()
             }
             Task::SetVfs { function, num_vfs } => {
                 match crate::host::set_numvfs(self.binder.ops().as_ref(), function, *num_vfs) {
@@ -238,6 +247,43 @@ impl Executor {
                 result.scrub_reports = reports;
                 result
             }
+        }
+    }
+
+    /// Stops the VM; one that is not running is already stopped.
+    fn stop(&self, vm: VmId) -> TaskResult {
+        match self.hypervisor.stop(vm) {
+            Ok(()) => TaskResult::success(),
+            Err(e) => TaskResult::failure(e.to_string()),
+        }
+    }
+
+    /// Gives `devices` back to the drivers they had; a vGPU slot's vGPU is destroyed if
+    /// it is still `vm`'s.
+    fn unbind(&self, vm: VmId, devices: &[DevicePath]) -> TaskResult {
+        self.each(devices, |d| {
+            if d.vgpu().is_some() {
+                return self.vgpus.release(d, vm);
+            }
+            self.binder.unbind_passthrough(d).map_err(|e| e.to_string())
+        })
+    }
+
+    /// Deletes the VM's boot disk; one that is not there is already deleted.
+    fn delete_disk(&self, vm: VmId) -> TaskResult {
+        let Some(images) = &self.images else {
+            return TaskResult::success();
+        };
+        // QEMU writes to the disk while the VM runs: deleting it under the guest would
+        // lose nothing QEMU cares about but leave a VM without a disk.
+        if self.hypervisor.running().contains(&vm) {
+            return TaskResult::failure(format!(
+                "VM {vm} is still running; stop it before deleting its disk"
+            ));
+        }
+        match crate::images::delete_disk(&images.state_dir, vm) {
+            Ok(()) => TaskResult::success(),
+            Err(e) => TaskResult::failure(e.to_string()),
         }
     }
 

@@ -267,6 +267,78 @@ fn executor_runs_a_vm_lifecycle() {
     assert!(!r.scrub_reports[0].ok && r.scrub_reports[1].ok);
 }
 
+/// `destroy_vm` stops the VM and gives its devices back in one task, twice with the same
+/// end; a part that fails fails the task, named in its error.
+#[test]
+fn executor_destroys_a_vm_in_one_task() {
+    let w = world(4);
+    let hv = Arc::new(SimHypervisor::open(&w.state, Some(&w.root)).unwrap());
+    let exec = Executor::new(binder(&w), hv.clone());
+    let vm = VmId::new_random();
+    let devices = vec![w.gpus[0].clone(), w.gpus[1].clone()];
+    let bind = Task::BindPassthrough {
+        vm_uuid: vm,
+        devices: devices.clone(),
+        vgpu_types: Default::default(),
+    };
+    assert!(exec.execute(&bind).ok);
+    let spec = VmSpec {
+        uuid: vm,
+        vcpus: 2,
+        memory_mib: 2048,
+        devices: devices.clone(),
+        disk: None,
+        nics: Vec::new(),
+        cloud_init: None,
+    };
+    assert!(exec.execute(&Task::StartVm { vm: spec }).ok);
+    assert_eq!(hv.running(), vec![vm]);
+
+    let destroy = Task::DestroyVm {
+        vm_uuid: vm,
+        devices: devices.clone(),
+        delete_disk: true,
+    };
+    for _ in 0..2 {
+        let r = exec.execute(&destroy);
+        assert!(r.ok, "{r:?}");
+        assert!(hv.running().is_empty());
+        for d in &devices {
+            assert_eq!(driver_via_cli(&w.root, d), "nvidia");
+        }
+    }
+
+    // A device that is not there fails the unbind: the error names that part.
+    let other = VmId::new_random();
+    assert!(
+        exec.execute(&Task::BindPassthrough {
+            vm_uuid: other,
+            devices: vec![w.gpus[2].clone()],
+            vgpu_types: Default::default(),
+        })
+        .ok
+    );
+    let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
+    let r = exec.execute(&Task::DestroyVm {
+        vm_uuid: other,
+        devices: vec![ghost, w.gpus[2].clone()],
+        delete_disk: false,
+    });
+    assert!(!r.ok);
+    let error = r.error.unwrap();
+    assert!(error.starts_with("unbind_passthrough: "), "{error}");
+    // As `unbind_passthrough` alone: every device is tried.
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[2]), "nvidia");
+
+    let too_many = Task::DestroyVm {
+        vm_uuid: other,
+        devices: vec![w.gpus[3].clone(); passage_model::protocol::MAX_TASK_DEVICES + 1],
+        delete_disk: false,
+    };
+    let r = exec.execute(&too_many);
+    assert!(!r.ok && r.error.unwrap().contains("more than"));
+}
+
 /// A tree whose GPUs each share their IOMMU group with an HDMI audio function `.1`.
 fn world_with_audio(gpus: u32) -> (World, Vec<DevicePath>) {
     let dir = tempfile::tempdir().unwrap();

@@ -50,6 +50,7 @@ pub async fn poll_tasks(
     ApiQuery(q): ApiQuery<TasksQuery>,
 ) -> ApiResult<Response> {
     let wait = q.wait.unwrap_or(0);
+    agents::note_runs(&ctx, server, q.runs.as_deref());
     Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response())
 }
 
@@ -67,7 +68,10 @@ pub async fn task_result(
     let task: TaskId = raw.parse().map_err(|_| ApiError::not_found("task"))?;
     agents::task_result(&ctx, server, task, result).await?;
     match q.wait {
-        Some(wait) => Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response()),
+        Some(wait) => {
+            agents::note_runs(&ctx, server, q.runs.as_deref());
+            Ok(Json(agents::poll_tasks(&ctx, server, wait).await?).into_response())
+        }
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }
 }
@@ -83,7 +87,10 @@ pub async fn task_results(
 ) -> ApiResult<Response> {
     let refused = agents::task_results(&ctx, server, batch).await?;
     let tasks = match q.wait {
-        Some(wait) => Some(agents::poll_tasks(&ctx, server, wait).await?),
+        Some(wait) => {
+            agents::note_runs(&ctx, server, q.runs.as_deref());
+            Some(agents::poll_tasks(&ctx, server, wait).await?)
+        }
         None => None,
     };
     Ok(Json(TaskResultsAnswer { refused, tasks }).into_response())

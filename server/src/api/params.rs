@@ -319,10 +319,12 @@ fn rfc3339(field: &str, value: Option<&str>) -> ApiResult<Option<DateTime<Utc>>>
 }
 
 /// `GET /agent/v1/tasks` and `POST /agent/v1/tasks/{id}/result`: how long to wait for a
-/// task, in seconds (the agent API is not in the document).
+/// task, in seconds, and the later task kinds the node runs, by name, comma-separated
+/// (`passage_model::protocol::TASKS_RUN`; the agent API is not in the document).
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct TasksQuery {
     pub wait: Option<u64>,
+    pub runs: Option<String>,
 }
 
 #[cfg(test)]

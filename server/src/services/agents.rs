@@ -157,6 +157,31 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
     Ok(())
 }
 
+/// Notes the later task kinds a node's agent said on this poll that it runs (`runs`, as
+/// `passage_model::protocol::TASKS_RUN` names them): what it said last stands.
+pub fn note_runs(ctx: &Ctx, server: ServerId, runs: Option<&str>) {
+    let destroy_vm = runs.is_some_and(|r| r.split(',').any(|k| k == "destroy_vm"));
+    let mut nodes = ctx
+        .runs_destroy_vm
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if destroy_vm {
+        nodes.insert(server);
+    } else {
+        nodes.remove(&server);
+    }
+}
+
+/// Whether `server`'s agent said on its last poll here that it runs `destroy_vm` tasks.
+/// Another replica's nodes, and every node until it polls after a restart, get the
+/// separate tasks.
+pub fn runs_destroy_vm(ctx: &Ctx, server: ServerId) -> bool {
+    ctx.runs_destroy_vm
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&server)
+}
+
 /// Long-poll: answers as soon as tasks are queued, or empty after `wait`.
 pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec<TaskEnvelope>> {
     let wait = Duration::from_secs(wait.min(MAX_LONG_POLL_SECS));

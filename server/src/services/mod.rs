@@ -107,6 +107,9 @@ pub struct Services {
     /// it is asked to run again after (and then whether to retry refused counts).
     pub sriov_busy:
         std::sync::Mutex<std::collections::HashMap<passage_model::ServerId, Option<bool>>>,
+    /// Nodes whose agent said on its last poll here that it runs `destroy_vm` tasks
+    /// (`agents::note_runs`): a destroy sends those one task instead of three.
+    pub runs_destroy_vm: std::sync::Mutex<std::collections::HashSet<passage_model::ServerId>>,
 }
 
 pub type Ctx = Arc<Services>;
@@ -212,6 +215,7 @@ impl Services {
             bridges: cache::TtlCache::default(),
             default_networks: cache::TtlCache::default(),
             sriov_busy: std::sync::Mutex::new(std::collections::HashMap::new()),
+            runs_destroy_vm: std::sync::Mutex::new(std::collections::HashSet::new()),
         })
     }
 

@@ -112,6 +112,9 @@ pub struct Run<W: Workflow> {
     /// Whether the run starts from the VM as the write that started the job left it
     /// ([`Run::given`]), not from a job read back (a restart, another replica's).
     from_write: bool,
+    /// Later steps whose work an earlier step of this run has done with its own
+    /// ([`Run::done_ahead`]).
+    ahead: std::sync::Mutex<Vec<W::Step>>,
 }
 
 impl<W: Workflow> Run<W> {
@@ -146,6 +149,7 @@ impl<W: Workflow> Run<W> {
             kept_vm: tokio::sync::OnceCell::new(),
             held: tokio::sync::OnceCell::new(),
             from_write: false,
+            ahead: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -167,6 +171,24 @@ impl<W: Workflow> Run<W> {
     /// in this process, rather than from a job read back after a restart.
     pub fn from_write(&self) -> bool {
         self.from_write
+    }
+
+    /// Notes that the step running now did the work of `steps` too: each of them then has
+    /// nothing left to do in this run. A run read back after a restart knows nothing of
+    /// it and does their work again, as it would any step's.
+    pub fn done_ahead(&self, steps: &[W::Step]) {
+        self.ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(steps);
+    }
+
+    /// Whether an earlier step of this run did `step`'s work ([`Run::done_ahead`]).
+    pub fn was_done_ahead(&self, step: W::Step) -> bool {
+        self.ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&step)
     }
 
     fn find(&self, step: W::Step) -> Option<&(W::Step, StepState, bool)> {

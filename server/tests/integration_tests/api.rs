@@ -650,6 +650,120 @@ both!(
     a_result_answer_is_the_next_poll
 );
 
+/// A node answers every task it is given, successfully, polling with `query` (`wait=5`
+/// and what it says it runs), until it has answered a task of kind `last`. Answers the
+/// tasks' kinds in the order they came, with the `destroy_vm` tasks seen.
+async fn work_until(
+    node: &crate::common::Client,
+    query: &str,
+    last: &str,
+) -> (Vec<&'static str>, Vec<passage_model::protocol::Task>) {
+    use passage_model::protocol::{ScrubReport, Task, TaskEnvelope, TaskResult};
+    let mut tasks: Vec<TaskEnvelope> = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
+    let (mut seen, mut destroys) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let Some(t) = tasks.pop() else {
+            tasks = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
+            continue;
+        };
+        assert!(tasks.is_empty(), "one task at a time for one VM: {tasks:?}");
+        seen.push(t.task.name());
+        let mut result = TaskResult::success();
+        if let Task::Scrub { devices, .. } = &t.task {
+            result.scrub_reports = devices
+                .iter()
+                .map(|d| ScrubReport {
+                    device: d.clone(),
+                    ok: true,
+                    steps: Vec::new(),
+                })
+                .collect();
+        }
+        if matches!(t.task, Task::DestroyVm { .. }) {
+            destroys.push(t.task.clone());
+        }
+        let path = format!("/agent/v1/tasks/{}/result", t.id);
+        if t.task.name() == last {
+            node.post::<()>(&path, &result).await.ok(204);
+            return (seen, destroys);
+        }
+        tasks = node.post(&format!("{path}?{query}"), &result).await.ok(200);
+    }
+    panic!("no {last} task came: {seen:?}");
+}
+
+/// A destroy sends a node that says it runs `destroy_vm` (on its polls) one task for the
+/// VM's stop, unbind and disk, and a node that does not the three tasks as before; both
+/// end with the VM destroyed and its device scrubbed and free.
+async fn a_destroy_is_one_task_for_a_node_that_runs_it(b: Backend) {
+    use passage_model::protocol::Task;
+    let s = TestServer::start(b, crate::common::fast_config()).await;
+    let (server, cred, _) = s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let node = s.client(Some(&cred));
+    for (query, want) in [
+        (
+            "wait=5",
+            vec!["stop_vm", "unbind_passthrough", "delete_disk", "scrub"],
+        ),
+        ("wait=5&runs=destroy_vm", vec!["destroy_vm", "scrub"]),
+        // Said on this poll: what the node said before does not stand.
+        (
+            "wait=5&runs=something_else",
+            vec!["stop_vm", "unbind_passthrough", "delete_disk", "scrub"],
+        ),
+    ] {
+        let vm: Vm = s
+            .post(
+                "/v1/vms",
+                &json!({"alias": "one-trip", "package": "gpu-1x", "image": "test-image"}),
+            )
+            .await
+            .ok(202);
+        let (made, _) = work_until(&node, query, "start_vm").await;
+        assert_eq!(
+            made,
+            ["bind_passthrough", "fetch_image", "start_vm"],
+            "{query}"
+        );
+        let running = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
+            let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+            (v.state == VmState::Running).then_some(v)
+        })
+        .await;
+        let held = running.expect("the VM runs").assigned_devices;
+        assert_eq!(held.len(), 1, "{query}");
+        let _: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);
+        let (gone, destroys) = work_until(&node, query, "scrub").await;
+        assert_eq!(gone, want, "{query}");
+        for t in destroys {
+            assert_eq!(
+                t,
+                Task::DestroyVm {
+                    vm_uuid: vm.uuid,
+                    devices: held.clone(),
+                    delete_disk: true,
+                }
+            );
+        }
+        let clean = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
+            let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+            let states = s.device_states(server).await;
+            (v.state == VmState::Destroyed
+                && states
+                    .iter()
+                    .all(|(_, st, by)| *st == DeviceState::Unassigned && by.is_none()))
+            .then_some(())
+        })
+        .await;
+        assert!(clean.is_some(), "{query}: destroyed, and the device clean");
+    }
+}
+both!(
+    a_destroy_is_one_task_for_a_node_that_runs_it_on,
+    a_destroy_is_one_task_for_a_node_that_runs_it
+);
+
 /// `POST /agent/v1/tasks/results`: a node's results at once, each recorded or refused as
 /// alone, and with `?wait=` the next poll's tasks in the same answer; a body out of
 /// bounds records none of them.
