@@ -72,7 +72,7 @@ impl Default for Config {
             placement: crate::placement::Policy::Pack,
             alloc: crate::store::room::Allocation::default(),
             login_limits: crate::services::login_guard::Limits::default(),
-            job_concurrency: 256,
+            job_concurrency: 512,
             vm_exit_grace: Duration::from_secs(10),
             faults: Vec::new(),
             repeat_steps: false,

@@ -74,7 +74,11 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     reserved_host_memory_mib: u64,
     /// Jobs (provision, destroy, scrub…) this server runs at once; more wait their turn.
-    #[arg(long, default_value_t = 256)]
+    /// Most of a job's time is spent waiting for its node: at 256, a burst of 10,000
+    /// creations on 1,250 simulated nodes left a third of two CPUs idle, and 512 brought
+    /// them all to `running` 11–21 % sooner on SQLite; 1,024 did no better there and slowed
+    /// deletions on Postgres (BENCHMARKS.md, twenty-eighth session).
+    #[arg(long, default_value_t = 512)]
     job_concurrency: usize,
     /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
     /// hypervisor) in this process.
