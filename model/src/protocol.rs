@@ -270,6 +270,16 @@ pub enum Task {
         #[serde(default)]
         delete_disk: bool,
     },
+    /// A new or stopped VM's work on its node in one task, as `bind_passthrough` of the
+    /// spec's devices (vGPU slots made as `vgpu_types` names), then `fetch_image` of its
+    /// disk when it has one, then `start_vm`; the first part that fails ends it, and its
+    /// error names that part. Sent only to an agent that said it runs it ([`TASKS_RUN`]
+    /// on its poll).
+    BootVm {
+        vm: VmSpec,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        vgpu_types: BTreeMap<String, String>,
+    },
     /// Answer the last [`MAX_CONSOLE_BYTES`] of the VM's serial console (in
     /// [`TaskResult::console`]); empty for a VM that never printed.
     ReadConsole {
@@ -325,6 +335,11 @@ pub enum ScrubAction {
 pub const MAX_SCRUB_STEPS: usize = 16;
 
 impl Task {
+    /// [`Task::DestroyVm`]'s name, as [`TASKS_RUN`] says it.
+    pub const DESTROY_VM: &str = "destroy_vm";
+    /// [`Task::BootVm`]'s name, as [`TASKS_RUN`] says it.
+    pub const BOOT_VM: &str = "boot_vm";
+
     pub fn name(&self) -> &'static str {
         match self {
             Task::BindPassthrough { .. } => "bind_passthrough",
@@ -333,7 +348,8 @@ impl Task {
             Task::StopVm { .. } => "stop_vm",
             Task::FetchImage { .. } => "fetch_image",
             Task::DeleteDisk { .. } => "delete_disk",
-            Task::DestroyVm { .. } => "destroy_vm",
+            Task::DestroyVm { .. } => Self::DESTROY_VM,
+            Task::BootVm { .. } => Self::BOOT_VM,
             Task::ReadConsole { .. } => "read_console",
             Task::SetVfs { .. } => "set_vfs",
             Task::Scrub { .. } => "scrub",
@@ -342,9 +358,42 @@ impl Task {
 }
 
 /// The task kinds beyond protocol 1's first set that an agent runs, as it names them on
-/// each poll (`GET /agent/v1/tasks?wait=N&runs=destroy_vm`): an agent that does not name
-/// a kind is never sent one (it could not read the poll's answer).
-pub const TASKS_RUN: &str = "destroy_vm";
+/// each poll (`GET /agent/v1/tasks?wait=N&runs=destroy_vm,boot_vm`), comma-separated: an
+/// agent that does not name a kind is never sent one (it could not read the poll's
+/// answer).
+pub const TASKS_RUN: &str = "destroy_vm,boot_vm";
+
+/// The kinds [`TASKS_RUN`] may name, each a bit of [`LaterTasks`].
+pub const LATER_TASKS: [&str; 2] = [Task::DESTROY_VM, Task::BOOT_VM];
+
+/// The later task kinds ([`LATER_TASKS`]) an agent said it runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaterTasks(u8);
+
+impl LaterTasks {
+    /// Reads a poll's `runs`; kinds this build does not know are passed over.
+    pub fn parse(runs: &str) -> Self {
+        let mut bits = 0u8;
+        for kind in runs.split(',') {
+            if let Some(i) = LATER_TASKS.iter().position(|k| *k == kind.trim()) {
+                bits |= 1 << i;
+            }
+        }
+        LaterTasks(bits)
+    }
+
+    /// Whether `kind` (a task's [`Task::name`]) is among them.
+    pub fn has(self, kind: &str) -> bool {
+        LATER_TASKS
+            .iter()
+            .position(|k| *k == kind)
+            .is_some_and(|i| self.0 & (1 << i) != 0)
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -502,6 +551,20 @@ mod tests {
             serde_json::from_str::<TaskResult>(r#"{"ok":true,"extra":1}"#).is_err(),
             "unknown fields are refused"
         );
+    }
+
+    #[test]
+    fn later_tasks_are_read_from_a_poll() {
+        let all = LaterTasks::parse(TASKS_RUN);
+        for k in LATER_TASKS {
+            assert!(all.has(k), "{k}");
+        }
+        let one = LaterTasks::parse("boot_vm,format_disk");
+        assert!(one.has("boot_vm"));
+        assert!(!one.has("destroy_vm"));
+        assert!(!one.has("format_disk"), "unknown kinds are passed over");
+        assert!(LaterTasks::parse("").is_empty());
+        assert!(!LaterTasks::parse(TASKS_RUN).has("stop_vm"));
     }
 
     #[test]

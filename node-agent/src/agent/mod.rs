@@ -17,7 +17,7 @@ use passage_model::TaskId;
 use passage_model::protocol::{
     Heartbeat, InventoryReport, MAX_INVENTORY_DEVICES, MAX_RESULTS_PER_POST, MAX_TASK_DEVICES,
     PROTOCOL_VERSION, RegisterRequest, Task, TaskEnvelope, TaskOutcome, TaskProgress, TaskResult,
-    TaskResults,
+    TaskResults, VmSpec,
 };
 use passage_model::{PciAddress, PciDevice};
 use std::collections::HashSet;
@@ -221,6 +221,10 @@ struct Agent {
     /// Something the server should have was not taken (an upload failed, a result with
     /// changed functions was refused): the next heartbeat reads the whole inventory.
     inventory_due: std::sync::atomic::AtomicBool,
+    /// A whole inventory went while a result's changed functions were on their way: the
+    /// server may have taken the result after it, so once the result's post is answered
+    /// the whole inventory goes again.
+    overtaken: std::sync::atomic::AtomicBool,
 }
 
 impl Agent {
@@ -308,11 +312,8 @@ impl Agent {
             self.inventory_due();
             return Ok(());
         };
-        if self.sending().as_deref() == Some(&found.report) {
-            // Unless that result is refused: then `last` stays as it was, and the next
-            // heartbeat uploads.
-            return Ok(());
-        }
+        // Nothing to send when it is what a result on its way brings (unless that result
+        // is refused: then `last` stays as it was, and the next heartbeat uploads).
         self.upload(&mut last, found).await
     }
 
@@ -326,7 +327,11 @@ impl Agent {
         found: Discovered,
     ) -> Result<(), AgentError> {
         let report = found.report;
-        if last.as_deref() == Some(&report) {
+        // Against what the server will have: a result's changed functions may be on
+        // their way still (its post is also the next long poll, which may wait for
+        // minutes), and a change since then must go now, even back to what `last` says.
+        let base = self.sending().clone().or_else(|| last.clone());
+        if base.as_deref() == Some(&report) {
             return Ok(());
         }
         for n in &found.notes {
@@ -340,6 +345,10 @@ impl Agent {
                     "inventory reported"
                 );
                 *last = Some(Arc::new(report));
+                if self.sending().take().is_some() {
+                    self.overtaken
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 Ok(())
             }
             Err(e) => match self.fatal(&e) {
@@ -580,8 +589,10 @@ impl Agent {
             Task::BindPassthrough { devices, .. }
             | Task::UnbindPassthrough { devices, .. }
             | Task::DestroyVm { devices, .. }
-                if devices.iter().all(|d| d.vgpu().is_none()) =>
-            {
+            | Task::BootVm {
+                vm: VmSpec { devices, .. },
+                ..
+            } if devices.iter().all(|d| d.vgpu().is_none()) => {
                 let mut a: Vec<PciAddress> = devices.iter().map(|d| d.address()).collect();
                 a.sort();
                 a.dedup();
@@ -608,6 +619,7 @@ impl Agent {
             Task::BindPassthrough { .. }
             | Task::UnbindPassthrough { .. }
             | Task::DestroyVm { .. }
+            | Task::BootVm { .. }
             | Task::SetVfs { .. } => self.changed_functions(reread).await,
             _ => Ok(None),
         };
@@ -646,17 +658,26 @@ impl Agent {
         };
         let (exec, disc) = (self.executor.clone(), self.discoverer.clone());
         let root = self.sysfs_root.clone();
+        let reread = move |disc: &Discoverer| match disc.reread(&root, &addrs) {
+            Ok(read) => read,
+            Err(e) => {
+                warn!(error = %e, "reading rebound functions failed");
+                None
+            }
+        };
+        // A download in the task: it runs on the runtime, and the functions are read
+        // after it on a thread of their own.
+        if exec.downloads(&task) {
+            let result = exec.run(task, progress).await;
+            let read = tokio::task::spawn_blocking(move || reread(&disc))
+                .await
+                .unwrap_or(None);
+            return (result, read);
+        }
         let ran = tokio::task::spawn_blocking(move || {
             let result = exec.execute(&task);
             drop(progress);
-            let read = match disc.reread(&root, &addrs) {
-                Ok(read) => read,
-                Err(e) => {
-                    warn!(error = %e, "reading rebound functions failed");
-                    None
-                }
-            };
-            (result, read)
+            (result, reread(&disc))
         })
         .await;
         ran.unwrap_or_else(|e| (TaskResult::failure(format!("task crashed: {e}")), None))
@@ -763,7 +784,8 @@ impl Agent {
 
     /// After a group's post: the inventory its results brought the server to is the last
     /// report, when the server took them all and nothing reported in between (a
-    /// heartbeat's upload is newer). Otherwise the next heartbeat uploads.
+    /// heartbeat's upload is newer). Otherwise, or when a whole inventory went while they
+    /// were on their way (`overtaken`), the next heartbeat uploads.
     async fn taken(&self, group: &[Finished], all_taken: bool) {
         let first = group.iter().find_map(|f| f.inventory.as_ref());
         let final_ = group.iter().rev().find_map(|f| f.inventory.as_ref());
@@ -774,6 +796,14 @@ impl Agent {
             self.inventory_due();
         }
         let mut last = self.last_inventory.lock().await;
+        if self
+            .overtaken
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            *last = None;
+            self.inventory_due();
+            return;
+        }
         let mut sending = self.sending();
         if all_taken && last.as_ref() == Some(before) {
             *last = Some(after.clone());
@@ -956,6 +986,7 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         sending: std::sync::Mutex::new(None),
         single_results: std::sync::atomic::AtomicBool::new(false),
         inventory_due: std::sync::atomic::AtomicBool::new(false),
+        overtaken: std::sync::atomic::AtomicBool::new(false),
         in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;

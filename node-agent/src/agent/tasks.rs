@@ -7,7 +7,8 @@ use crate::images::ImageService;
 use crate::scrub::{ScrubEnv, scrub_for_task};
 use passage_model::DevicePath;
 use passage_model::VmId;
-use passage_model::protocol::{DiskSpec, MAX_TASK_DEVICES, Task, TaskProgress, TaskResult};
+use passage_model::protocol::{DiskSpec, MAX_TASK_DEVICES, Task, TaskProgress, TaskResult, VmSpec};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::watch;
 
@@ -53,25 +54,72 @@ impl Executor {
         task: Task,
         progress: watch::Sender<TaskProgress>,
     ) -> TaskResult {
-        if let Task::FetchImage { vm_uuid, disk } = &task {
-            return self.fetch_image(*vm_uuid, disk, &progress).await;
+        match &task {
+            Task::FetchImage { vm_uuid, disk } => {
+                return self.fetch_image(*vm_uuid, disk, &progress).await;
+            }
+            Task::BootVm { vm, vgpu_types } if self.downloads(&task) => {
+                let bind = self.clone();
+                let (v, t) = (vm.clone(), vgpu_types.clone());
+                let bound = tokio::task::spawn_blocking(move || bind.bind(v.uuid, &v.devices, &t))
+                    .await
+                    .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")));
+                if !bound.ok {
+                    return part_failed("bind_passthrough", &bound);
+                }
+                if let Some(disk) = &vm.disk {
+                    let fetched = self.fetch_image(vm.uuid, disk, &progress).await;
+                    if !fetched.ok {
+                        return part_failed("fetch_image", &fetched);
+                    }
+                }
+                let vm = vm.clone();
+                let started = tokio::task::spawn_blocking(move || self.start(&vm))
+                    .await
+                    .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")));
+                return if started.ok {
+                    started
+                } else {
+                    part_failed("start_vm", &started)
+                };
+            }
+            _ => {}
         }
         tokio::task::spawn_blocking(move || self.execute(&task))
             .await
             .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")))
     }
 
+    /// Whether `task` fetches an image, which only [`run`] can (a download on the async
+    /// runtime): a `FetchImage`, or a `BootVm` with a disk, on a node with an image
+    /// service. The rest runs through [`execute`] as well.
+    ///
+    /// [`run`]: Self::run
+    /// [`execute`]: Self::execute
+    pub fn downloads(&self, task: &Task) -> bool {
+        self.images.is_some()
+            && match task {
+                Task::FetchImage { .. } => true,
+                Task::BootVm { vm, .. } => vm.disk.is_some(),
+                _ => false,
+            }
+    }
+
     /// Whether `task` may take minutes: a `FetchImage` whose image is not in the cache
     /// yet (one that is makes the VM's disk on it and is done). Without an image service
     /// (the sim hypervisor) nothing is fetched at all.
     pub fn runs_long(&self, task: &Task) -> bool {
-        match task {
-            Task::FetchImage { disk, .. } => self
-                .images
-                .as_ref()
-                .is_some_and(|i| !i.cache.path(&disk.image.sha256).is_file()),
-            _ => false,
-        }
+        let disk = match task {
+            Task::FetchImage { disk, .. } => disk,
+            Task::BootVm { vm, .. } => match &vm.disk {
+                Some(d) => d,
+                None => return false,
+            },
+            _ => return false,
+        };
+        self.images
+            .as_ref()
+            .is_some_and(|i| !i.cache.path(&disk.image.sha256).is_file())
     }
 
     async fn fetch_image(
@@ -111,48 +159,25 @@ impl Executor {
                 vm_uuid,
                 devices,
                 vgpu_types,
-            } => {
-                if devices.len() > MAX_TASK_DEVICES {
-                    return too_many(devices.len());
-                }
-                let functions: Vec<DevicePath> = devices
-                    .iter()
-                    .filter(|d| d.vgpu().is_none())
-                    .cloned()
-                    .collect();
-                // The whole set at once: functions sharing an IOMMU group (a GPU and its
-                // audio function) are only viable together.
-                if let Err(e) = self.binder.check_viability(&functions) {
-                    return TaskResult::failure(e.to_string());
-                }
-                self.each(devices, |d| {
-                    if d.vgpu().is_some() {
-                        let t = vgpu_types
-                            .get(&d.to_string())
-                            .ok_or_else(|| format!("{d}: no vGPU type given"))?;
-                        return self.vgpus.make(d, t, *vm_uuid);
-                    }
-                    self.binder.bind_checked(d).map_err(|e| e.to_string())
-                })
-            }
+            } => self.bind(*vm_uuid, devices, vgpu_types),
             Task::UnbindPassthrough { vm_uuid, devices } => self.unbind(*vm_uuid, devices),
-            Task::StartVm { vm } => {
-                if vm.devices.len() > MAX_TASK_DEVICES {
-                    return too_many(vm.devices.len());
+            Task::StartVm { vm } => self.start(vm),
+            // Each part only once the one before it succeeded: a VM never starts without
+            // its devices or its disk.
+            Task::BootVm { .. } if self.downloads(task) => TaskResult::failure(
+                "internal: boot_vm tasks with a disk run through Executor::run".to_string(),
+            ),
+            Task::BootVm { vm, vgpu_types } => {
+                let bound = self.bind(vm.uuid, &vm.devices, vgpu_types);
+                if !bound.ok {
+                    return part_failed("bind_passthrough", &bound);
                 }
-                let mut launch = vm.clone();
-                for d in &mut launch.devices {
-                    if d.vgpu().is_some() {
-                        match self.vgpus.launch_path(d) {
-                            Ok(p) => *d = p,
-                            Err(e) => return TaskResult::failure(e),
-                        }
-                    }
+                // Without an image service (the sim) there is nothing to fetch.
+                let started = self.start(vm);
+                if !started.ok {
+                    return part_failed("start_vm", &started);
                 }
-                match self.hypervisor.start(&launch) {
-                    Ok(()) => TaskResult::success(),
-                    Err(e) => TaskResult::failure(e.to_string()),
-                }
+                started
             }
             Task::StopVm { vm_uuid } => self.stop(*vm_uuid),
             // A download: it runs on the async runtime (see `run`). Without images (the
@@ -195,10 +220,7 @@ impl Executor {
                 for (name, part) in parts {
                     let r = part();
                     if !r.ok {
-                        return TaskResult::failure(format!(
-                            "{name}: {}",
-                            r.error.as_deref().unwrap_or("failed")
-                        ));
+                        return part_failed(name, &r);
                     }
                 }
                 TaskResult::success()
@@ -247,6 +269,58 @@ impl Executor {
                 result.scrub_reports = reports;
                 result
             }
+        }
+    }
+
+    /// Binds `devices` for passthrough to `vm`; vGPU slots among them are made as the
+    /// vGPU type `vgpu_types` names for each.
+    fn bind(
+        &self,
+        vm: VmId,
+        devices: &[DevicePath],
+        vgpu_types: &BTreeMap<String, String>,
+    ) -> TaskResult {
+        if devices.len() > MAX_TASK_DEVICES {
+            return too_many(devices.len());
+        }
+        let functions: Vec<DevicePath> = devices
+            .iter()
+            .filter(|d| d.vgpu().is_none())
+            .cloned()
+            .collect();
+        // The whole set at once: functions sharing an IOMMU group (a GPU and its audio
+        // function) are only viable together.
+        if let Err(e) = self.binder.check_viability(&functions) {
+            return TaskResult::failure(e.to_string());
+        }
+        self.each(devices, |d| {
+            if d.vgpu().is_some() {
+                let t = vgpu_types
+                    .get(&d.to_string())
+                    .ok_or_else(|| format!("{d}: no vGPU type given"))?;
+                return self.vgpus.make(d, t, vm);
+            }
+            self.binder.bind_checked(d).map_err(|e| e.to_string())
+        })
+    }
+
+    /// Starts the VM, its vGPU slots given as the vGPUs made in them.
+    fn start(&self, vm: &VmSpec) -> TaskResult {
+        if vm.devices.len() > MAX_TASK_DEVICES {
+            return too_many(vm.devices.len());
+        }
+        let mut launch = vm.clone();
+        for d in &mut launch.devices {
+            if d.vgpu().is_some() {
+                match self.vgpus.launch_path(d) {
+                    Ok(p) => *d = p,
+                    Err(e) => return TaskResult::failure(e),
+                }
+            }
+        }
+        match self.hypervisor.start(&launch) {
+            Ok(()) => TaskResult::success(),
+            Err(e) => TaskResult::failure(e.to_string()),
         }
     }
 
@@ -304,6 +378,14 @@ impl Executor {
             TaskResult::failure(errors.join("; "))
         }
     }
+}
+
+/// A task of several parts that ended at `name`'s failure `r`: said with the part's name.
+fn part_failed(name: &str, r: &TaskResult) -> TaskResult {
+    TaskResult::failure(format!(
+        "{name}: {}",
+        r.error.as_deref().unwrap_or("failed")
+    ))
 }
 
 fn too_many(n: usize) -> TaskResult {

@@ -339,6 +339,72 @@ fn executor_destroys_a_vm_in_one_task() {
     assert!(!r.ok && r.error.unwrap().contains("more than"));
 }
 
+#[test]
+fn executor_boots_a_vm_in_one_task() {
+    let w = world(4);
+    let hv = Arc::new(SimHypervisor::open(&w.state, Some(&w.root)).unwrap());
+    let exec = Executor::new(binder(&w), hv.clone());
+    let spec = |devices: Vec<DevicePath>| VmSpec {
+        uuid: VmId::new_random(),
+        vcpus: 2,
+        memory_mib: 2048,
+        devices,
+        disk: None,
+        nics: Vec::new(),
+        cloud_init: None,
+    };
+    let vm = spec(vec![w.gpus[0].clone(), w.gpus[1].clone()]);
+    let boot = Task::BootVm {
+        vm: vm.clone(),
+        vgpu_types: Default::default(),
+    };
+    // Twice: the second changes nothing.
+    for _ in 0..2 {
+        let r = exec.execute(&boot);
+        assert!(r.ok, "{r:?}");
+        assert_eq!(hv.running(), vec![vm.uuid]);
+        for d in &vm.devices {
+            assert_eq!(driver_via_cli(&w.root, d), "vfio-pci");
+        }
+    }
+
+    // A device that is not there fails the bind: the error names that part, and the VM
+    // is not started.
+    let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
+    let bad = spec(vec![w.gpus[2].clone(), ghost]);
+    let r = exec.execute(&Task::BootVm {
+        vm: bad.clone(),
+        vgpu_types: Default::default(),
+    });
+    assert!(!r.ok);
+    let error = r.error.unwrap();
+    assert!(error.starts_with("bind_passthrough: "), "{error}");
+    assert_eq!(hv.running(), vec![vm.uuid]);
+
+    // Another spec under a running VM's id: the start refuses it, and says so.
+    let mut clash = spec(vec![w.gpus[3].clone()]);
+    clash.uuid = vm.uuid;
+    let r = exec.execute(&Task::BootVm {
+        vm: clash,
+        vgpu_types: Default::default(),
+    });
+    assert!(!r.ok);
+    let error = r.error.unwrap();
+    assert!(error.starts_with("start_vm: "), "{error}");
+    // Its bind, the part before, was done.
+    assert_eq!(driver_via_cli(&w.root, &w.gpus[3]), "vfio-pci");
+
+    let too_many = Task::BootVm {
+        vm: spec(vec![
+            w.gpus[3].clone();
+            passage_model::protocol::MAX_TASK_DEVICES + 1
+        ]),
+        vgpu_types: Default::default(),
+    };
+    let r = exec.execute(&too_many);
+    assert!(!r.ok && r.error.unwrap().contains("more than"));
+}
+
 /// A tree whose GPUs each share their IOMMU group with an HDMI audio function `.1`.
 fn world_with_audio(gpus: u32) -> (World, Vec<DevicePath>) {
     let dir = tempfile::tempdir().unwrap();

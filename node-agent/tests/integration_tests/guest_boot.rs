@@ -209,8 +209,17 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
     drop(QemuHypervisor::open(cfg, &state).unwrap());
     assert!(disk_path(&state, vm).is_file());
 
+    // The second boot as a node that runs `boot_vm` gets it: bind, disk and start in
+    // one task (the bind and the disk are there already, and stay).
     let t = Instant::now();
-    ok(&exec, Task::StartVm { vm: spec.clone() }).await;
+    ok(
+        &exec,
+        Task::BootVm {
+            vm: spec.clone(),
+            vgpu_types: Default::default(),
+        },
+    )
+    .await;
     let console = wait_console(&files.console, "PASSAGE-BOOT-COUNT=2", &files.log).await;
     eprintln!(
         "boot 2 reached its report in {:.1}s",

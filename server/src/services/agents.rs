@@ -5,8 +5,8 @@ use super::auth::{NODE_CREDENTIAL_PREFIX, new_secret, sha256_hex};
 use crate::error::{ApiError, ApiResult};
 use crate::store::{devices, servers, tasks};
 use passage_model::protocol::{
-    InventoryReport, MAX_BRIDGES, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS, PROTOCOL_VERSION,
-    RegisterRequest, RegisterResponse, TaskEnvelope, TaskResult,
+    InventoryReport, LaterTasks, MAX_BRIDGES, MAX_INVENTORY_DEVICES, MAX_LONG_POLL_SECS,
+    PROTOCOL_VERSION, RegisterRequest, RegisterResponse, TaskEnvelope, TaskResult,
 };
 use passage_model::{ErrorCode, ServerId, TaskId};
 use std::collections::HashSet;
@@ -160,26 +160,24 @@ pub async fn inventory(ctx: &Ctx, server: ServerId, report: InventoryReport) -> 
 /// Notes the later task kinds a node's agent said on this poll that it runs (`runs`, as
 /// `passage_model::protocol::TASKS_RUN` names them): what it said last stands.
 pub fn note_runs(ctx: &Ctx, server: ServerId, runs: Option<&str>) {
-    let destroy_vm = runs.is_some_and(|r| r.split(',').any(|k| k == "destroy_vm"));
-    let mut nodes = ctx
-        .runs_destroy_vm
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if destroy_vm {
-        nodes.insert(server);
-    } else {
+    let kinds = runs.map(LaterTasks::parse).unwrap_or_default();
+    let mut nodes = ctx.later_tasks.lock().unwrap_or_else(|p| p.into_inner());
+    if kinds.is_empty() {
         nodes.remove(&server);
+    } else {
+        nodes.insert(server, kinds);
     }
 }
 
-/// Whether `server`'s agent said on its last poll here that it runs `destroy_vm` tasks.
-/// Another replica's nodes, and every node until it polls after a restart, get the
-/// separate tasks.
-pub fn runs_destroy_vm(ctx: &Ctx, server: ServerId) -> bool {
-    ctx.runs_destroy_vm
+/// Whether `server`'s agent said on its last poll here that it runs tasks of `kind` (one
+/// of `passage_model::protocol::LATER_TASKS`). Another replica's nodes, and every node
+/// until it polls after a restart, get the separate tasks.
+pub fn runs(ctx: &Ctx, server: ServerId, kind: &str) -> bool {
+    ctx.later_tasks
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .contains(&server)
+        .get(&server)
+        .is_some_and(|k| k.has(kind))
 }
 
 /// Long-poll: answers as soon as tasks are queued, or empty after `wait`.

@@ -107,9 +107,11 @@ pub struct Services {
     /// it is asked to run again after (and then whether to retry refused counts).
     pub sriov_busy:
         std::sync::Mutex<std::collections::HashMap<passage_model::ServerId, Option<bool>>>,
-    /// Nodes whose agent said on its last poll here that it runs `destroy_vm` tasks
-    /// (`agents::note_runs`): a destroy sends those one task instead of three.
-    pub runs_destroy_vm: std::sync::Mutex<std::collections::HashSet<passage_model::ServerId>>,
+    /// The later task kinds each node's agent said on its last poll here that it runs
+    /// (`services::agents::note_runs`).
+    pub later_tasks: std::sync::Mutex<
+        std::collections::HashMap<passage_model::ServerId, passage_model::protocol::LaterTasks>,
+    >,
 }
 
 pub type Ctx = Arc<Services>;
@@ -215,7 +217,7 @@ impl Services {
             bridges: cache::TtlCache::default(),
             default_networks: cache::TtlCache::default(),
             sriov_busy: std::sync::Mutex::new(std::collections::HashMap::new()),
-            runs_destroy_vm: std::sync::Mutex::new(std::collections::HashSet::new()),
+            later_tasks: std::sync::Mutex::new(std::collections::HashMap::new()),
         })
     }
 

@@ -11,39 +11,43 @@ use crate::store::page::Arg;
 use passage_model::protocol::Task;
 use passage_model::{JobId, ServerId, TaskId};
 
-/// A job's progress: step `done` ended as succeeded, step `next` started, and the job
-/// succeeded when `end_job` (each part optional).
+/// Steps `lo..=hi` of a job, by index.
+pub type StepRange = (usize, usize);
+
+/// A job's progress: steps `done` ended as succeeded, steps `next` started, and the job
+/// succeeded when `end_job` (each part optional). Several steps start together where one
+/// step's action does the next ones' work too (`Workflow::ahead`), and end together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepWrite {
     pub job: JobId,
-    pub done: Option<usize>,
-    pub next: Option<usize>,
+    pub done: Option<StepRange>,
+    pub next: Option<StepRange>,
     pub end_job: bool,
 }
 
 impl StepWrite {
-    /// Step `idx` starts (the first step a runner runs).
-    pub fn start(job: JobId, idx: usize) -> StepWrite {
+    /// Steps `done` succeeded, when given, and steps `next` start.
+    pub fn advance(job: JobId, done: Option<StepRange>, next: StepRange) -> StepWrite {
         StepWrite {
             job,
-            done: None,
-            next: Some(idx),
-            end_job: false,
-        }
-    }
-
-    /// Step `done` succeeded and step `next` starts.
-    pub fn advance(job: JobId, done: usize, next: usize) -> StepWrite {
-        StepWrite {
-            job,
-            done: Some(done),
+            done,
             next: Some(next),
             end_job: false,
         }
     }
 
-    /// The job succeeded, with its last step if this runner ran it.
-    pub fn succeed(job: JobId, last: Option<usize>) -> StepWrite {
+    /// Steps `done` succeeded; the job goes on, or stops here for now.
+    pub fn ended(job: JobId, done: StepRange) -> StepWrite {
+        StepWrite {
+            job,
+            done: Some(done),
+            next: None,
+            end_job: false,
+        }
+    }
+
+    /// The job succeeded, with its last steps if this runner ran them.
+    pub fn succeed(job: JobId, last: Option<StepRange>) -> StepWrite {
         StepWrite {
             job,
             done: last,
@@ -103,23 +107,30 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
             if !stepped.is_empty() {
                 let rows = q.rows(&stepped, |q, s| {
                     format!(
-                        "{}, {}, {}",
+                        "{}, {}, {}, {}, {}",
                         q.text(s.job),
-                        q.arg(idx(s.done)),
-                        q.arg(idx(s.next))
+                        q.arg(idx(s.done.map(|d| d.0))),
+                        q.arg(idx(s.done.map(|d| d.1))),
+                        q.arg(idx(s.next.map(|n| n.0))),
+                        q.arg(idx(s.next.map(|n| n.1)))
                     )
                 });
                 parts.push(format!(
-                    "WITH x(job, done, next) AS (VALUES {rows}) \
+                    "WITH x(job, done_lo, done_hi, next_lo, next_hi) AS (VALUES {rows}) \
                      UPDATE job_steps SET \
-                     state = CASE WHEN job_steps.idx = x.done THEN 'succeeded' ELSE 'running' END, \
-                     ended_at = CASE WHEN job_steps.idx = x.done THEN {} ELSE job_steps.ended_at END, \
-                     started_at = CASE WHEN job_steps.idx = x.next \
+                     state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+                       THEN 'succeeded' ELSE 'running' END, \
+                     ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+                       THEN {} ELSE job_steps.ended_at END, \
+                     started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
                        THEN COALESCE(job_steps.started_at, {}) ELSE job_steps.started_at END, \
-                     error = CASE WHEN job_steps.idx = x.next THEN NULL ELSE job_steps.error END, \
-                     error_kind = CASE WHEN job_steps.idx = x.next THEN NULL \
-                       ELSE job_steps.error_kind END \
-                     FROM x WHERE job_steps.job_uuid = x.job AND job_steps.idx IN (x.done, x.next)",
+                     error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+                       THEN NULL ELSE job_steps.error END, \
+                     error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+                       THEN NULL ELSE job_steps.error_kind END \
+                     FROM x WHERE job_steps.job_uuid = x.job \
+                     AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+                       OR job_steps.idx BETWEEN x.next_lo AND x.next_hi)",
                     q.int(now),
                     q.int(now)
                 ));
@@ -166,18 +177,10 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
                         .map(|s| s.job.to_string())
                         .collect::<Vec<_>>(),
                 )
-                .bind(
-                    stepped
-                        .iter()
-                        .map(|s| s.done.map(|i| i as i64))
-                        .collect::<Vec<_>>(),
-                )
-                .bind(
-                    stepped
-                        .iter()
-                        .map(|s| s.next.map(|i| i as i64))
-                        .collect::<Vec<_>>(),
-                )
+                .bind(ends(&stepped, |s| s.done.map(|d| d.0)))
+                .bind(ends(&stepped, |s| s.done.map(|d| d.1)))
+                .bind(ends(&stepped, |s| s.next.map(|n| n.0)))
+                .bind(ends(&stepped, |s| s.next.map(|n| n.1)))
                 .bind(ended.iter().map(ToString::to_string).collect::<Vec<_>>())
                 .bind(tasks.iter().map(|t| t.id.to_string()).collect::<Vec<_>>())
                 .bind(
@@ -202,26 +205,41 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
     }
 }
 
+/// One end of each write's ranges, as the statement's array binds it.
+fn ends(stepped: &[&StepWrite], end: impl Fn(&StepWrite) -> Option<usize>) -> Vec<Option<i64>> {
+    stepped
+        .iter()
+        .map(|s| end(s).map(|i| i64::try_from(i).unwrap_or(i64::MAX)))
+        .collect()
+}
+
 /// The same writes on Postgres: one statement over arrays whatever their count. It tells
 /// the other replicas which nodes have new tasks (`NOTIFY`, sent as it commits), once per
 /// node, not once per task.
 const PG_WRITE: &str = "WITH \
-     x AS (SELECT * FROM UNNEST($2::text[], $3::int8[], $4::int8[]) AS x(job, done, next)), \
+     x AS (SELECT * FROM UNNEST($2::text[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]) \
+       AS x(job, done_lo, done_hi, next_lo, next_hi)), \
      s AS (UPDATE job_steps SET \
-       state = CASE WHEN job_steps.idx = x.done THEN 'succeeded' ELSE 'running' END, \
-       ended_at = CASE WHEN job_steps.idx = x.done THEN $1 ELSE job_steps.ended_at END, \
-       started_at = CASE WHEN job_steps.idx = x.next \
+       state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+         THEN 'succeeded' ELSE 'running' END, \
+       ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+         THEN $1 ELSE job_steps.ended_at END, \
+       started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
          THEN COALESCE(job_steps.started_at, $1) ELSE job_steps.started_at END, \
-       error = CASE WHEN job_steps.idx = x.next THEN NULL ELSE job_steps.error END, \
-       error_kind = CASE WHEN job_steps.idx = x.next THEN NULL ELSE job_steps.error_kind END \
-       FROM x WHERE job_steps.job_uuid = x.job AND job_steps.idx IN (x.done, x.next) \
+       error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+         THEN NULL ELSE job_steps.error END, \
+       error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+         THEN NULL ELSE job_steps.error_kind END \
+       FROM x WHERE job_steps.job_uuid = x.job \
+       AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+         OR job_steps.idx BETWEEN x.next_lo AND x.next_hi) \
        RETURNING 1), \
-     j AS (UPDATE jobs SET state = 'succeeded', ended_at = $1 WHERE uuid = ANY($5::text[]) \
+     j AS (UPDATE jobs SET state = 'succeeded', ended_at = $1 WHERE uuid = ANY($7::text[]) \
        RETURNING 1), \
      t AS (INSERT INTO tasks (uuid, server_uuid, job_uuid, kind, payload, state, created_at) \
        SELECT t.u, t.s, t.j, t.k, t.p, 'queued', $1 \
-       FROM UNNEST($6::text[], $7::text[], $8::text[], $9::text[], $10::text[]) \
+       FROM UNNEST($8::text[], $9::text[], $10::text[], $11::text[], $12::text[]) \
        AS t(u, s, j, k, p) RETURNING 1), \
-     n AS (SELECT pg_notify($11, q.s) FROM (SELECT DISTINCT s FROM UNNEST($7::text[]) AS s) q) \
+     n AS (SELECT pg_notify($13, q.s) FROM (SELECT DISTINCT s FROM UNNEST($9::text[]) AS s) q) \
      SELECT (SELECT COUNT(*) FROM s) + (SELECT COUNT(*) FROM j) + (SELECT COUNT(*) FROM t) \
      + (SELECT COUNT(*) FROM n)";

@@ -517,11 +517,14 @@ pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {
 }
 
 /// Records an agent's progress on the running step of `job` (the one waiting for its
-/// task). `false` when no step of the job is running.
+/// task). Where several run as one task (a bind, the image's fetch and a launch), a
+/// download's progress is the fetch's. `false` when no step of the job is running.
 pub async fn set_progress(db: &Db, job: JobId, done: u64, total: u64) -> StoreResult<bool> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE job_steps SET progress_done = $2, progress_total = $3 \
-         WHERE job_uuid = $1 AND state = 'running'"
+         WHERE job_uuid = $1 AND state = 'running' \
+         AND (name = 'fetch_image' OR NOT EXISTS (SELECT 1 FROM job_steps f \
+           WHERE f.job_uuid = $1 AND f.state = 'running' AND f.name = 'fetch_image'))"
     )
     .bind(job.to_string())
     .bind(i64::try_from(done).unwrap_or(i64::MAX))

@@ -21,11 +21,24 @@ pub async fn run(
         Ok(r)
     } else {
         Err(StepError::Refused(format!(
-            "{name} failed on the node: {}",
+            "{name}{NODE_FAILED}{}",
             r.error.as_deref().unwrap_or("no reason given")
         )))
     }
 }
+
+/// The part of a task of several parts (`boot_vm`, `destroy_vm`) that the node said
+/// failed, from [`run`]'s error: the node names it first in its error.
+pub fn failed_part<'e>(e: &'e StepError, task: &str) -> Option<&'e str> {
+    let StepError::Refused(m) = e else {
+        return None;
+    };
+    let said = m.strip_prefix(task)?.strip_prefix(NODE_FAILED)?;
+    said.split_once(": ").map(|(part, _)| part)
+}
+
+/// What [`run`] says between the task's name and the node's words.
+const NODE_FAILED: &str = " failed on the node: ";
 
 /// Waits for the node's answer, whatever it says; an error only if none came (retryable:
 /// the node may be back, and every task is idempotent on the node).
@@ -103,6 +116,10 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
         Task::FetchImage { disk, .. } => {
             ctx.cfg.task_timeout + Duration::from_secs(disk.image.size / 10_000_000)
         }
+        Task::BootVm { vm, .. } => {
+            ctx.cfg.task_timeout
+                + Duration::from_secs(vm.disk.as_ref().map_or(0, |d| d.image.size / 10_000_000))
+        }
         // Someone is waiting at a page: a node that cannot answer in seconds is down.
         Task::ReadConsole { .. } => ctx.cfg.task_timeout.min(CONSOLE_TIMEOUT),
         _ => ctx.cfg.task_timeout,
@@ -111,3 +128,27 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
 
 /// How long a console read waits for the node.
 pub const CONSOLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_failed_part_is_read_from_the_nodes_words() {
+        let node =
+            |task: &str, said: &str| StepError::Refused(format!("{task}{NODE_FAILED}{said}"));
+        let e = node("boot_vm", "start_vm: no bridge br0: gone");
+        assert_eq!(failed_part(&e, "boot_vm"), Some("start_vm"));
+        assert_eq!(failed_part(&e, "destroy_vm"), None, "another task's");
+        assert_eq!(
+            failed_part(&node("boot_vm", "no reason given"), "boot_vm"),
+            None
+        );
+        let retry = StepError::Retryable(format!("boot_vm{NODE_FAILED}start_vm: x"));
+        assert_eq!(
+            failed_part(&retry, "boot_vm"),
+            None,
+            "only the node's refusal"
+        );
+    }
+}

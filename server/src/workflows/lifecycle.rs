@@ -47,11 +47,31 @@ impl Workflow for Start {
     type Payload = ();
     const LEADS_TO: Option<VmState> = Some(VmState::Running);
 
+    async fn ahead(ctx: &Ctx, run: &Run<Self>, step: StartStep) -> Vec<StartStep> {
+        match step {
+            StartStep::Bind => {
+                super::provision::boot_ahead(ctx, run, [StartStep::FetchImage, StartStep::Launch])
+                    .await
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn failed_at(run: &Run<Self>, step: StartStep, e: &StepError) -> StartStep {
+        use StartStep::{FetchImage, Launch};
+        let parts = [("fetch_image", FetchImage), ("start_vm", Launch)];
+        run.failed_part(step, e, Task::BOOT_VM, &parts)
+    }
+
     async fn action(ctx: &Ctx, run: &Run<Self>, step: StartStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;
         let server = server_of(&vm)?;
         let job = Some(run.job);
         match step {
+            StartStep::Bind if run.does_too(StartStep::Launch) => {
+                super::provision::boot(ctx, server, job, &vm).await
+            }
+            StartStep::FetchImage if run.was_done_ahead(step) => Ok(()),
             // Idempotent on the node, and needed after a node reboot or a migration.
             StartStep::Bind if vm.assigned_devices.is_empty() => Ok(()),
             StartStep::Bind => {
@@ -66,11 +86,14 @@ impl Workflow for Start {
             // After a node lost its cache (or the disk), it is made again.
             StartStep::FetchImage => super::disk::fetch(ctx, server, job, &vm).await,
             StartStep::Launch => {
-                let disk = super::disk::spec(ctx, &vm).await?;
-                let task = Task::StartVm {
-                    vm: spec(ctx, &vm, disk).await?,
-                };
-                agent_task::run(ctx, server, job, task).await?;
+                // Started with the bind, or now.
+                if !run.was_done_ahead(step) {
+                    let disk = super::disk::spec(ctx, &vm).await?;
+                    let task = Task::StartVm {
+                        vm: spec(ctx, &vm, disk).await?,
+                    };
+                    agent_task::run(ctx, server, job, task).await?;
+                }
                 vms::set_state(
                     &ctx.jobs_db,
                     vm.uuid,

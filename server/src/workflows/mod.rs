@@ -74,6 +74,26 @@ pub trait Workflow: Sized + Send + Sync + 'static {
         async { Ok(()) }
     }
 
+    /// The steps right after `step` whose work its action will do as well in this run,
+    /// with its own (one task to a node instead of several): they are recorded as started
+    /// in the write that starts `step`, so that an unwind after a failure or a restart
+    /// undoes them too, and as succeeded with it. The action learns of them through
+    /// [`Run::does_too`]; each of them, when its turn comes, through
+    /// [`Run::was_done_ahead`]. None by default, and none when it cannot be told.
+    fn ahead(
+        _ctx: &Ctx,
+        _run: &Run<Self>,
+        _step: Self::Step,
+    ) -> impl Future<Output = Vec<Self::Step>> + Send {
+        async { Vec::new() }
+    }
+
+    /// The step a failure of `step`'s action is recorded on: `step` itself, or, where it
+    /// did the work of later steps too ([`Workflow::ahead`]), the one whose part failed.
+    fn failed_at(_run: &Run<Self>, step: Self::Step, _error: &StepError) -> Self::Step {
+        step
+    }
+
     /// After the unwind of a failed job: what is left to put right (the VM's state,
     /// devices whose fate is unknown).
     fn on_failed(
@@ -112,9 +132,10 @@ pub struct Run<W: Workflow> {
     /// Whether the run starts from the VM as the write that started the job left it
     /// ([`Run::given`]), not from a job read back (a restart, another replica's).
     from_write: bool,
-    /// Later steps whose work an earlier step of this run has done with its own
-    /// ([`Run::done_ahead`]).
-    ahead: std::sync::Mutex<Vec<W::Step>>,
+    /// The later steps whose work the step running now does too ([`Workflow::ahead`]).
+    doing: Vec<W::Step>,
+    /// Later steps whose work an earlier step of this run has done with its own.
+    done_ahead: Vec<W::Step>,
 }
 
 impl<W: Workflow> Run<W> {
@@ -149,7 +170,8 @@ impl<W: Workflow> Run<W> {
             kept_vm: tokio::sync::OnceCell::new(),
             held: tokio::sync::OnceCell::new(),
             from_write: false,
-            ahead: std::sync::Mutex::new(Vec::new()),
+            doing: Vec::new(),
+            done_ahead: Vec::new(),
         })
     }
 
@@ -173,22 +195,35 @@ impl<W: Workflow> Run<W> {
         self.from_write
     }
 
-    /// Notes that the step running now did the work of `steps` too: each of them then has
-    /// nothing left to do in this run. A run read back after a restart knows nothing of
-    /// it and does their work again, as it would any step's.
-    pub fn done_ahead(&self, steps: &[W::Step]) {
-        self.ahead
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(steps);
+    /// Whether the step running now does `later`'s work too ([`Workflow::ahead`]).
+    pub fn does_too(&self, later: W::Step) -> bool {
+        self.doing.contains(&later)
     }
 
-    /// Whether an earlier step of this run did `step`'s work ([`Run::done_ahead`]).
+    /// For [`Workflow::failed_at`]: the step among those `step` is doing whose part of
+    /// `task` (a task of several parts, by name) failed, as `parts` pairs them; `step`
+    /// when the error names none of them.
+    pub fn failed_part(
+        &self,
+        step: W::Step,
+        error: &StepError,
+        task: &str,
+        parts: &[(&str, W::Step)],
+    ) -> W::Step {
+        let Some(part) = agent_task::failed_part(error, task) else {
+            return step;
+        };
+        parts
+            .iter()
+            .find(|(name, s)| *name == part && self.does_too(*s))
+            .map_or(step, |(_, s)| *s)
+    }
+
+    /// Whether an earlier step of this run did `step`'s work ([`Workflow::ahead`]). A
+    /// run read back after a restart knows nothing of it and does their work again, as it
+    /// would any step's.
     pub fn was_done_ahead(&self, step: W::Step) -> bool {
-        self.ahead
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&step)
+        self.done_ahead.contains(&step)
     }
 
     fn find(&self, step: W::Step) -> Option<&(W::Step, StepState, bool)> {

@@ -1,7 +1,7 @@
 //! The provision saga: reserve → bind → launch → mark_used, each step undone on failure.
 
 use super::{Run, StepError, Workflow, agent_task, scrub};
-use crate::services::Ctx;
+use crate::services::{Ctx, agents};
 use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::{Vm, VmState};
@@ -112,6 +112,41 @@ pub(super) async fn spec(
     })
 }
 
+/// The steps a node whose agent runs `boot_vm` does as one task with the bind: fetching
+/// the image and launching the VM (one round trip to the node instead of three).
+pub(super) async fn boot_ahead<W: Workflow>(
+    ctx: &Ctx,
+    run: &Run<W>,
+    later: [W::Step; 2],
+) -> Vec<W::Step> {
+    match run.vm(ctx).await {
+        Ok(vm)
+            if vm
+                .server_uuid
+                .is_some_and(|s| agents::runs(ctx, s, Task::BOOT_VM)) =>
+        {
+            later.to_vec()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Binds the VM's devices, makes its disk and starts it, as one task: the bind, fetch and
+/// launch steps' work ([`boot_ahead`]).
+pub(super) async fn boot(
+    ctx: &Ctx,
+    server: ServerId,
+    job: Option<passage_model::JobId>,
+    vm: &Vm,
+) -> Result<(), StepError> {
+    let disk = super::disk::spec(ctx, vm).await?;
+    let task = Task::BootVm {
+        vgpu_types: vgpu_types(ctx, server, &vm.assigned_devices).await?,
+        vm: spec(ctx, vm, disk).await?,
+    };
+    agent_task::run(ctx, server, job, task).await.map(drop)
+}
+
 impl Workflow for Provision {
     const KIND: JobKind = JobKind::Provision;
     type Step = ProvisionStep;
@@ -121,6 +156,21 @@ impl Workflow for Provision {
     // creation; only `mark_used`, the last step, writes its state. Keys and metadata are
     // read apart, as they are now.
     const KEEPS_VM: bool = true;
+
+    async fn ahead(ctx: &Ctx, run: &Run<Self>, step: ProvisionStep) -> Vec<ProvisionStep> {
+        match step {
+            ProvisionStep::Bind => {
+                boot_ahead(ctx, run, [ProvisionStep::FetchImage, ProvisionStep::Launch]).await
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn failed_at(run: &Run<Self>, step: ProvisionStep, e: &StepError) -> ProvisionStep {
+        use ProvisionStep::{FetchImage, Launch};
+        let parts = [("fetch_image", FetchImage), ("start_vm", Launch)];
+        run.failed_part(step, e, Task::BOOT_VM, &parts)
+    }
 
     async fn action(ctx: &Ctx, run: &Run<Self>, step: ProvisionStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;
@@ -147,6 +197,10 @@ impl Workflow for Provision {
                 }
                 Ok(())
             }
+            ProvisionStep::Bind if run.does_too(ProvisionStep::Launch) => {
+                boot(ctx, server, job, &vm).await
+            }
+            ProvisionStep::FetchImage | ProvisionStep::Launch if run.was_done_ahead(step) => Ok(()),
             ProvisionStep::Bind if vm.assigned_devices.is_empty() => Ok(()),
             ProvisionStep::Bind => {
                 let task = Task::BindPassthrough {

@@ -9,7 +9,7 @@
 use super::{Run, StepError, StepsOfKind, Workflow, dispatch};
 use crate::error::{ApiError, ApiResult};
 use crate::services::{Ctx, job_log};
-use crate::store::job_log::StepWrite;
+use crate::store::job_log::{StepRange, StepWrite};
 use crate::store::jobs::{self, JobRecord};
 use passage_model::JobId;
 use passage_model::api::{JobState, StepState, Vm};
@@ -165,17 +165,19 @@ async fn run_claimed<W: Workflow>(
             });
         return fail::<W>(ctx, &run, &failed.name, &e).await;
     }
-    // A step that succeeded is written when the next one starts, in the same statement
-    // (a crash between the two replays it, as any step may be). It is written alone
-    // before anything that may stop the run here.
-    let mut ended: Option<usize> = None;
+    // Steps that succeeded are written when the next one starts, in the same statement
+    // (a crash between the two replays them, as any step may be), or alone before
+    // anything that may stop the run here. Several at once where one step did the work
+    // of the next ones too (`Workflow::ahead`): those start with it and are not written
+    // again until they end.
+    let mut ended: Option<StepRange> = None;
     for (i, step) in W::Step::ALL.iter().copied().enumerate() {
         if run.succeeded(step) {
             continue;
         }
         if lost.load(Ordering::SeqCst) {
             if let Some(done) = ended.take() {
-                jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
+                job_log::steps(ctx, StepWrite::ended(job, done)).await?;
             }
             tracing::warn!(%job, "lost the job's lease to another replica; stopping here");
             return Ok(());
@@ -183,32 +185,50 @@ async fn run_claimed<W: Workflow>(
         let key = format!("{}.{}", W::KIND, step.name());
         if ctx.cfg.pause_before.as_deref() == Some(key.as_str()) {
             if let Some(done) = ended.take() {
-                jobs::step_ended(&ctx.jobs_db, job, done, StepState::Succeeded, None).await?;
+                job_log::steps(ctx, StepWrite::ended(job, done)).await?;
             }
             pause_point(ctx, &key).await;
         }
-        ctx.job_pacer.turn(ctx.placer.busy()).await;
-        let write = match ended.take() {
-            Some(done) => StepWrite::advance(job, done, i),
-            None => StepWrite::start(job, i),
-        };
-        job_log::steps(ctx, write).await?;
-        run.set(i, StepState::Running);
+        // Started with the step that did its work: nothing to write before it.
+        let done_ahead = run.was_done_ahead(step);
+        if !done_ahead {
+            ctx.job_pacer.turn(ctx.placer.busy()).await;
+            let doing = W::ahead(ctx, &run, step).await;
+            let last = doing
+                .iter()
+                .filter_map(|s| W::Step::ALL.iter().position(|a| a == s))
+                .fold(i, usize::max);
+            job_log::steps(ctx, StepWrite::advance(job, ended.take(), (i, last))).await?;
+            for k in i..=last {
+                run.set(k, StepState::Running);
+            }
+            run.doing = doing;
+        }
         let started = Instant::now();
         let result = act(ctx, &run, step).await;
         ctx.metrics
             .step(W::KIND.as_str(), step.name(), started.elapsed());
         match result {
             Ok(()) => {
-                ended = Some(i);
+                ended = Some((ended.map_or(i, |(lo, _)| lo), i));
                 run.set(i, StepState::Succeeded);
+                let doing = std::mem::take(&mut run.doing);
+                run.done_ahead.extend(doing);
             }
             Err(e) => {
-                tracing::warn!(%job, step = step.name(), kind = e.kind().as_str(), error = %e,
+                let at = W::failed_at(&run, step, &e);
+                let idx = W::Step::ALL.iter().position(|s| *s == at).unwrap_or(i);
+                tracing::warn!(%job, step = at.name(), kind = e.kind().as_str(), error = %e,
                     "job step failed");
-                jobs::step_ended(&ctx.jobs_db, job, i, StepState::Failed, Some(&e.failure()))
-                    .await?;
-                return fail::<W>(ctx, &run, step.name(), e.message()).await;
+                jobs::step_ended(
+                    &ctx.jobs_db,
+                    job,
+                    idx,
+                    StepState::Failed,
+                    Some(&e.failure()),
+                )
+                .await?;
+                return fail::<W>(ctx, &run, at.name(), e.message()).await;
             }
         }
     }

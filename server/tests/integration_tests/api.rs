@@ -652,22 +652,22 @@ both!(
 
 /// A node answers every task it is given, successfully, polling with `query` (`wait=5`
 /// and what it says it runs), until it has answered a task of kind `last`. Answers the
-/// tasks' kinds in the order they came, with the `destroy_vm` tasks seen.
+/// tasks in the order they came.
 async fn work_until(
     node: &crate::common::Client,
     query: &str,
     last: &str,
-) -> (Vec<&'static str>, Vec<passage_model::protocol::Task>) {
+) -> Vec<passage_model::protocol::Task> {
     use passage_model::protocol::{ScrubReport, Task, TaskEnvelope, TaskResult};
     let mut tasks: Vec<TaskEnvelope> = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
-    let (mut seen, mut destroys) = (Vec::new(), Vec::new());
+    let mut seen = Vec::new();
     for _ in 0..20 {
         let Some(t) = tasks.pop() else {
             tasks = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
             continue;
         };
         assert!(tasks.is_empty(), "one task at a time for one VM: {tasks:?}");
-        seen.push(t.task.name());
+        seen.push(t.task.clone());
         let mut result = TaskResult::success();
         if let Task::Scrub { devices, .. } = &t.task {
             result.scrub_reports = devices
@@ -679,39 +679,49 @@ async fn work_until(
                 })
                 .collect();
         }
-        if matches!(t.task, Task::DestroyVm { .. }) {
-            destroys.push(t.task.clone());
-        }
         let path = format!("/agent/v1/tasks/{}/result", t.id);
         if t.task.name() == last {
             node.post::<()>(&path, &result).await.ok(204);
-            return (seen, destroys);
+            return seen;
         }
         tasks = node.post(&format!("{path}?{query}"), &result).await.ok(200);
     }
     panic!("no {last} task came: {seen:?}");
 }
 
-/// A destroy sends a node that says it runs `destroy_vm` (on its polls) one task for the
-/// VM's stop, unbind and disk, and a node that does not the three tasks as before; both
-/// end with the VM destroyed and its device scrubbed and free.
-async fn a_destroy_is_one_task_for_a_node_that_runs_it(b: Backend) {
+fn names(tasks: &[passage_model::protocol::Task]) -> Vec<&'static str> {
+    tasks.iter().map(|t| t.name()).collect()
+}
+
+/// A node that says it runs `boot_vm` (on its polls) gets one task for a new VM's bind,
+/// disk and start, and one that says `destroy_vm` one for its stop, unbind and disk's
+/// deletion; a node that says neither gets the separate tasks as before. Each way ends
+/// with the VM running, every step of its job succeeded, then the VM destroyed and its
+/// device scrubbed and free.
+async fn a_node_that_runs_them_gets_one_task_per_boot_and_destroy(b: Backend) {
+    use passage_model::api::{Job, StepState};
     use passage_model::protocol::Task;
     let s = TestServer::start(b, crate::common::fast_config()).await;
     let (server, cred, _) = s.manual_node(1).await;
     s.h100_catalog(1).await;
     let node = s.client(Some(&cred));
-    for (query, want) in [
+    let three = vec!["bind_passthrough", "fetch_image", "start_vm"];
+    let four = vec!["stop_vm", "unbind_passthrough", "delete_disk", "scrub"];
+    for (query, made_by, gone_by) in [
+        ("wait=5", three.clone(), four.clone()),
         (
-            "wait=5",
-            vec!["stop_vm", "unbind_passthrough", "delete_disk", "scrub"],
+            "wait=5&runs=destroy_vm",
+            three.clone(),
+            vec!["destroy_vm", "scrub"],
         ),
-        ("wait=5&runs=destroy_vm", vec!["destroy_vm", "scrub"]),
+        ("wait=5&runs=boot_vm", vec!["boot_vm"], four.clone()),
+        (
+            "wait=5&runs=destroy_vm,boot_vm",
+            vec!["boot_vm"],
+            vec!["destroy_vm", "scrub"],
+        ),
         // Said on this poll: what the node said before does not stand.
-        (
-            "wait=5&runs=something_else",
-            vec!["stop_vm", "unbind_passthrough", "delete_disk", "scrub"],
-        ),
+        ("wait=5&runs=something_else", three.clone(), four.clone()),
     ] {
         let vm: Vm = s
             .post(
@@ -720,12 +730,8 @@ async fn a_destroy_is_one_task_for_a_node_that_runs_it(b: Backend) {
             )
             .await
             .ok(202);
-        let (made, _) = work_until(&node, query, "start_vm").await;
-        assert_eq!(
-            made,
-            ["bind_passthrough", "fetch_image", "start_vm"],
-            "{query}"
-        );
+        let made = work_until(&node, query, made_by[made_by.len() - 1]).await;
+        assert_eq!(names(&made), made_by, "{query}");
         let running = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
             let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
             (v.state == VmState::Running).then_some(v)
@@ -733,12 +739,42 @@ async fn a_destroy_is_one_task_for_a_node_that_runs_it(b: Backend) {
         .await;
         let held = running.expect("the VM runs").assigned_devices;
         assert_eq!(held.len(), 1, "{query}");
+        for t in &made {
+            if let Task::BootVm {
+                vm: spec,
+                vgpu_types,
+            } = t
+            {
+                assert_eq!(spec.uuid, vm.uuid);
+                assert_eq!(spec.devices, held, "{query}");
+                assert_eq!(spec.disk.as_ref().map(|d| d.size_gib), Some(10), "{query}");
+                assert!(spec.cloud_init.is_some(), "{query}: a seed for its image");
+                assert!(vgpu_types.is_empty());
+            }
+        }
+        let job: Job = s
+            .get(&format!("/v1/jobs/{}", vm.job_uuid.unwrap()))
+            .await
+            .ok(200);
+        let done = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
+            let j: Job = s.get(&format!("/v1/jobs/{}", job.uuid)).await.ok(200);
+            j.steps
+                .iter()
+                .all(|st| st.state == StepState::Succeeded && st.ended_at.is_some())
+                .then_some(())
+        })
+        .await;
+        assert!(
+            done.is_some(),
+            "{query}: every step of the provision succeeded"
+        );
+
         let _: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);
-        let (gone, destroys) = work_until(&node, query, "scrub").await;
-        assert_eq!(gone, want, "{query}");
-        for t in destroys {
+        let gone = work_until(&node, query, "scrub").await;
+        assert_eq!(names(&gone), gone_by, "{query}");
+        for t in gone.iter().filter(|t| matches!(t, Task::DestroyVm { .. })) {
             assert_eq!(
-                t,
+                *t,
                 Task::DestroyVm {
                     vm_uuid: vm.uuid,
                     devices: held.clone(),
@@ -760,8 +796,125 @@ async fn a_destroy_is_one_task_for_a_node_that_runs_it(b: Backend) {
     }
 }
 both!(
-    a_destroy_is_one_task_for_a_node_that_runs_it_on,
-    a_destroy_is_one_task_for_a_node_that_runs_it
+    a_node_that_runs_them_gets_one_task_per_boot_and_destroy_on,
+    a_node_that_runs_them_gets_one_task_per_boot_and_destroy
+);
+
+/// A `boot_vm` task covers the provision's bind, fetch and launch: while it runs the three
+/// steps are running (a download's progress shows on the fetch alone), and when the node
+/// says it failed in its start, the failure is the launch step's, and each of the three
+/// is undone, newest first (the VM stopped, its disk deleted, its device given back), as
+/// they would be after their own tasks; the device, which a started VM may have touched,
+/// is scrubbed before it is free again.
+async fn a_failed_boot_vm_undoes_every_step_it_covered(b: Backend) {
+    use passage_model::api::{Job, JobState, Progress, StepState};
+    use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+    let s = TestServer::start(b, crate::common::fast_config()).await;
+    let (server, cred, _) = s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let node = s.client(Some(&cred));
+    let query = "wait=5&runs=destroy_vm,boot_vm";
+    let vm: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"alias": "no-room", "package": "gpu-1x", "image": "test-image"}),
+        )
+        .await
+        .ok(202);
+    let job = vm.job_uuid.unwrap();
+    let mut tasks: Vec<TaskEnvelope> = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
+    let boot = tasks.pop().expect("a task");
+    assert!(matches!(boot.task, Task::BootVm { .. }), "{boot:?}");
+    let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+    let states: Vec<(&str, StepState)> = j
+        .steps
+        .iter()
+        .map(|st| (st.name.as_str(), st.state))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("reserve", StepState::Succeeded),
+            ("bind", StepState::Running),
+            ("fetch_image", StepState::Running),
+            ("launch", StepState::Running),
+            ("mark_used", StepState::Pending),
+        ]
+    );
+    let path = format!("/agent/v1/tasks/{}", boot.id);
+    node.post::<()>(
+        &format!("{path}/progress"),
+        &json!({"done": 100, "total": 1000}),
+    )
+    .await
+    .ok(204);
+    let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+    for st in &j.steps {
+        let want = (st.name == "fetch_image").then_some(Progress {
+            done: 100,
+            total: 1000,
+        });
+        assert_eq!(st.progress, want, "{st:?}");
+    }
+    let failed = TaskResult::failure("start_vm: the node has no memory left");
+    node.post::<()>(&format!("{path}/result"), &failed)
+        .await
+        .ok(204);
+    let undone = work_until(&node, query, "scrub").await;
+    assert_eq!(
+        names(&undone),
+        ["stop_vm", "delete_disk", "unbind_passthrough", "scrub"]
+    );
+    let end = crate::common::wait_for(std::time::Duration::from_secs(10), || async {
+        let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+        let v: Vm = s.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+        let states = s.device_states(server).await;
+        (j.state == JobState::Failed
+            && v.state == VmState::Failed
+            && states
+                .iter()
+                .all(|(_, st, by)| *st == DeviceState::Unassigned && by.is_none()))
+        .then_some(j)
+    })
+    .await;
+    let j = end.expect("the job failed, the VM too, and the device is clean");
+    assert!(
+        j.error
+            .as_deref()
+            .is_some_and(|e| e.contains("start_vm: the node has no memory left")),
+        "{j:?}"
+    );
+    for st in &j.steps[..4] {
+        assert_eq!(st.state, StepState::Undone, "{st:?}");
+    }
+    assert_eq!(j.steps[4].state, StepState::Pending);
+    // The failure is the launch's, the part the node named.
+    let errors: Vec<(&str, bool)> = j
+        .steps
+        .iter()
+        .map(|st| {
+            let named = st
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("no memory left"));
+            (st.name.as_str(), named)
+        })
+        .collect();
+    assert_eq!(
+        errors,
+        [
+            ("reserve", false),
+            ("bind", false),
+            ("fetch_image", false),
+            ("launch", true),
+            ("mark_used", false),
+        ]
+    );
+    assert!(j.error.unwrap().starts_with("launch failed: "));
+}
+both!(
+    a_failed_boot_vm_undoes_every_step_it_covered_on,
+    a_failed_boot_vm_undoes_every_step_it_covered
 );
 
 /// `POST /agent/v1/tasks/results`: a node's results at once, each recorded or refused as

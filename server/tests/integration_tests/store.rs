@@ -1197,7 +1197,7 @@ both!(
 
 /// One job log batch writes each job's progress as its runner asked: a first step
 /// started, a step ended with the next started, a job ended with or without its last
-/// step, and tasks queued; a step started again after a failure loses its error and keeps
+/// step, several steps started and ended together, and tasks queued; a step started again after a failure loses its error and keeps
 /// its first start time. Jobs claimed together are each claimed as alone.
 async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     use passage_model::api::{JobState, StepState};
@@ -1231,8 +1231,8 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     job_log::write(
         &db,
         &[
-            StepWrite::start(a.uuid, 0),
-            StepWrite::start(bj.uuid, 0),
+            StepWrite::advance(a.uuid, None, (0, 0)),
+            StepWrite::advance(bj.uuid, None, (0, 0)),
             StepWrite::succeed(c.uuid, None),
         ],
         &[new1],
@@ -1256,8 +1256,8 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     job_log::write(
         &db,
         &[
-            StepWrite::advance(a.uuid, 0, 1),
-            StepWrite::succeed(bj.uuid, Some(0)),
+            StepWrite::advance(a.uuid, Some((0, 0)), (1, 1)),
+            StepWrite::succeed(bj.uuid, Some((0, 0))),
         ],
         &[new2],
     )
@@ -1288,7 +1288,7 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
         .await
         .unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    job_log::write(&db, &[StepWrite::start(a.uuid, 1)], &[])
+    job_log::write(&db, &[StepWrite::advance(a.uuid, None, (1, 1))], &[])
         .await
         .unwrap();
     let ra = jobs::get(&db, a.uuid).await.unwrap();
@@ -1300,6 +1300,37 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
         StepState::Succeeded,
         "other steps untouched"
     );
+
+    // Steps that one step's task does with it start together and end together; those
+    // before and after are untouched.
+    let d = job(JobKind::Provision);
+    jobs::insert(&db, d.clone()).await.unwrap();
+    job_log::write(&db, &[StepWrite::advance(d.uuid, None, (1, 3))], &[])
+        .await
+        .unwrap();
+    let rd = jobs::get(&db, d.uuid).await.unwrap();
+    let states: Vec<StepState> = rd.steps.iter().map(|s| s.state).collect();
+    use StepState::{Pending, Running, Succeeded};
+    assert_eq!(states, [Pending, Running, Running, Running, Pending]);
+    assert!(rd.steps[1..4].iter().all(|s| s.started_at.is_some()));
+    assert!(rd.steps[4].started_at.is_none());
+    job_log::write(
+        &db,
+        &[StepWrite::advance(d.uuid, Some((1, 3)), (4, 4))],
+        &[],
+    )
+    .await
+    .unwrap();
+    let rd = jobs::get(&db, d.uuid).await.unwrap();
+    let states: Vec<StepState> = rd.steps.iter().map(|s| s.state).collect();
+    assert_eq!(states, [Pending, Succeeded, Succeeded, Succeeded, Running]);
+    assert!(rd.steps[1..4].iter().all(|s| s.ended_at.is_some()));
+    job_log::write(&db, &[StepWrite::ended(d.uuid, (4, 4))], &[])
+        .await
+        .unwrap();
+    let rd = jobs::get(&db, d.uuid).await.unwrap();
+    assert_eq!(rd.steps[4].state, Succeeded);
+    assert_eq!(rd.state, JobState::Queued, "the job goes on");
 
     let mut queued: Vec<_> = tasks::take(&db, server, 10, i64::MAX)
         .await
