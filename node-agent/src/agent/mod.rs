@@ -46,6 +46,10 @@ struct Changes {
 
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/passage-agent";
 const LONG_POLL: Duration = Duration::from_secs(30);
+/// How long the answer to results that bring changed functions waits for the next tasks
+/// ([`LONG_POLL`] for the others): long enough for a destroy's scrub, which follows its
+/// result at once.
+const CHANGES_WAIT: Duration = Duration::from_secs(1);
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Progress posts of a long task: a few a second at most.
@@ -521,7 +525,7 @@ impl Agent {
                     let agent = self.clone();
                     tokio::spawn(async move {
                         let done = agent.clone().run_task(env).await;
-                        if let Err(e) = agent.post_group(vec![done], false).await {
+                        if let Err(e) = agent.post_group(vec![done], None).await {
                             error!(error = %e, "task result could not be reported");
                         }
                         agent.in_flight().remove(&id);
@@ -544,7 +548,7 @@ impl Agent {
                         done = &mut run => break done,
                         () = sleep_until_some(due), if due.is_some() => {
                             let earlier = std::mem::take(&mut group);
-                            posting = Some(Box::pin(self.post_group(earlier, false)));
+                            posting = Some(Box::pin(self.post_group(earlier, None)));
                         }
                         posted = or_pending(posting.as_mut()), if posting.is_some() => {
                             posted?;
@@ -560,12 +564,20 @@ impl Agent {
                 let now = done.result.console.is_some();
                 group.push(done);
                 if now || group.len() >= MAX_RESULTS_PER_POST {
-                    self.post_group(std::mem::take(&mut group), false).await?;
+                    self.post_group(std::mem::take(&mut group), None).await?;
                 }
             }
-            // The batch's last results ask for the next batch in their answer.
+            // The batch's last results ask for the next batch in their answer. Results that
+            // bring changed functions hold the reports those were read against and bring
+            // the server to until they are answered (two of the node's whole inventories
+            // at once): their answer waits a second for tasks, not a long poll's time.
+            let wait = if group.iter().any(|f| f.inventory.is_some()) {
+                CHANGES_WAIT
+            } else {
+                LONG_POLL
+            };
             if !group.is_empty()
-                && let Some(more) = self.post_group(group, true).await?
+                && let Some(more) = self.post_group(group, Some(wait)).await?
             {
                 next = more;
             }
@@ -684,15 +696,15 @@ impl Agent {
     }
 
     /// Posts results in one request (each alone to a server without `tasks/results`).
-    /// With `then_poll` the answer is also the next long poll: its tasks are returned
-    /// (`None` when it brought none, or was refused). A refused result is logged and
-    /// dropped; the next heartbeat's inventory brings the functions it changed.
+    /// With `wait` the answer is also the next poll, waiting that long for tasks: its
+    /// tasks are returned (`None` when it brought none, or was refused). A refused result
+    /// is logged and dropped; the next heartbeat's inventory brings the functions it
+    /// changed.
     async fn post_group(
         &self,
         group: Vec<Finished>,
-        then_poll: bool,
+        wait: Option<Duration>,
     ) -> Result<Option<Vec<TaskEnvelope>>, AgentError> {
-        let wait = then_poll.then_some(LONG_POLL);
         let (all_taken, next) = if group.len() > 1 && !self.single_results() {
             let body = TaskResults {
                 results: group

@@ -1137,8 +1137,9 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
     }
     agent.abort();
     let (results, posts) = counts().await;
-    // Each VM: bind, fetch_image, start_vm. The four binds came in one batch.
-    assert!(results >= 12, "{results} results");
+    // Each VM: bind, fetch_image and start_vm, or boot_vm alone once the node has said
+    // on a poll that it runs it (the four binds, queued before, came in one batch).
+    assert!(results >= 4, "{results} results");
     assert!(posts < results, "{posts} posts for {results} results");
 }
 both!(
