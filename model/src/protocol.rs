@@ -339,15 +339,22 @@ impl Task {
     pub const DESTROY_VM: &str = "destroy_vm";
     /// [`Task::BootVm`]'s name, as [`TASKS_RUN`] says it.
     pub const BOOT_VM: &str = "boot_vm";
+    // The names of the tasks that are parts of those two, as their errors name them.
+    pub const BIND_PASSTHROUGH: &str = "bind_passthrough";
+    pub const UNBIND_PASSTHROUGH: &str = "unbind_passthrough";
+    pub const FETCH_IMAGE: &str = "fetch_image";
+    pub const START_VM: &str = "start_vm";
+    pub const STOP_VM: &str = "stop_vm";
+    pub const DELETE_DISK: &str = "delete_disk";
 
     pub fn name(&self) -> &'static str {
         match self {
-            Task::BindPassthrough { .. } => "bind_passthrough",
-            Task::UnbindPassthrough { .. } => "unbind_passthrough",
-            Task::StartVm { .. } => "start_vm",
-            Task::StopVm { .. } => "stop_vm",
-            Task::FetchImage { .. } => "fetch_image",
-            Task::DeleteDisk { .. } => "delete_disk",
+            Task::BindPassthrough { .. } => Self::BIND_PASSTHROUGH,
+            Task::UnbindPassthrough { .. } => Self::UNBIND_PASSTHROUGH,
+            Task::StartVm { .. } => Self::START_VM,
+            Task::StopVm { .. } => Self::STOP_VM,
+            Task::FetchImage { .. } => Self::FETCH_IMAGE,
+            Task::DeleteDisk { .. } => Self::DELETE_DISK,
             Task::DestroyVm { .. } => Self::DESTROY_VM,
             Task::BootVm { .. } => Self::BOOT_VM,
             Task::ReadConsole { .. } => "read_console",

@@ -65,12 +65,12 @@ impl Executor {
                     .await
                     .unwrap_or_else(|e| TaskResult::failure(format!("task crashed: {e}")));
                 if !bound.ok {
-                    return part_failed("bind_passthrough", &bound);
+                    return part_failed(Task::BIND_PASSTHROUGH, &bound);
                 }
                 if let Some(disk) = &vm.disk {
                     let fetched = self.fetch_image(vm.uuid, disk, &progress).await;
                     if !fetched.ok {
-                        return part_failed("fetch_image", &fetched);
+                        return part_failed(Task::FETCH_IMAGE, &fetched);
                     }
                 }
                 let vm = vm.clone();
@@ -80,7 +80,7 @@ impl Executor {
                 return if started.ok {
                     started
                 } else {
-                    part_failed("start_vm", &started)
+                    part_failed(Task::START_VM, &started)
                 };
             }
             _ => {}
@@ -170,12 +170,12 @@ impl Executor {
             Task::BootVm { vm, vgpu_types } => {
                 let bound = self.bind(vm.uuid, &vm.devices, vgpu_types);
                 if !bound.ok {
-                    return part_failed("bind_passthrough", &bound);
+                    return part_failed(Task::BIND_PASSTHROUGH, &bound);
                 }
                 // Without an image service (the sim) there is nothing to fetch.
                 let started = self.start(vm);
                 if !started.ok {
-                    return part_failed("start_vm", &started);
+                    return part_failed(Task::START_VM, &started);
                 }
                 started
             }
@@ -207,9 +207,9 @@ impl Executor {
                 // Each part only once the one before it succeeded: a device is never given
                 // back from under a running VM, nor its disk deleted.
                 let parts: [(&str, &dyn Fn() -> TaskResult); 3] = [
-                    ("stop_vm", &|| self.stop(*vm_uuid)),
-                    ("unbind_passthrough", &|| self.unbind(*vm_uuid, devices)),
-                    ("delete_disk", &|| {
+                    (Task::STOP_VM, &|| self.stop(*vm_uuid)),
+                    (Task::UNBIND_PASSTHROUGH, &|| self.unbind(*vm_uuid, devices)),
+                    (Task::DELETE_DISK, &|| {
                         if *delete_disk {
                             self.delete_disk(*vm_uuid)
                         } else {

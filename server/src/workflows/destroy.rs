@@ -2,7 +2,7 @@
 
 use super::provision::{held, ids};
 use super::{Run, StepError, Workflow, agent_task, scrub};
-use crate::services::{Ctx, agents};
+use crate::services::Ctx;
 use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::VmState;
@@ -23,13 +23,10 @@ impl Workflow for Destroy {
     /// A node whose agent runs `destroy_vm` gets the stop, the unbind and the disk's
     /// deletion as one task: one round trip to the node instead of three.
     async fn ahead(ctx: &Ctx, run: &Run<Self>, step: DestroyStep) -> Vec<DestroyStep> {
-        let runs = |vm: &passage_model::api::Vm| {
-            vm.server_uuid
-                .is_some_and(|s| agents::runs(ctx, s, Task::DESTROY_VM))
-        };
         match step {
-            DestroyStep::Stop if run.vm(ctx).await.is_ok_and(|vm| runs(&vm)) => {
-                vec![DestroyStep::Unbind, DestroyStep::DeleteDisk]
+            DestroyStep::Stop => {
+                let later = [DestroyStep::Unbind, DestroyStep::DeleteDisk];
+                run.ahead_if_node_runs(ctx, Task::DESTROY_VM, &later).await
             }
             _ => Vec::new(),
         }
@@ -37,7 +34,10 @@ impl Workflow for Destroy {
 
     fn failed_at(run: &Run<Self>, step: DestroyStep, e: &StepError) -> DestroyStep {
         use DestroyStep::{DeleteDisk, Unbind};
-        let parts = [("unbind_passthrough", Unbind), ("delete_disk", DeleteDisk)];
+        let parts = [
+            (Task::UNBIND_PASSTHROUGH, Unbind),
+            (Task::DELETE_DISK, DeleteDisk),
+        ];
         run.failed_part(step, e, Task::DESTROY_VM, &parts)
     }
 

@@ -50,8 +50,8 @@ impl Workflow for Start {
     async fn ahead(ctx: &Ctx, run: &Run<Self>, step: StartStep) -> Vec<StartStep> {
         match step {
             StartStep::Bind => {
-                super::provision::boot_ahead(ctx, run, [StartStep::FetchImage, StartStep::Launch])
-                    .await
+                let later = [StartStep::FetchImage, StartStep::Launch];
+                run.ahead_if_node_runs(ctx, Task::BOOT_VM, &later).await
             }
             _ => Vec::new(),
         }
@@ -59,7 +59,7 @@ impl Workflow for Start {
 
     fn failed_at(run: &Run<Self>, step: StartStep, e: &StepError) -> StartStep {
         use StartStep::{FetchImage, Launch};
-        let parts = [("fetch_image", FetchImage), ("start_vm", Launch)];
+        let parts = [(Task::FETCH_IMAGE, FetchImage), (Task::START_VM, Launch)];
         run.failed_part(step, e, Task::BOOT_VM, &parts)
     }
 

@@ -200,6 +200,26 @@ impl<W: Workflow> Run<W> {
         self.doing.contains(&later)
     }
 
+    /// For [`Workflow::ahead`]: `later`, when the run's VM is on a node whose agent said
+    /// it runs tasks of `kind` (one task doing their work with the step's); none otherwise.
+    pub async fn ahead_if_node_runs(
+        &self,
+        ctx: &Ctx,
+        kind: &str,
+        later: &[W::Step],
+    ) -> Vec<W::Step> {
+        match self.vm(ctx).await {
+            Ok(vm)
+                if vm
+                    .server_uuid
+                    .is_some_and(|s| crate::services::agents::runs(ctx, s, kind)) =>
+            {
+                later.to_vec()
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// For [`Workflow::failed_at`]: the step among those `step` is doing whose part of
     /// `task` (a task of several parts, by name) failed, as `parts` pairs them; `step`
     /// when the error names none of them.

@@ -1,7 +1,7 @@
 //! The provision saga: reserve → bind → launch → mark_used, each step undone on failure.
 
 use super::{Run, StepError, Workflow, agent_task, scrub};
-use crate::services::{Ctx, agents};
+use crate::services::Ctx;
 use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::{Vm, VmState};
@@ -112,27 +112,9 @@ pub(super) async fn spec(
     })
 }
 
-/// The steps a node whose agent runs `boot_vm` does as one task with the bind: fetching
-/// the image and launching the VM (one round trip to the node instead of three).
-pub(super) async fn boot_ahead<W: Workflow>(
-    ctx: &Ctx,
-    run: &Run<W>,
-    later: [W::Step; 2],
-) -> Vec<W::Step> {
-    match run.vm(ctx).await {
-        Ok(vm)
-            if vm
-                .server_uuid
-                .is_some_and(|s| agents::runs(ctx, s, Task::BOOT_VM)) =>
-        {
-            later.to_vec()
-        }
-        _ => Vec::new(),
-    }
-}
-
 /// Binds the VM's devices, makes its disk and starts it, as one task: the bind, fetch and
-/// launch steps' work ([`boot_ahead`]).
+/// launch steps' work, for a node whose agent runs `boot_vm` (one round trip to the node
+/// instead of three).
 pub(super) async fn boot(
     ctx: &Ctx,
     server: ServerId,
@@ -160,7 +142,8 @@ impl Workflow for Provision {
     async fn ahead(ctx: &Ctx, run: &Run<Self>, step: ProvisionStep) -> Vec<ProvisionStep> {
         match step {
             ProvisionStep::Bind => {
-                boot_ahead(ctx, run, [ProvisionStep::FetchImage, ProvisionStep::Launch]).await
+                let later = [ProvisionStep::FetchImage, ProvisionStep::Launch];
+                run.ahead_if_node_runs(ctx, Task::BOOT_VM, &later).await
             }
             _ => Vec::new(),
         }
@@ -168,7 +151,7 @@ impl Workflow for Provision {
 
     fn failed_at(run: &Run<Self>, step: ProvisionStep, e: &StepError) -> ProvisionStep {
         use ProvisionStep::{FetchImage, Launch};
-        let parts = [("fetch_image", FetchImage), ("start_vm", Launch)];
+        let parts = [(Task::FETCH_IMAGE, FetchImage), (Task::START_VM, Launch)];
         run.failed_part(step, e, Task::BOOT_VM, &parts)
     }
 
