@@ -29,8 +29,9 @@ pub struct Config {
     /// A running VM that its node stops reporting is marked stopped, once it has been
     /// running this long (a node's report may predate the VM's start).
     pub vm_exit_grace: Duration,
-    /// Jobs this process runs at once; more wait their turn.
-    pub job_concurrency: usize,
+    /// Jobs this process runs at once; more wait their turn. `None`: the database's
+    /// own default ([`crate::services::default_job_concurrency`]).
+    pub job_concurrency: Option<usize>,
     /// Failed-login throttling.
     pub login_limits: crate::services::login_guard::Limits,
     /// Serve https with these files; plain http when `None`.
@@ -72,7 +73,7 @@ impl Default for Config {
             placement: crate::placement::Policy::Pack,
             alloc: crate::store::room::Allocation::default(),
             login_limits: crate::services::login_guard::Limits::default(),
-            job_concurrency: 512,
+            job_concurrency: None,
             vm_exit_grace: Duration::from_secs(10),
             faults: Vec::new(),
             repeat_steps: false,

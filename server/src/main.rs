@@ -73,13 +73,15 @@ struct Args {
     /// not overcommitted: passthrough pins all of it.
     #[arg(long, default_value_t = 4096)]
     reserved_host_memory_mib: u64,
-    /// Jobs (provision, destroy, scrub…) this server runs at once; more wait their turn.
-    /// Most of a job's time is spent waiting for its node: at 256, a burst of 10,000
-    /// creations on 1,250 simulated nodes left a third of two CPUs idle, and 512 brought
-    /// them all to `running` 11–21 % sooner on SQLite; 1,024 did no better there and slowed
-    /// deletions on Postgres (BENCHMARKS.md, twenty-eighth session).
-    #[arg(long, default_value_t = 512)]
-    job_concurrency: usize,
+    /// Jobs (provision, destroy, scrub…) this server runs at once; more wait their turn
+    /// [default: 512 on SQLite, 1024 on Postgres]. Most of a job's time is spent waiting
+    /// for its node: at 256, a burst of 10,000 creations on 1,250 simulated nodes left a
+    /// third of two CPUs idle, and 512 brought them all to `running` 11–21 % sooner on
+    /// SQLite, where 1,024 did no better. On Postgres 1,024 took creations from
+    /// 1,571–1,763/s to 2,175–2,178/s with the jobs running (BENCHMARKS.md, twenty-eighth
+    /// and thirtieth sessions).
+    #[arg(long)]
+    job_concurrency: Option<usize>,
     /// Also run this many simulated compute nodes (real agent loop, fake sysfs, `sim`
     /// hypervisor) in this process.
     #[arg(long, default_value_t = 0)]
@@ -159,7 +161,7 @@ async fn serve() -> std::process::ExitCode {
         },
         token_ttl: Duration::from_secs(args.session_max_secs.max(1)),
         placement: passage_server::placement::Policy::parse(&args.placement).unwrap_or_default(),
-        job_concurrency: args.job_concurrency.max(1),
+        job_concurrency: args.job_concurrency.map(|n| n.max(1)),
         alloc: passage_server::store::room::Allocation {
             cpu_ratio: args.cpu_allocation_ratio,
             reserved_memory_mib: args.reserved_host_memory_mib,
