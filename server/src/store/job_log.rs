@@ -11,6 +11,28 @@ use crate::store::page::Arg;
 use passage_model::protocol::Task;
 use passage_model::{JobId, ServerId, TaskId};
 
+/// Each write's steps in one statement over `x(job, done_lo, done_hi, next_lo, next_hi)`:
+/// the done range succeeded, the next range started (its error cleared), at `$1`. The
+/// same text on both databases; a macro so that Postgres's statement stays a constant.
+macro_rules! step_ranges_update {
+    () => {
+        "UPDATE job_steps SET \
+         state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+           THEN 'succeeded' ELSE 'running' END, \
+         ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+           THEN $1 ELSE job_steps.ended_at END, \
+         started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+           THEN COALESCE(job_steps.started_at, $1) ELSE job_steps.started_at END, \
+         error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+           THEN NULL ELSE job_steps.error END, \
+         error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
+           THEN NULL ELSE job_steps.error_kind END \
+         FROM x WHERE job_steps.job_uuid = x.job \
+         AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
+           OR job_steps.idx BETWEEN x.next_lo AND x.next_hi)"
+    };
+}
+
 /// Steps `lo..=hi` of a job, by index.
 pub type StepRange = (usize, usize);
 
@@ -115,24 +137,13 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
                         q.arg(idx(s.next.map(|n| n.1)))
                     )
                 });
+                // Placeholders are bound in order: the fragment's two `$1`, the same time,
+                // come after the rows' values.
+                let set = step_ranges_update!().replace("$1", "?");
+                q.int(now);
+                q.int(now);
                 parts.push(format!(
-                    "WITH x(job, done_lo, done_hi, next_lo, next_hi) AS (VALUES {rows}) \
-                     UPDATE job_steps SET \
-                     state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-                       THEN 'succeeded' ELSE 'running' END, \
-                     ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-                       THEN {} ELSE job_steps.ended_at END, \
-                     started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-                       THEN COALESCE(job_steps.started_at, {}) ELSE job_steps.started_at END, \
-                     error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-                       THEN NULL ELSE job_steps.error END, \
-                     error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-                       THEN NULL ELSE job_steps.error_kind END \
-                     FROM x WHERE job_steps.job_uuid = x.job \
-                     AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-                       OR job_steps.idx BETWEEN x.next_lo AND x.next_hi)",
-                    q.int(now),
-                    q.int(now)
+                    "WITH x(job, done_lo, done_hi, next_lo, next_hi) AS (VALUES {rows}) {set}"
                 ));
             }
             if !ended.is_empty() {
@@ -216,23 +227,13 @@ fn ends(stepped: &[&StepWrite], end: impl Fn(&StepWrite) -> Option<usize>) -> Ve
 /// The same writes on Postgres: one statement over arrays whatever their count. It tells
 /// the other replicas which nodes have new tasks (`NOTIFY`, sent as it commits), once per
 /// node, not once per task.
-const PG_WRITE: &str = "WITH \
+const PG_WRITE: &str = concat!(
+    "WITH \
      x AS (SELECT * FROM UNNEST($2::text[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]) \
        AS x(job, done_lo, done_hi, next_lo, next_hi)), \
-     s AS (UPDATE job_steps SET \
-       state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-         THEN 'succeeded' ELSE 'running' END, \
-       ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-         THEN $1 ELSE job_steps.ended_at END, \
-       started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-         THEN COALESCE(job_steps.started_at, $1) ELSE job_steps.started_at END, \
-       error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-         THEN NULL ELSE job_steps.error END, \
-       error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-         THEN NULL ELSE job_steps.error_kind END \
-       FROM x WHERE job_steps.job_uuid = x.job \
-       AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-         OR job_steps.idx BETWEEN x.next_lo AND x.next_hi) \
+     s AS (",
+    step_ranges_update!(),
+    " \
        RETURNING 1), \
      j AS (UPDATE jobs SET state = 'succeeded', ended_at = $1 WHERE uuid = ANY($7::text[]) \
        RETURNING 1), \
@@ -242,4 +243,5 @@ const PG_WRITE: &str = "WITH \
        AS t(u, s, j, k, p) RETURNING 1), \
      n AS (SELECT pg_notify($13, q.s) FROM (SELECT DISTINCT s FROM UNNEST($9::text[]) AS s) q) \
      SELECT (SELECT COUNT(*) FROM s) + (SELECT COUNT(*) FROM j) + (SELECT COUNT(*) FROM t) \
-     + (SELECT COUNT(*) FROM n)";
+     + (SELECT COUNT(*) FROM n)"
+);
