@@ -204,7 +204,7 @@ async fn burst<F, Fut>(
     clients: usize,
     n: usize,
     request: F,
-) -> (Vec<Duration>, BTreeMap<u16, usize>, Duration)
+) -> (Vec<Duration>, BTreeMap<u16, usize>, Duration, Vec<usize>)
 where
     F: Fn(usize) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = u16> + Send,
@@ -225,24 +225,33 @@ where
                 }
                 let t = Instant::now();
                 let st = request(i).await;
-                lat.push(t.elapsed());
+                lat.push((t - start, t.elapsed()));
                 *codes.entry(st).or_default() += 1;
             }
             (lat, codes)
         }));
     }
-    let mut lat = Vec::new();
+    let mut timed: Vec<(Duration, Duration)> = Vec::new();
     let mut codes: BTreeMap<u16, usize> = BTreeMap::new();
     for w in workers {
         let (l, c) = w.await.unwrap();
-        lat.extend(l);
+        timed.extend(l);
         for (k, v) in c {
             *codes.entry(k).or_default() += v;
         }
     }
     let wall = start.elapsed();
+    let mut lat: Vec<Duration> = timed.iter().map(|t| t.1).collect();
     lat.sort();
-    (lat, codes, wall)
+    // Where the slowest 1 % fell: how many were sent in each second of the burst.
+    let p99 = pct(&lat, 0.99);
+    let mut slow_by_second = vec![0; wall.as_secs() as usize + 1];
+    for (sent, took) in &timed {
+        if *took >= p99 {
+            slow_by_second[sent.as_secs() as usize] += 1;
+        }
+    }
+    (lat, codes, wall, slow_by_second)
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -310,7 +319,7 @@ async fn main() {
     let (h, b, o) = (http.clone(), base.clone(), op.clone());
     let created: Arc<std::sync::Mutex<Vec<String>>> = Default::default();
     let keep = created.clone();
-    let (lat, codes, wall) = burst(a.clients, a.vms, move |i| {
+    let (lat, codes, wall, slow) = burst(a.clients, a.vms, move |i| {
         let (h, b, o, keep) = (h.clone(), b.clone(), o.clone(), keep.clone());
         async move {
             let (st, vm) = post(
@@ -337,6 +346,7 @@ async fn main() {
         ms(pct(&lat, 0.99)),
         ms(pct(&lat, 1.0)),
     );
+    println!("  the slowest 1 % by second sent: {slow:?}");
     let n = accepted as u64;
     let running = until(&http, &base, &op, first, limit, |c| count(c, "used") == n).await;
     let vms_running = {
@@ -371,7 +381,7 @@ async fn main() {
     let sw0 = server.switches();
     let first = Instant::now();
     let (h, b, o, u) = (http.clone(), base.clone(), op.clone(), uuids.clone());
-    let (lat, codes, wall) = burst(a.clients, uuids.len(), move |i| {
+    let (lat, codes, wall, slow) = burst(a.clients, uuids.len(), move |i| {
         let (h, b, o, u) = (h.clone(), b.clone(), o.clone(), u.clone());
         async move {
             let r = h
@@ -392,6 +402,7 @@ async fn main() {
         ms(pct(&lat, 0.5)),
         ms(pct(&lat, 0.99)),
     );
+    println!("  the slowest 1 % by second sent: {slow:?}");
     let clean = until(&http, &base, &op, first, limit, |c| {
         count(c, "unassigned") == total && count(c, "held") == 0
     })

@@ -688,6 +688,116 @@ both!(
     full_servers_are_not_suggested
 );
 
+/// A batch's read takes servers in policy order until they hold the devices it needs,
+/// at most `limit` of them, skipping those without room: the running count of free
+/// devices is that of the servers it suggests, whatever the servers after them hold.
+async fn a_batch_reads_servers_in_order_until_it_has_enough(b: Backend) {
+    use passage_server::store::room;
+    let tdb = TestDb::new(b).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    let variant: passage_model::Variant =
+        serde_json::from_str(r#"{"name":"H100","type":"gpu","vendor":"10de","device":"2330"}"#)
+            .unwrap();
+    variants::insert(&db, &variant).await.unwrap();
+    // Free devices per server: A 1, B 2, C and E 3, D 4.
+    let mut by_gpus: Vec<(u32, ServerId)> = Vec::new();
+    for (i, gpus) in [1u32, 2, 3, 4, 3].into_iter().enumerate() {
+        let token = format!("jt-{i}");
+        servers::insert_join_token(&db, &token, "test", i64::MAX)
+            .await
+            .unwrap();
+        let server = servers::register(&db, &token, &format!("cn-{i}"), &format!("cred-{i}"))
+            .await
+            .unwrap()
+            .unwrap();
+        let root = tdb.dir.path().join(format!("sys-{i}"));
+        let spec = node_agent::fake::FakeSpec {
+            gpus,
+            ..node_agent::fake::FakeSpec::default()
+        };
+        node_agent::fake::generate(&root, &spec).unwrap();
+        let report = node_agent::host::discover(&root).devices;
+        devices::apply_inventory(&db, server, None, &report, devices::Coverage::Whole)
+            .await
+            .unwrap();
+        by_gpus.push((gpus, server));
+    }
+    let [a, b_, c_or_e, d, e_or_c] = [0, 1, 2, 3, 4].map(|i| by_gpus[i].1);
+    let (c, e) = (c_or_e.min(e_or_c), c_or_e.max(e_or_c));
+    let alloc = Allocation {
+        cpu_ratio: 1.0,
+        reserved_memory_mib: 0,
+    };
+    let fit = |vcpus: u32| room::Fit {
+        vcpus,
+        memory_mib: 1024,
+        alloc,
+    };
+    let read = |at_least: u32, spread: bool, need: i64, limit: i64, vcpus: u32| {
+        let db = db.clone();
+        async move {
+            let view = devices::placement_view(
+                &db,
+                "H100",
+                at_least,
+                &["H100".into()],
+                0,
+                spread,
+                need,
+                limit,
+                fit(vcpus),
+            )
+            .await
+            .unwrap();
+            // Every device offered is on a suggested server, and all of theirs are.
+            let offered: std::collections::BTreeSet<ServerId> =
+                view.candidates.iter().map(|c| c.server_uuid).collect();
+            let suggested: std::collections::BTreeSet<ServerId> =
+                view.servers.iter().copied().collect();
+            assert_eq!(offered, suggested);
+            view.servers
+        }
+    };
+    // Pack: fewest free first; the third server brings the count to 6, past 4.
+    assert_eq!(read(1, false, 4, 10, 1).await, vec![a, b_, c]);
+    assert_eq!(
+        read(1, false, 4, 2, 1).await,
+        vec![a, b_],
+        "at most `limit`"
+    );
+    assert_eq!(read(1, false, 100, 10, 1).await, vec![a, b_, c, e, d]);
+    assert_eq!(
+        read(2, false, 4, 10, 1).await,
+        vec![b_, c],
+        "at least 2 free"
+    );
+    // Spread: most free first; D alone holds 4.
+    assert_eq!(read(1, true, 4, 10, 1).await, vec![d]);
+    assert_eq!(read(1, true, 5, 10, 1).await, vec![d, e]);
+    // B without room for 2 vCPUs is skipped, and its devices are not counted.
+    room::set_host(
+        &db,
+        b_,
+        Some(passage_model::protocol::HostResources {
+            cpus: 1,
+            memory_mib: 1 << 20,
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(read(1, false, 5, 10, 2).await, vec![a, c, e]);
+    assert_eq!(read(1, false, 5, 2, 2).await, vec![a, c]);
+    assert_eq!(
+        read(1, false, 4, 10, 1).await,
+        vec![a, b_, c],
+        "1 vCPU fits on B"
+    );
+}
+both!(
+    a_batch_reads_servers_in_order_until_it_has_enough_on,
+    a_batch_reads_servers_in_order_until_it_has_enough
+);
+
 /// Every row a creation can write, as text, with what differs between two databases
 /// seeded alike (account and server uuids, times) replaced by names.
 async fn written_rows(db: &Db) -> Vec<String> {
