@@ -6,7 +6,7 @@
 //!
 //! Usage: bench_fleet --server-bin PATH [--backend sqlite|postgres] [--servers 1250]
 //!        [--gpus 8] [--vms 10000] [--vcpus 1] [--memory-mib 1024] [--clients 64]
-//!        [--idle-secs 10]
+//!        [--idle-secs 10] [--poll-ms 200]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -54,6 +54,11 @@ struct Args {
     /// How long to wait for each phase to finish before reporting it unfinished.
     #[arg(long, default_value_t = 600)]
     phase_limit_secs: u64,
+    /// How often the capacity is read to see a phase finish: its end is seen at most this
+    /// late. Each read counts every device by state; at 50 ms, the reads alone kept a third
+    /// of a Postgres backend busy while the jobs ran.
+    #[arg(long, default_value_t = 200)]
+    poll_ms: u64,
 }
 
 /// What `/proc` says of the server process.
@@ -175,14 +180,13 @@ fn count(c: &Value, key: &str) -> u64 {
     c[key].as_u64().unwrap_or(0)
 }
 
-/// Polls the capacity every 50 ms until `done` says so or the limit passes; answers when
+/// Polls the capacity every `every` until `done` says so or the limit passes; answers when
 /// it was seen done, measured from `from`.
 async fn until(
     http: &reqwest::Client,
     base: &str,
     op: &str,
-    from: Instant,
-    limit: Duration,
+    (from, every, limit): (Instant, Duration, Duration),
     done: impl Fn(&Value) -> bool,
 ) -> Option<Duration> {
     loop {
@@ -194,7 +198,7 @@ async fn until(
             eprintln!("unfinished after {limit:?}: {c}");
             return None;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -258,6 +262,7 @@ where
 async fn main() {
     let a = Args::parse();
     let limit = Duration::from_secs(a.phase_limit_secs);
+    let every = Duration::from_millis(a.poll_ms.max(1));
     let dir = tempfile::tempdir().unwrap();
     let db = common::database(&a.backend, dir.path()).await;
     let sims = sim_parent(a.servers);
@@ -285,7 +290,10 @@ async fn main() {
     )
     .await;
     let total = (a.servers * a.gpus) as u64;
-    let up = until(&http, &base, &op, t, limit, |c| count(c, "free") == total).await;
+    let up = until(&http, &base, &op, (t, every, limit), |c| {
+        count(c, "free") == total
+    })
+    .await;
     println!(
         "fleet ({}): {} simulated nodes x {} GPUs, all {total} GPUs free {} after the server started",
         a.backend,
@@ -348,7 +356,10 @@ async fn main() {
     );
     println!("  the slowest 1 % by second sent: {slow:?}");
     let n = accepted as u64;
-    let running = until(&http, &base, &op, first, limit, |c| count(c, "used") == n).await;
+    let running = until(&http, &base, &op, (first, every, limit), |c| {
+        count(c, "used") == n
+    })
+    .await;
     let vms_running = {
         let r = http
             .get(format!("{base}/v1/vms?state=running&limit=1"))
@@ -403,7 +414,7 @@ async fn main() {
         ms(pct(&lat, 0.99)),
     );
     println!("  the slowest 1 % by second sent: {slow:?}");
-    let clean = until(&http, &base, &op, first, limit, |c| {
+    let clean = until(&http, &base, &op, (first, every, limit), |c| {
         count(c, "unassigned") == total && count(c, "held") == 0
     })
     .await;

@@ -158,6 +158,9 @@ pub struct Fleet {
     /// Seconds the idle fleet is watched [default: 10]
     #[arg(long, value_name = "S")]
     idle_secs: Option<usize>,
+    /// How often the capacity is read to see a phase finish, ms [default: 200]
+    #[arg(long, value_name = "MS")]
+    poll_ms: Option<usize>,
 }
 
 /// `cargo xtask bench portal`: flags given are passed on to the example, which holds the
@@ -245,7 +248,8 @@ pub fn run(bench: &Bench) -> Result<()> {
                 .number("--vcpus", p.vcpus)
                 .number("--memory-mib", p.memory_mib)
                 .number("--clients", p.clients)
-                .number("--idle-secs", p.idle_secs);
+                .number("--idle-secs", p.idle_secs)
+                .number("--poll-ms", p.poll_ms);
             example("bench_fleet", &f.0)
         }
         Bench::Portal(p) => {
