@@ -223,7 +223,16 @@ impl Db {
                 turn: Some(Arc::new(tokio::sync::Semaphore::new(1))),
             })
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let opts = PgConnectOptions::from_str(url)?;
+            // Postgres's default `random_page_cost` of 4 models a spinning disk; the control
+            // plane's tables are read from memory. At 4, the job log's step write for a
+            // batch of 64 jobs was planned, each time a connection planned it again after
+            // an `ANALYZE`, as a hash join over a sequential scan of `job_steps` (20–130 ms
+            // a write at 26,000–64,000 rows) instead of 64 lookups by its primary key
+            // (2.4 ms): 43 of the 54 step writes over 40 ms in a fleet run. At 1.1, the
+            // value Postgres's documentation gives for solid-state drives, all were planned
+            // by key (BENCHMARKS.md, thirty-second session). Set for Passage's own
+            // sessions, whatever the database's default; the lanes inherit it.
+            let opts = PgConnectOptions::from_str(url)?.options([("random_page_cost", "1.1")]);
             let pool = pg_pool_options()
                 .max_connections(16)
                 .acquire_timeout(Duration::from_secs(60))

@@ -2141,3 +2141,28 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
         "the same changes are due for a keeper that did not just analyze"
     );
 }
+
+/// Postgres: Passage's sessions, the lanes' included, plan with a `random_page_cost` for
+/// tables read from memory, and the jobs lane keeps its relaxed commits beside it.
+#[tokio::test]
+async fn postgres_sessions_plan_for_tables_in_memory() {
+    use passage_server::store::Commit;
+    async fn setting(db: &Db, name: &str) -> String {
+        let Db::Postgres(pool) = db else {
+            panic!("a Postgres database")
+        };
+        sqlx::query_scalar(&format!("SHOW {name}"))
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+    let tdb = TestDb::new(Backend::Postgres).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    assert_eq!(setting(&db, "random_page_cost").await, "1.1");
+    let placer = db.lane(1);
+    assert_eq!(setting(&placer, "random_page_cost").await, "1.1");
+    assert_eq!(setting(&placer, "synchronous_commit").await, "on");
+    let jobs = db.lane_with(2, Commit::Relaxed);
+    assert_eq!(setting(&jobs, "random_page_cost").await, "1.1");
+    assert_eq!(setting(&jobs, "synchronous_commit").await, "off");
+}
