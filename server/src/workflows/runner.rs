@@ -86,7 +86,7 @@ async fn run_given(ctx: &Ctx, job: JobId, vm: Option<Vm>) -> ApiResult<()> {
     if ctx.stopping.load(Ordering::SeqCst) {
         return Ok(());
     }
-    ctx.job_pacer.turn(ctx.placer.busy()).await;
+    ctx.job_pacer.turn(|| ctx.placer.busy()).await;
     // Read once, with the claim: while this runner holds the lease, it alone writes the
     // job's steps, and it keeps its copy in step with what it writes.
     let Some(rec) = job_log::claim(ctx, job).await? else {
@@ -192,7 +192,7 @@ async fn run_claimed<W: Workflow>(
         // Started with the step that did its work: nothing to write before it.
         let done_ahead = run.was_done_ahead(step);
         if !done_ahead {
-            ctx.job_pacer.turn(ctx.placer.busy()).await;
+            ctx.job_pacer.turn(|| ctx.placer.busy()).await;
             let doing = W::ahead(ctx, &run, step).await;
             let last = doing
                 .iter()
