@@ -178,14 +178,14 @@ const JOB_CONNECTIONS: u32 = 4;
 /// While creations are coming in, one job step starts per this interval at most (100 a
 /// second), and every step still waiting goes once they stop (`services::pacer`). At 2 ms
 /// (the nineteenth session), Postgres runs of 10,000 vGPU creations went from a p99 of
-/// 44.9–56.7 ms to 35.6–41.5 ms. At 10 ms, in 9 fleet runs of 10,000 creations on
-/// Postgres alternated with 9 at 2 ms, the p99 was 36.0–86.6 ms (median 45.1, 6 runs under
-/// 50) against 36.7–73.7 ms (median 62.2, 3 under 50), creations came at a median
-/// 3,114/s against 2,768/s, and every VM was running as soon (median 14.1 s against
-/// 13.5 s): a burst of creations is bounded by the free devices, and the jobs it leaves
-/// waiting run together when it ends. Without that release, 1,024 jobs waiting for turns
-/// 10 ms apart would wait up to 10 s; with it alone, at 2 ms, the p99 was no better
-/// (51.5–104.6 ms in 5 runs). BENCHMARKS.md, thirty-third session.
+/// 44.9–56.7 ms to 35.6–41.5 ms. At 10 ms, in 16 fleet runs of 10,000 creations on
+/// Postgres alternated with 12 at 2 ms, the p99 was under 50 ms in 11 (median 44.9 ms)
+/// against 3 (median 60.6 ms), creations came at a median 3,043/s against 2,635/s, and
+/// every VM was running as soon (median 13.6 s against 13.9 s): a burst of creations is
+/// bounded by the free devices, and the jobs it leaves waiting run together when it ends.
+/// Without that release, 1,024 jobs waiting for turns 10 ms apart would wait up to 10 s;
+/// with it alone, at 2 ms, the p99 was no better (51.5–104.6 ms in 5 runs). BENCHMARKS.md,
+/// thirty-third session.
 const JOB_PACE: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Jobs run at once unless the operator says otherwise. On SQLite every write waits for
