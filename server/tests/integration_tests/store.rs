@@ -2068,7 +2068,7 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
     use std::time::{Duration, Instant};
     async fn servers_analyzed(
         pool: &sqlx::PgPool,
-        last: &mut std::collections::HashMap<String, Instant>,
+        last: &mut std::collections::HashMap<String, statistics::Analyzed>,
     ) -> bool {
         statistics::analyze_due(pool, last)
             .await
@@ -2140,6 +2140,92 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
         servers_analyzed(pool, &mut std::collections::HashMap::new()).await,
         "the same changes are due for a keeper that did not just analyze"
     );
+}
+
+/// Postgres: `devices` is analyzed again when devices come or go, not when their states
+/// change (a burst of creations turns every free device used).
+#[tokio::test]
+async fn device_statistics_follow_rows_come_and_gone_not_states() {
+    use passage_server::store::statistics;
+    use std::time::{Duration, Instant};
+    /// Waits until the statistics count `n` rows of `devices` changed since its last
+    /// analysis and `live` rows in all.
+    async fn counted(pool: &sqlx::PgPool, n: i64, live: i64) {
+        let t = Instant::now();
+        loop {
+            let (changed, now_live): (i64, i64) = sqlx::query_as(
+                "SELECT n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables \
+                 WHERE relname = 'devices'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if changed >= n && now_live == live {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{n} changes and {live} rows never counted"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    async fn add(pool: &sqlx::PgPool, from: i64, to: i64) {
+        sqlx::query(
+            "INSERT INTO servers (uuid, hostname, credential_hash, created_at) \
+             SELECT 'srv-' || g, 'cn-' || g, 'cred-' || g, 0 FROM generate_series($1, $2) g",
+        )
+        .bind(from)
+        .bind(to)
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO devices (server_uuid, id, bdf, vendor, device, subvendor, subsystem, \
+             revision, class, variant, state, updated_at) \
+             SELECT 'srv-' || g, '0000:0' || d || ':00.0', '0000:0' || d || ':00.0', '10de', \
+             '2330', '10de', '16c1', 'a1', '030200', 'h100', 'unassigned', 0 \
+             FROM generate_series($1, $2) g, generate_series(1, 4) d",
+        )
+        .bind(from)
+        .bind(to)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let tdb = TestDb::new(Backend::Postgres).await;
+    let db = Db::connect(&tdb.url).await.unwrap();
+    let Db::Postgres(pool) = &db else {
+        panic!("a Postgres database")
+    };
+    let mut last = std::collections::HashMap::new();
+    let devices_analyzed = |done: Vec<String>| done.iter().any(|t| t == "devices");
+    // A fleet of 250 nodes × 4 joins: due, as any table filled from empty.
+    add(pool, 1, 250).await;
+    counted(pool, 1000, 1000).await;
+    assert!(devices_analyzed(
+        statistics::analyze_due(pool, &mut last).await.unwrap()
+    ));
+    // Every device taken: as many changes, no row come or gone.
+    sqlx::query("UPDATE devices SET state = 'used'")
+        .execute(pool)
+        .await
+        .unwrap();
+    counted(pool, 1000, 1000).await;
+    // Past the keeper's interval, as its next round would be.
+    for a in last.values_mut() {
+        a.at = a.at.checked_sub(Duration::from_secs(60)).unwrap();
+    }
+    assert!(
+        !devices_analyzed(statistics::analyze_due(pool, &mut last).await.unwrap()),
+        "states changed, rows did not"
+    );
+    // 250 more nodes join: due by the rows come.
+    add(pool, 251, 500).await;
+    counted(pool, 2000, 2000).await;
+    assert!(devices_analyzed(
+        statistics::analyze_due(pool, &mut last).await.unwrap()
+    ));
 }
 
 /// Postgres: Passage's sessions, the lanes' included, plan with a `random_page_cost` for
