@@ -29,9 +29,9 @@ const TABLES: &[&str] = &[
 /// which made the keeper analyze `devices` in the middle of it (0.43 of a Postgres
 /// backend for a second, as the slowest 1 % of the creations were answered), while the
 /// statements on `devices` read it by key or count it by state, whatever its states'
-/// spread. In 6 fleet runs on Postgres alternated with 6 that analyzed it on its updates,
-/// the creations' p99 was under 50 ms in 5 (median 43.7 ms) against 2 (median 56.1 ms),
-/// lower in 5 of the 6 pairs, at a median 3,003/s against 2,637/s (BENCHMARKS.md,
+/// spread. In 8 fleet runs on Postgres alternated with 8 that analyzed it on its updates,
+/// the creations' p99 was under 50 ms in 6 (median 44.0 ms) against 3 (median 55.5 ms),
+/// lower in 6 of the 8 pairs, at a median 3,003/s against 2,740/s (BENCHMARKS.md,
 /// thirty-third session). Rows come and go when nodes join or leave and when GPUs open for
 /// vGPUs; then it is analyzed as before.
 const BY_ROW_COUNT: &[&str] = &["devices"];
