@@ -2059,13 +2059,36 @@ async fn a_first_in_line_write_goes_ahead_of_queued_writers() {
     );
 }
 
+/// Waits until Postgres's statistics count `changed` rows of `table` changed since its last
+/// analysis, and `live` rows in all when given: a backend reports its counts within seconds.
+async fn table_counted(pool: &sqlx::PgPool, table: &str, changed: i64, live: Option<i64>) {
+    use std::time::{Duration, Instant};
+    let t = Instant::now();
+    loop {
+        let (now_changed, now_live): (i64, i64) = sqlx::query_as(
+            "SELECT n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables WHERE relname = $1",
+        )
+        .bind(table)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if now_changed >= changed && live.is_none_or(|l| l == now_live) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{changed} changes ({live:?} rows) of {table} never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Postgres: a table filled from empty (a fleet joining) gets its planner statistics
 /// gathered by the server's keeper, at most once per interval, without waiting for
 /// autovacuum's round.
 #[tokio::test]
 async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
     use passage_server::store::statistics;
-    use std::time::{Duration, Instant};
     async fn servers_analyzed(
         pool: &sqlx::PgPool,
         last: &mut std::collections::HashMap<String, statistics::Analyzed>,
@@ -2075,27 +2098,6 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
             .unwrap()
             .iter()
             .any(|t| t == "servers")
-    }
-    /// Waits until the statistics count `n` rows of `servers` changed since its last
-    /// analysis: a backend reports its counts within seconds.
-    async fn changes_counted(pool: &sqlx::PgPool, n: i64) {
-        let t = Instant::now();
-        loop {
-            let changed: i64 = sqlx::query_scalar(
-                "SELECT n_mod_since_analyze FROM pg_stat_user_tables WHERE relname = 'servers'",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap();
-            if changed >= n {
-                return;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "{n} changes never counted"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
     }
     let tdb = TestDb::new(Backend::Postgres).await;
     let db = Db::connect(&tdb.url).await.unwrap();
@@ -2114,7 +2116,7 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
     .execute(pool)
     .await
     .unwrap();
-    changes_counted(pool, 1000).await;
+    table_counted(pool, "servers", 1000, None).await;
     assert!(
         servers_analyzed(pool, &mut last).await,
         "1,000 new rows are due"
@@ -2131,7 +2133,7 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
         .execute(pool)
         .await
         .unwrap();
-    changes_counted(pool, 1000).await;
+    table_counted(pool, "servers", 1000, None).await;
     assert!(
         !servers_analyzed(pool, &mut last).await,
         "analyzed again within the interval"
@@ -2147,29 +2149,7 @@ async fn planner_statistics_follow_a_fleet_joining_on_postgres() {
 #[tokio::test]
 async fn device_statistics_follow_rows_come_and_gone_not_states() {
     use passage_server::store::statistics;
-    use std::time::{Duration, Instant};
-    /// Waits until the statistics count `n` rows of `devices` changed since its last
-    /// analysis and `live` rows in all.
-    async fn counted(pool: &sqlx::PgPool, n: i64, live: i64) {
-        let t = Instant::now();
-        loop {
-            let (changed, now_live): (i64, i64) = sqlx::query_as(
-                "SELECT n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables \
-                 WHERE relname = 'devices'",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap();
-            if changed >= n && now_live == live {
-                return;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "{n} changes and {live} rows never counted"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
+    use std::time::Duration;
     async fn add(pool: &sqlx::PgPool, from: i64, to: i64) {
         sqlx::query(
             "INSERT INTO servers (uuid, hostname, credential_hash, created_at) \
@@ -2202,7 +2182,7 @@ async fn device_statistics_follow_rows_come_and_gone_not_states() {
     let devices_analyzed = |done: Vec<String>| done.iter().any(|t| t == "devices");
     // A fleet of 250 nodes × 4 joins: due, as any table filled from empty.
     add(pool, 1, 250).await;
-    counted(pool, 1000, 1000).await;
+    table_counted(pool, "devices", 1000, Some(1000)).await;
     assert!(devices_analyzed(
         statistics::analyze_due(pool, &mut last).await.unwrap()
     ));
@@ -2211,7 +2191,7 @@ async fn device_statistics_follow_rows_come_and_gone_not_states() {
         .execute(pool)
         .await
         .unwrap();
-    counted(pool, 1000, 1000).await;
+    table_counted(pool, "devices", 1000, Some(1000)).await;
     // Past the keeper's interval, as its next round would be.
     for a in last.values_mut() {
         a.at = a.at.checked_sub(Duration::from_secs(60)).unwrap();
@@ -2222,7 +2202,7 @@ async fn device_statistics_follow_rows_come_and_gone_not_states() {
     );
     // 250 more nodes join: due by the rows come.
     add(pool, 251, 500).await;
-    counted(pool, 2000, 2000).await;
+    table_counted(pool, "devices", 2000, Some(2000)).await;
     assert!(devices_analyzed(
         statistics::analyze_due(pool, &mut last).await.unwrap()
     ));
