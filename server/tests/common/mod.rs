@@ -431,6 +431,23 @@ impl TestServer {
         }
     }
 
+    /// How many tasks wait for `server` to take them.
+    pub async fn queued_tasks(&self, server: ServerId) -> i64 {
+        let sql = "SELECT COUNT(*) FROM tasks WHERE server_uuid = $1 AND state = 'queued'";
+        match &self.ctx.db {
+            passage_server::store::Db::Sqlite { read, .. } => sqlx::query_scalar(sql)
+                .bind(server.to_string())
+                .fetch_one(read)
+                .await
+                .unwrap(),
+            passage_server::store::Db::Postgres(p) => sqlx::query_scalar(sql)
+                .bind(server.to_string())
+                .fetch_one(p)
+                .await
+                .unwrap(),
+        }
+    }
+
     /// A tenant account `login` (password `tenant-password`) and a session of it.
     pub async fn tenant(&self, login: &str) -> (AccountId, String) {
         let a: Account = self

@@ -1108,6 +1108,13 @@ async fn an_agent_posts_a_batch_results_together(b: Backend) {
         )
     };
     assert_eq!(counts().await, (0, 0));
+    // While creations come in, job steps start paced apart: the agent starts once all
+    // four first tasks wait, or its first poll could take them one by one.
+    let queued = crate::common::wait_for(Duration::from_secs(30), || async {
+        (s.queued_tasks(server_uuid).await == 4).then_some(())
+    })
+    .await;
+    assert!(queued.is_some(), "the four VMs' first tasks are queued");
     std::fs::create_dir_all(&state).unwrap();
     let cred = Credential {
         server_url: s.base.clone(),
