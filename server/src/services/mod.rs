@@ -9,6 +9,7 @@ pub mod batcher;
 pub mod cache;
 pub mod catalog;
 pub mod completions;
+pub mod destroys;
 pub mod device_log;
 pub mod images;
 pub mod job_log;
@@ -81,6 +82,8 @@ pub struct Services {
     pub task_takes: batcher::Batcher<task_takes::Look>,
     /// Job steps' device moves (and scrub reports) waiting to be written together.
     pub device_log: batcher::Batcher<device_log::Pending>,
+    /// Deletions waiting to be written together.
+    pub destroys: batcher::Batcher<destroys::Pending>,
     /// Live tokens by the SHA-256 of their secret.
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
     /// Nodes by the SHA-256 of their credential: every agent request (a poll and a result
@@ -232,6 +235,7 @@ impl Services {
             completions: batcher::Batcher::new(completions::LINGER),
             task_takes: batcher::Batcher::new(task_takes::LINGER),
             device_log: batcher::Batcher::new(device_log::LINGER),
+            destroys: batcher::Batcher::new(destroys::LINGER),
             tokens: cache::TtlCache::default(),
             node_credentials: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),

@@ -551,22 +551,27 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
         workflows::new_job::<Destroy>(job, Some(uuid), Some(owner), &())
             .map_err(|e| StoreError::Corrupt(e.to_string()))
     };
-    // Tried at once, before any read: nearly every deletion is of a VM at rest that the
-    // caller may change, and reading it first cost every deletion a read. The row the
-    // update leaves is checked in its transaction; anything else is told apart below.
-    let first = vms::begin_destroy(&ctx.api_db, uuid, job, |vm| {
-        caller
-            .may_change(vm.owner_uuid)
-            .map_err(|_| StoreError::NotFound("vm"))?;
-        new_job(vm.owner_uuid)
-    })
-    .await;
+    // Tried at once, before any read, and written with the deletions that come with it:
+    // nearly every deletion is of a VM at rest that the caller may change, and reading it
+    // first cost every deletion a read. The update takes only a VM the caller may change
+    // (`Caller::may_change` as a condition on its owner); anything else is told apart below.
+    let first = if caller.account.role == Role::Reader {
+        None
+    } else {
+        let owner = (!caller.account.role.sees_all()).then_some(caller.account.uuid);
+        super::destroys::begin(
+            ctx,
+            vms::DestroyReq {
+                vm: uuid,
+                job,
+                owner,
+            },
+        )
+        .await?
+    };
     let vm = match first {
-        Ok(vm) => vm,
-        Err(StoreError::InvalidState(_) | StoreError::NotFound(_)) => {
-            destroy_refused(ctx, caller, uuid, job, new_job).await?
-        }
-        Err(e) => return Err(e.into()),
+        Some(vm) => vm,
+        None => destroy_refused(ctx, caller, uuid, job, new_job).await?,
     };
     workflows::spawn_with(ctx.clone(), job, Some(vm.clone()));
     Ok(vm)

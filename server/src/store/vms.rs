@@ -7,10 +7,12 @@ use super::jobs::{JobTx, NewJob};
 use super::page::{self, Page, PageReq, TimeKey, Where};
 use super::reserve::{self, Claim, ReserveTx};
 use super::room::Allocation;
+use super::sql::Sql;
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, parse_uuid, to_time};
-use crate::{in_tx, on_read, on_write};
+use crate::{bind_args, in_tx, on_read, on_write};
 use passage_model::api::{Vm, VmState};
-use passage_model::{DeviceEvent, JobId, PackageId, ServerId, VmId};
+use passage_model::{AccountId, DeviceEvent, JobId, PackageId, ServerId, VmId};
+use std::collections::HashMap;
 
 #[derive(sqlx::FromRow)]
 struct VmRow {
@@ -177,6 +179,121 @@ pub async fn begin_destroy(
         tx.insert_jobs(std::slice::from_ref(&new)).await?;
         Ok(vm)
     })
+}
+
+/// One VM's destroy in a batch of them ([`begin_destroy_many`]).
+pub struct DestroyReq {
+    pub vm: VmId,
+    pub job: JobId,
+    /// The VM must be this account's (a tenant's own); `None`: anyone's.
+    pub owner: Option<AccountId>,
+}
+
+/// [`begin_destroy`] for several VMs in one transaction: one commit (on Postgres, one wait
+/// for the WAL's flush) for a burst of deletions instead of one each. Each VM that is at
+/// rest with no job running, and is `owner`'s where one is given, goes `destroying` with
+/// its job, written as `job_for` makes it; the answers follow `reqs`, `None` for a VM not
+/// changed (missing, another's, busy or destroyed: the caller tells which apart).
+pub async fn begin_destroy_many(
+    db: &Db,
+    reqs: &[DestroyReq],
+    job_for: impl Fn(&Vm) -> StoreResult<NewJob> + Send + Sync,
+) -> StoreResult<Vec<Option<Vm>>> {
+    if reqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let now = now_ms();
+    in_tx!(db, |tx| {
+        let rows = tx.mark_destroying(reqs, now).await?;
+        let mut changed: HashMap<JobId, Vm> = HashMap::with_capacity(rows.len());
+        let mut jobs = Vec::with_capacity(rows.len());
+        for row in rows {
+            let vm = row.into_view()?;
+            let Some(job) = vm.job_uuid else {
+                return Err(StoreError::Corrupt("a VM destroyed without its job".into()));
+            };
+            jobs.push(job_for(&vm)?);
+            changed.insert(job, vm);
+        }
+        tx.insert_jobs(&jobs).await?;
+        Ok(reqs.iter().map(|r| changed.remove(&r.job)).collect())
+    })
+}
+
+/// What a VM at rest with no job running, `owner`'s where one is given, must be for a
+/// batched destroy to take it.
+fn destroy_cond() -> String {
+    "(b.owner IS NULL OR vms.owner_uuid = b.owner) \
+     AND vms.state IN ('running', 'stopped', 'failed') AND "
+        .to_string()
+        + NO_JOB_RUNNING
+}
+
+/// [`begin_destroy_many`]'s update, in one statement on either database.
+trait DestroyTx {
+    /// Marks the VMs of `reqs` that may be destroyed `destroying` with their jobs; answers
+    /// their rows as the update leaves them. `b` names a VM twice when two deletions of it
+    /// come together: one of them gets it (its job is the row's), the other is refused as
+    /// the VM being busy.
+    fn mark_destroying(
+        &mut self,
+        reqs: &[DestroyReq],
+        now: i64,
+    ) -> impl Future<Output = StoreResult<Vec<VmRow>>> + Send;
+}
+
+impl DestroyTx for sqlx::Transaction<'_, sqlx::Sqlite> {
+    async fn mark_destroying(&mut self, reqs: &[DestroyReq], now: i64) -> StoreResult<Vec<VmRow>> {
+        let mut q = Sql::default();
+        let values = q.rows(reqs, |q, r| {
+            let owner = r
+                .owner
+                .map_or(page::Arg::Null, |o| page::Arg::Text(o.to_string()));
+            format!("{}, {}, {}", q.text(r.vm), q.text(r.job), q.arg(owner))
+        });
+        let at = q.int(now);
+        let sql = format!(
+            "WITH b(vm, job, owner) AS (VALUES {values}) \
+             UPDATE vms SET state = 'destroying', job_uuid = b.job, updated_at = {at} \
+             FROM b WHERE vms.uuid = b.vm AND {} RETURNING {COLS}",
+            destroy_cond()
+        );
+        Ok(bind_args!(sqlx::query_as(&sql), &q.args)
+            .fetch_all(&mut **self)
+            .await?)
+    }
+}
+
+impl DestroyTx for sqlx::Transaction<'_, sqlx::Postgres> {
+    async fn mark_destroying(&mut self, reqs: &[DestroyReq], now: i64) -> StoreResult<Vec<VmRow>> {
+        let sql = format!(
+            "UPDATE vms SET state = 'destroying', job_uuid = b.job, updated_at = $1 \
+             FROM UNNEST($2::text[], $3::text[], $4::text[]) AS b(vm, job, owner) \
+             WHERE vms.uuid = b.vm AND {} RETURNING {}",
+            destroy_cond(),
+            qualified_cols("vms")
+        );
+        let owners: Vec<Option<String>> = reqs
+            .iter()
+            .map(|r| r.owner.map(|o| o.to_string()))
+            .collect();
+        Ok(sqlx::query_as(&sql)
+            .bind(now)
+            .bind(reqs.iter().map(|r| r.vm.to_string()).collect::<Vec<_>>())
+            .bind(reqs.iter().map(|r| r.job.to_string()).collect::<Vec<_>>())
+            .bind(owners)
+            .fetch_all(&mut **self)
+            .await?)
+    }
+}
+
+/// [`COLS`], each qualified by `table`: a statement that joins another relation names
+/// them unambiguously.
+fn qualified_cols(table: &str) -> String {
+    COLS.split(',')
+        .map(|c| format!("{table}.{}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// VMs on a server, for the server object's `vms` map.

@@ -3,7 +3,8 @@
 
 use crate::common::{Backend, TestServer, fast_config, wait_for};
 use passage_model::api::{Alert, Capacity, DeviceRow, JobState, Package, Usage, Vm, VmState};
-use passage_model::{DeviceState, ErrorCode, ServerId, VmId};
+use passage_model::jobs::JobKind;
+use passage_model::{DeviceState, ErrorCode, JobId, ServerId, VmId};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -372,4 +373,133 @@ async fn only_whom_may_change_a_vm_at_rest_deletes_it(b: Backend) {
 both!(
     only_whom_may_change_a_vm_at_rest_deletes_it_on,
     only_whom_may_change_a_vm_at_rest_deletes_it
+);
+
+/// Deletions that come together are written in one transaction
+/// (`store::vms::begin_destroy_many`), each answered as its own: a VM of another account
+/// is left as it was (its owner's deletion in the same batch still takes it), a VM named
+/// twice is taken once, a missing one is not, an operator's takes anyone's. Then the same
+/// mix, at once through the API.
+async fn deletions_together_are_each_answered_as_their_own(b: Backend) {
+    use passage_server::services::destroys;
+    use passage_server::store::{jobs, vms};
+    let mut s = TestServer::start(b, fast_config()).await;
+    let node = s.add_node(8).await;
+    s.h100_catalog(1).await;
+    let (owner_id, owner) = s.tenant("owner").await;
+    let (other_id, other) = s.tenant("other").await;
+    let mut made = Vec::new();
+    for (token, n) in [(&owner, 5), (&other, 2)] {
+        for i in 0..n {
+            let vm: Vm = s
+                .with(token)
+                .post(
+                    "/v1/vms",
+                    &json!({"image": "test-image", "alias": format!("v{i}"), "package": "gpu-1x"}),
+                )
+                .await
+                .ok(202);
+            made.push(vm);
+        }
+    }
+    let mut at_rest = Vec::new();
+    for vm in &made {
+        assert_eq!(
+            s.wait_job(vm.job_uuid.unwrap()).await.state,
+            JobState::Succeeded
+        );
+        at_rest.push(s.get::<Vm>(&format!("/v1/vms/{}", vm.uuid)).await.ok(200));
+    }
+    let (mine, theirs) = at_rest.split_at(5);
+
+    let req = |vm: &Vm, owner| vms::DestroyReq {
+        vm: vm.uuid,
+        job: JobId::new_random(),
+        owner,
+    };
+    let missing = vms::DestroyReq {
+        vm: VmId::new_random(),
+        job: JobId::new_random(),
+        owner: None,
+    };
+    let reqs = vec![
+        req(&mine[0], Some(owner_id)),
+        req(&mine[1], Some(other_id)),
+        req(&mine[1], Some(owner_id)),
+        missing,
+        req(&theirs[0], None),
+        req(&mine[2], Some(owner_id)),
+        req(&mine[2], Some(owner_id)),
+        req(&mine[3], Some(other_id)),
+    ];
+    let got = vms::begin_destroy_many(&s.ctx.api_db, &reqs, destroys::job_for)
+        .await
+        .unwrap();
+    let taken: Vec<bool> = got.iter().map(Option::is_some).collect();
+    assert_eq!(&taken[..5], [true, false, true, false, true]);
+    assert_eq!(
+        taken[5] as u8 + taken[6] as u8,
+        1,
+        "mine[2] named twice: {got:?}"
+    );
+    assert!(!taken[7]);
+    for (r, vm) in reqs.iter().zip(&got) {
+        let Some(vm) = vm else { continue };
+        assert_eq!(
+            (vm.uuid, vm.state, vm.job_uuid),
+            (r.vm, VmState::Destroying, Some(r.job))
+        );
+        let job = jobs::get(&s.ctx.db, r.job).await.unwrap();
+        assert_eq!((job.kind, job.vm), (JobKind::Destroy, Some(r.vm)));
+        // Queued; the reconciler may have picked it up already.
+        assert!(
+            matches!(job.state, JobState::Queued | JobState::Running),
+            "{job:?}"
+        );
+        passage_server::workflows::spawn(s.ctx.clone(), r.job);
+    }
+    let left: Vm = s.get(&format!("/v1/vms/{}", mine[3].uuid)).await.ok(200);
+    assert_eq!(left, mine[3], "another account's deletion changed the VM");
+
+    // Through the API, all at once.
+    let path = |vm: &Vm| format!("/v1/vms/{}", vm.uuid);
+    let (o, t) = (s.with(&owner), s.with(&other));
+    let calls = [
+        (o.clone(), path(&mine[3])),
+        (o.clone(), path(&mine[4])),
+        (o.clone(), path(&mine[4])),
+        (o.clone(), path(&theirs[1])),
+        (t.clone(), path(&mine[3])),
+    ];
+    let answers = futures_util::future::join_all(
+        calls
+            .iter()
+            .map(|(c, p)| async move { c.delete::<Vm>(p).await }),
+    )
+    .await;
+    let status: Vec<u16> = answers.iter().map(|r| r.status).collect();
+    assert_eq!(status[0], 202, "{answers:?}");
+    let mut twice = [status[1], status[2]];
+    twice.sort();
+    assert_eq!(twice, [202, 409], "{answers:?}");
+    assert_eq!(status[3..], [404, 404], "{answers:?}");
+    for r in answers.into_iter().filter(|r| r.status == 202) {
+        let job = s.wait_job(r.ok(202).job_uuid.unwrap()).await;
+        assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    }
+    // What the batch took, destroyed too; the other account's last VM runs on.
+    for r in reqs
+        .iter()
+        .zip(&got)
+        .filter(|(_, g)| g.is_some())
+        .map(|(r, _)| r)
+    {
+        assert_eq!(s.wait_job(r.job).await.state, JobState::Succeeded);
+    }
+    assert_eq!(node.running_vms(), vec![theirs[1].uuid.to_string()]);
+    free_again(&s, node.uuid, 7).await;
+}
+both!(
+    deletions_together_are_each_answered_as_their_own_on,
+    deletions_together_are_each_answered_as_their_own
 );
