@@ -36,7 +36,8 @@ pub async fn begin(ctx: &Ctx, req: DestroyReq) -> StoreResult<Option<Vm>> {
         .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
-/// The destroy job of a VM as the batch's update left it.
+/// The destroy job of a VM as the update that began its destroy left it (alone or in a
+/// batch): the job is the one the VM row now names.
 pub fn job_for(vm: &Vm) -> StoreResult<NewJob> {
     let Some(job) = vm.job_uuid else {
         return Err(StoreError::Corrupt("a VM destroyed without its job".into()));

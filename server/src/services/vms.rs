@@ -10,7 +10,7 @@ use crate::listing::{JobFilter, Page, PageReq, TimeKey, VmFilter};
 use crate::placement;
 use crate::store::create::{self, NewVm};
 use crate::store::{self, StoreError, accounts, devices, jobs, room, vms};
-use crate::workflows::{self, destroy::Destroy};
+use crate::workflows;
 use passage_model::api::{CreateVm, Job, JobState, Role, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, PackageId, VmId};
 use std::collections::BTreeMap;
@@ -547,10 +547,6 @@ pub async fn list(
 
 pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     let job = JobId::new_random();
-    let new_job = |owner| {
-        workflows::new_job::<Destroy>(job, Some(uuid), Some(owner), &())
-            .map_err(|e| StoreError::Corrupt(e.to_string()))
-    };
     // Tried at once, before any read, and written with the deletions that come with it:
     // nearly every deletion is of a VM at rest that the caller may change, and reading it
     // first cost every deletion a read. The update takes only a VM the caller may change
@@ -571,7 +567,7 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     };
     let vm = match first {
         Some(vm) => vm,
-        None => destroy_refused(ctx, caller, uuid, job, new_job).await?,
+        None => destroy_refused(ctx, caller, uuid, job).await?,
     };
     workflows::spawn_with(ctx.clone(), job, Some(vm.clone()));
     Ok(vm)
@@ -580,26 +576,19 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
 /// A deletion the first try refused: the VM is missing, the caller's to see but not to
 /// change, destroyed, or busy with a job. Its answer says which; a job that is over in
 /// all but name is waited for (`settled`) and the deletion tried once more.
-async fn destroy_refused(
-    ctx: &Ctx,
-    caller: &Caller,
-    uuid: VmId,
-    job: JobId,
-    new_job: impl Fn(passage_model::AccountId) -> Result<jobs::NewJob, StoreError> + Send + Sync,
-) -> ApiResult<Vm> {
+async fn destroy_refused(ctx: &Ctx, caller: &Caller, uuid: VmId, job: JobId) -> ApiResult<Vm> {
     let vm = get(ctx, caller, uuid).await?;
     caller.may_change(vm.owner_uuid)?;
     if vm.state == VmState::Destroyed {
         return Err(ApiError::invalid_state("the VM is already destroyed"));
     }
-    let owner = vm.owner_uuid;
-    let vm = match vms::begin_destroy(&ctx.api_db, uuid, job, |_| new_job(owner)).await {
+    let vm = match vms::begin_destroy(&ctx.api_db, uuid, job, super::destroys::job_for).await {
         Err(StoreError::InvalidState(_)) if vm.job_uuid.is_some() => {
             let vm = settled(ctx, vm).await?;
             if vm.state == VmState::Destroyed {
                 return Err(ApiError::invalid_state("the VM is already destroyed"));
             }
-            vms::begin_destroy(&ctx.api_db, uuid, job, |_| new_job(owner)).await?
+            vms::begin_destroy(&ctx.api_db, uuid, job, super::destroys::job_for).await?
         }
         r => r?,
     };

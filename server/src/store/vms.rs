@@ -209,11 +209,9 @@ pub async fn begin_destroy_many(
         let mut jobs = Vec::with_capacity(rows.len());
         for row in rows {
             let vm = row.into_view()?;
-            let Some(job) = vm.job_uuid else {
-                return Err(StoreError::Corrupt("a VM destroyed without its job".into()));
-            };
-            jobs.push(job_for(&vm)?);
-            changed.insert(job, vm);
+            let job = job_for(&vm)?;
+            changed.insert(job.uuid, vm);
+            jobs.push(job);
         }
         tx.insert_jobs(&jobs).await?;
         Ok(reqs.iter().map(|r| changed.remove(&r.job)).collect())
