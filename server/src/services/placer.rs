@@ -133,6 +133,7 @@ struct Planned {
 /// takes all of it at once when this one is done: the busier the queue, the bigger the
 /// batch, and the fewer round trips to the database per creation.
 async fn place_batch(ctx: &Ctx, batch: Vec<Request>) {
+    let t0 = std::time::Instant::now();
     // Requests alike in package and bridges are placed on one read.
     let mut by_package: BTreeMap<(PackageId, Vec<String>), Vec<Request>> = BTreeMap::new();
     for r in batch {
@@ -152,6 +153,7 @@ async fn place_batch(ctx: &Ctx, batch: Vec<Request>) {
     tracing::debug!(
         planned = planned.len(),
         alone = alone.len(),
+        took_ms = t0.elapsed().as_secs_f64() * 1e3,
         "placement batch planned"
     );
     place_alone(ctx, alone);
@@ -263,6 +265,7 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         return (Vec::new(), reqs);
     };
     let policy = package.placement.unwrap_or(ctx.cfg.placement);
+    let t0 = std::time::Instant::now();
     if let Err(e) = open_vgpus(ctx, package, reqs.len()).await {
         tracing::warn!(error = %e, "opening GPUs for vGPUs; placing with the slots there are");
     }
@@ -290,6 +293,12 @@ async fn plan(ctx: &Ctx, reqs: Vec<Request>) -> (Vec<Planned>, Vec<Request>) {
         },
     )
     .await;
+    // With "planned" and "written", the parts of a batch's time: where a burst's time
+    // goes is read from these (BENCHMARKS.md, thirty-fifth session).
+    tracing::debug!(
+        took_ms = t0.elapsed().as_secs_f64() * 1e3,
+        "placement candidates read (and GPUs opened for vGPUs)"
+    );
     let view = match read {
         Ok(v) => v,
         Err(e) => {
