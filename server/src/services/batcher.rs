@@ -111,6 +111,28 @@ impl<T: Send + 'static> Batcher<T> {
     }
 }
 
+impl<T: Send + 'static> Batcher<T> {
+    /// [`Batcher::submit`] for an item that carries its own answer: `wrap` makes the item
+    /// around the answer's sender, and this waits for the answer. `None` once the
+    /// services are shutting down (the queue closed, or its task gone before answering).
+    pub async fn ask<R, C, F, Fut>(
+        &self,
+        ctx: &Arc<C>,
+        wrap: impl FnOnce(tokio::sync::oneshot::Sender<R>) -> T,
+        max: usize,
+        run: F,
+    ) -> Option<R>
+    where
+        C: Send + Sync + 'static,
+        F: Fn(Arc<C>, Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        self.submit(ctx, wrap(answer), max, run).await.ok()?;
+        answered.await.ok()
+    }
+}
+
 /// How the queue's consumer gathers a batch.
 struct Gather {
     max: usize,

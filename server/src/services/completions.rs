@@ -25,19 +25,15 @@ pub struct Pending {
 /// this process waiting for it has it. Refused when the task is not that node's, or has
 /// a result already.
 pub async fn complete(ctx: &Ctx, done: Completion, result: TaskResult) -> StoreResult<()> {
-    let (recorded, answer) = oneshot::channel();
-    let p = Pending {
+    let wrap = |recorded| Pending {
         done,
         result,
         recorded,
     };
     ctx.completions
-        .submit(ctx, p, MAX_BATCH, record)
+        .ask(ctx, wrap, MAX_BATCH, record)
         .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
-    answer
-        .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
+        .ok_or(StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
 async fn record(ctx: Ctx, batch: Vec<Pending>) {

@@ -26,14 +26,10 @@ pub struct Pending {
 /// Starts destroying `req.vm` with the job `req.job`, batched with the deletions that come
 /// with it. `None`: the VM was not changed (missing, another's, busy or destroyed).
 pub async fn begin(ctx: &Ctx, req: DestroyReq) -> StoreResult<Option<Vm>> {
-    let (begun, answer) = oneshot::channel();
     ctx.destroys
-        .submit(ctx, Pending { req, begun }, MAX_BATCH, write)
+        .ask(ctx, |begun| Pending { req, begun }, MAX_BATCH, write)
         .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
-    answer
-        .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
+        .ok_or(StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
 /// The destroy job of a VM as the update that began its destroy left it (alone or in a

@@ -25,13 +25,15 @@ pub struct Pending {
 /// Writes `write` with whatever else is waiting; returns once it is committed, with what
 /// each of its moves moved.
 pub async fn write(ctx: &Ctx, write: DeviceWrite) -> StoreResult<Vec<Vec<Moved>>> {
-    let (written, done) = oneshot::channel();
     ctx.device_log
-        .submit(ctx, Pending { write, written }, MAX_BATCH, write_batch)
+        .ask(
+            ctx,
+            |written| Pending { write, written },
+            MAX_BATCH,
+            write_batch,
+        )
         .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
-    done.await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
+        .ok_or(StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
 async fn write_batch(ctx: Ctx, batch: Vec<Pending>) {

@@ -34,13 +34,15 @@ pub struct Pending {
 
 /// Writes `write` with whatever else is waiting; returns once it is committed.
 async fn write(ctx: &Ctx, write: Write) -> StoreResult<Option<JobRecord>> {
-    let (written, done) = oneshot::channel();
     ctx.job_log
-        .submit(ctx, Pending { write, written }, MAX_BATCH, write_batch)
+        .ask(
+            ctx,
+            |written| Pending { write, written },
+            MAX_BATCH,
+            write_batch,
+        )
         .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
-    done.await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
+        .ok_or(StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
 pub async fn steps(ctx: &Ctx, s: StepWrite) -> StoreResult<()> {

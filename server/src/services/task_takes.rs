@@ -26,14 +26,10 @@ pub struct Look {
 /// Takes up to [`super::agents::TASK_BATCH`] of `server`'s deliverable tasks, as
 /// `tasks::take` does, together with the other nodes' polls looking at the same time.
 pub async fn take(ctx: &Ctx, server: ServerId) -> StoreResult<Vec<TaskEnvelope>> {
-    let (answer, answered) = oneshot::channel();
     ctx.task_takes
-        .submit(ctx, Look { server, answer }, MAX_BATCH, run)
+        .ask(ctx, |answer| Look { server, answer }, MAX_BATCH, run)
         .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?;
-    answered
-        .await
-        .map_err(|_| StoreError::Sqlx(sqlx::Error::PoolClosed))?
+        .ok_or(StoreError::Sqlx(sqlx::Error::PoolClosed))?
 }
 
 async fn run(ctx: Ctx, batch: Vec<Look>) {
