@@ -75,11 +75,10 @@ pub async fn heartbeat(
     server: ServerId,
     hb: passage_model::protocol::Heartbeat,
 ) -> ApiResult<()> {
-    // On the jobs' lane, whose commits on Postgres do not wait for the WAL to reach the
-    // disk: a heartbeat's time lost with the database's last fraction of a second is sent
-    // again within one interval, and 1,250 nodes' heartbeats were 125 WAL flushes a
-    // second that the durable writes (creations' batches) queued with.
-    servers::heartbeat(&ctx.jobs_db, server).await?;
+    // With the other nodes' heartbeats, on the jobs' lane, whose commits on Postgres do
+    // not wait for the WAL to reach the disk: 1,250 nodes' heartbeats were 125 WAL
+    // flushes a second that the durable writes (creations' batches) queued with.
+    super::heartbeats::beat(ctx, server).await?;
     let Some(running) = hb.running_vms else {
         return Ok(());
     };
@@ -190,8 +189,8 @@ pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec
     let deadline = tokio::time::Instant::now() + wait;
     let key = server.to_string();
     if ctx.heartbeats.get(&key).is_none() {
-        // On the jobs' lane, as [`heartbeat`]'s.
-        servers::heartbeat(&ctx.jobs_db, server).await?;
+        // Written as [`heartbeat`]'s.
+        super::heartbeats::beat(ctx, server).await?;
         ctx.heartbeats.put(&key, ());
     }
     let waker = ctx.tasks_queued.handle(&server);

@@ -11,6 +11,7 @@ pub mod catalog;
 pub mod completions;
 pub mod destroys;
 pub mod device_log;
+pub mod heartbeats;
 pub mod images;
 pub mod job_log;
 pub mod keys;
@@ -84,6 +85,8 @@ pub struct Services {
     pub device_log: batcher::Batcher<device_log::Pending>,
     /// Deletions waiting to be written together.
     pub destroys: batcher::Batcher<destroys::Pending>,
+    /// Nodes' heartbeats waiting to be written together.
+    pub heartbeat_log: batcher::Batcher<heartbeats::Beat>,
     /// Live tokens by the SHA-256 of their secret.
     pub tokens: cache::TtlCache<crate::store::accounts::LiveToken>,
     /// Nodes by the SHA-256 of their credential: every agent request (a poll and a result
@@ -236,6 +239,7 @@ impl Services {
             task_takes: batcher::Batcher::new(task_takes::LINGER),
             device_log: batcher::Batcher::new(device_log::LINGER),
             destroys: batcher::Batcher::new(destroys::LINGER),
+            heartbeat_log: batcher::Batcher::new(heartbeats::LINGER),
             tokens: cache::TtlCache::default(),
             node_credentials: cache::TtlCache::default(),
             packages: cache::TtlCache::default(),

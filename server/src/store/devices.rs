@@ -8,6 +8,7 @@ use super::page::{self, Arg, DeviceKey, Page, PageReq, Start, Where};
 use super::reserve::devices::placeable;
 use super::reserve::free_index::FreeIndexTx;
 use super::room::{REPORTED, ROOM_COLS, ROOM_GROUP, VMS_HOLDING};
+use super::sql::padded;
 use super::{Db, StoreResult, corrupt, now_ms, parse_uuid};
 use crate::{in_tx, on_read};
 use passage_model::variant::classify;
@@ -927,19 +928,6 @@ fn plain_reports<'r, 'a>(reports: &'r [Report<'a>]) -> (Vec<&'r Report<'a>>, Vec
     })
 }
 
-/// `items` with its last one repeated up to the next power of two: a statement's text
-/// then takes one of a few lengths, and the connection's cache of prepared statements
-/// keeps them, where a text per count was prepared anew and pushed the others out. A
-/// value twice in an `IN` list, or a row written twice with the same values, changes
-/// nothing.
-fn padded<T: Clone>(items: &[T]) -> Vec<T> {
-    let mut v = items.to_vec();
-    if let Some(last) = items.last() {
-        v.resize(items.len().next_power_of_two(), last.clone());
-    }
-    v
-}
-
 /// The update of a chunk of driver-and-details writes ([`InventoryWrite::plain`]) to rows
 /// that stay as placeable as they were, with its values (`now` first).
 fn plain_update_sql(now: i64, writes: &[(String, &InventoryWrite<'_>)]) -> (String, Vec<Arg>) {
@@ -1497,18 +1485,4 @@ pub async fn candidates_on(
             })
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::padded;
-
-    #[test]
-    fn lists_are_padded_to_a_power_of_two_with_their_last_item() {
-        assert_eq!(padded::<u8>(&[]), Vec::<u8>::new());
-        assert_eq!(padded(&[1]), vec![1]);
-        assert_eq!(padded(&[1, 2, 3]), vec![1, 2, 3, 3]);
-        assert_eq!(padded(&[1, 2, 3, 4, 5]), vec![1, 2, 3, 4, 5, 5, 5, 5]);
-        assert_eq!(padded(&[1, 2, 3, 4]), vec![1, 2, 3, 4]);
-    }
 }

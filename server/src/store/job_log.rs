@@ -6,30 +6,33 @@
 
 use super::sql::Sql;
 use super::{Db, StoreResult, corrupt, now_ms};
-use crate::in_tx;
 use crate::store::page::Arg;
+use passage_model::jobs::JobKind;
 use passage_model::protocol::Task;
 use passage_model::{JobId, ServerId, TaskId};
 
-/// Each write's steps in one statement over `x(job, done_lo, done_hi, next_lo, next_hi)`:
-/// the done range succeeded, the next range started (its error cleared), at `$1`. The
-/// same text on both databases; a macro so that Postgres's statement stays a constant.
-macro_rules! step_ranges_update {
+/// The columns a step write gives a step's row.
+macro_rules! step_cols {
     () => {
-        "UPDATE job_steps SET \
-         state = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-           THEN 'succeeded' ELSE 'running' END, \
-         ended_at = CASE WHEN job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-           THEN $1 ELSE job_steps.ended_at END, \
-         started_at = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-           THEN COALESCE(job_steps.started_at, $1) ELSE job_steps.started_at END, \
-         error = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-           THEN NULL ELSE job_steps.error END, \
-         error_kind = CASE WHEN job_steps.idx BETWEEN x.next_lo AND x.next_hi \
-           THEN NULL ELSE job_steps.error_kind END \
-         FROM x WHERE job_steps.job_uuid = x.job \
-         AND (job_steps.idx BETWEEN x.done_lo AND x.done_hi \
-           OR job_steps.idx BETWEEN x.next_lo AND x.next_hi)"
+        "INSERT INTO job_steps (job_uuid, idx, name, state, started_at, ended_at) "
+    };
+}
+
+/// What a step write does to a step's row that exists. A step's row is written when the
+/// step first starts (a job is written without its steps: its kind names them), so a
+/// start inserts it or, for a step started again, clears its error and keeps its first
+/// start; an end (`succeeded`) sets its end. The same text on both databases; macros so
+/// that Postgres's statement stays a constant.
+macro_rules! step_upsert {
+    () => {
+        " ON CONFLICT (job_uuid, idx) DO UPDATE SET \
+         state = excluded.state, \
+         started_at = COALESCE(job_steps.started_at, excluded.started_at), \
+         ended_at = CASE WHEN excluded.state = 'succeeded' \
+           THEN excluded.ended_at ELSE job_steps.ended_at END, \
+         error = CASE WHEN excluded.state = 'running' THEN NULL ELSE job_steps.error END, \
+         error_kind = CASE WHEN excluded.state = 'running' \
+           THEN NULL ELSE job_steps.error_kind END"
     };
 }
 
@@ -42,6 +45,8 @@ pub type StepRange = (usize, usize);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepWrite {
     pub job: JobId,
+    /// The job's kind, which names its steps.
+    pub kind: JobKind,
     pub done: Option<StepRange>,
     pub next: Option<StepRange>,
     pub end_job: bool,
@@ -49,9 +54,15 @@ pub struct StepWrite {
 
 impl StepWrite {
     /// Steps `done` succeeded, when given, and steps `next` start.
-    pub fn advance(job: JobId, done: Option<StepRange>, next: StepRange) -> StepWrite {
+    pub fn advance(
+        job: JobId,
+        kind: JobKind,
+        done: Option<StepRange>,
+        next: StepRange,
+    ) -> StepWrite {
         StepWrite {
             job,
+            kind,
             done,
             next: Some(next),
             end_job: false,
@@ -59,9 +70,10 @@ impl StepWrite {
     }
 
     /// Steps `done` succeeded; the job goes on, or stops here for now.
-    pub fn ended(job: JobId, done: StepRange) -> StepWrite {
+    pub fn ended(job: JobId, kind: JobKind, done: StepRange) -> StepWrite {
         StepWrite {
             job,
+            kind,
             done: Some(done),
             next: None,
             end_job: false,
@@ -69,14 +81,55 @@ impl StepWrite {
     }
 
     /// The job succeeded, with its last steps if this runner ran them.
-    pub fn succeed(job: JobId, last: Option<StepRange>) -> StepWrite {
+    pub fn succeed(job: JobId, kind: JobKind, last: Option<StepRange>) -> StepWrite {
         StepWrite {
             job,
+            kind,
             done: last,
             next: None,
             end_job: true,
         }
     }
+
+    /// Each step's row as this write leaves it: `(index, name, state)`, the state
+    /// `succeeded` or `running`. An index past the kind's steps is a caller's mistake.
+    fn rows(&self) -> StoreResult<Vec<(usize, &'static str, &'static str)>> {
+        let names = self.kind.step_names();
+        let mut out = Vec::new();
+        for (range, state) in [(self.done, "succeeded"), (self.next, "running")] {
+            let Some((lo, hi)) = range else { continue };
+            for i in lo..=hi {
+                let name = names.get(i).ok_or_else(|| {
+                    corrupt(format!("{} job {} has no step {i}", self.kind, self.job))
+                })?;
+                out.push((i, *name, state));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A step's row as a write leaves it.
+struct WrittenStep {
+    job: JobId,
+    idx: i64,
+    name: &'static str,
+    state: &'static str,
+}
+
+fn step_rows(steps: &[StepWrite]) -> StoreResult<Vec<WrittenStep>> {
+    let mut out = Vec::new();
+    for s in steps {
+        for (i, name, state) in s.rows()? {
+            out.push(WrittenStep {
+                job: s.job,
+                idx: i64::try_from(i).unwrap_or(i64::MAX),
+                name,
+                state,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// A task to queue for a node's agent, under an id its caller chose (so that it can wait
@@ -103,12 +156,6 @@ impl NewTask {
     }
 }
 
-fn idx(i: Option<usize>) -> Arg {
-    i.map_or(Arg::Null, |i| {
-        Arg::Int(i64::try_from(i).unwrap_or(i64::MAX))
-    })
-}
-
 /// Writes `steps` and `tasks` in one transaction: all of them or, on an error, none.
 /// A job appears at most once in `steps` (its runner waits for each of its writes).
 pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResult<()> {
@@ -117,34 +164,26 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
     }
     let now = now_ms();
     let ended: Vec<JobId> = steps.iter().filter(|s| s.end_job).map(|s| s.job).collect();
-    let stepped: Vec<&StepWrite> = steps
-        .iter()
-        .filter(|s| s.done.is_some() || s.next.is_some())
-        .collect();
+    let rows = step_rows(steps)?;
     match db {
-        Db::Sqlite { .. } => {
+        Db::Sqlite { write, turn, .. } => {
             // One text, its values bound in order: one call to the writer's thread.
             let mut q = Sql::default();
             let mut parts = Vec::new();
-            if !stepped.is_empty() {
-                let rows = q.rows(&stepped, |q, s| {
+            if !rows.is_empty() {
+                let values = q.rows(&rows, |q, r| {
+                    let ended = (r.state == "succeeded").then_some(now);
                     format!(
-                        "{}, {}, {}, {}, {}",
-                        q.text(s.job),
-                        q.arg(idx(s.done.map(|d| d.0))),
-                        q.arg(idx(s.done.map(|d| d.1))),
-                        q.arg(idx(s.next.map(|n| n.0))),
-                        q.arg(idx(s.next.map(|n| n.1)))
+                        "{}, {}, {}, {}, {}, {}",
+                        q.text(r.job),
+                        q.int(r.idx),
+                        q.text(r.name),
+                        q.text(r.state),
+                        q.int(now),
+                        q.arg(ended.map_or(Arg::Null, Arg::Int))
                     )
                 });
-                // Placeholders are bound in order: the fragment's two `$1`, the same time,
-                // come after the rows' values.
-                let set = step_ranges_update!().replace("$1", "?");
-                q.int(now);
-                q.int(now);
-                parts.push(format!(
-                    "WITH x(job, done_lo, done_hi, next_lo, next_hi) AS (VALUES {rows}) {set}"
-                ));
+                parts.push(format!("{}VALUES {values}{}", step_cols!(), step_upsert!()));
             }
             if !ended.is_empty() {
                 let at = q.int(now);
@@ -170,28 +209,16 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
                      created_at) VALUES {rows}"
                 ));
             }
-            let sql = parts.join(";\n");
-            in_tx!(db, |tx| {
-                crate::bind_args!(sqlx::query(&sql), &q.args)
-                    .execute(&mut *tx)
-                    .await?;
-                Ok(())
-            })
+            super::sqlite_atomic(write, turn, &parts.join(";\n"), &q.args).await
         }
         // One statement: atomic without a transaction around it.
         Db::Postgres(p) => {
             let _: (i64,) = sqlx::query_as(PG_WRITE)
                 .bind(now)
-                .bind(
-                    stepped
-                        .iter()
-                        .map(|s| s.job.to_string())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(ends(&stepped, |s| s.done.map(|d| d.0)))
-                .bind(ends(&stepped, |s| s.done.map(|d| d.1)))
-                .bind(ends(&stepped, |s| s.next.map(|n| n.0)))
-                .bind(ends(&stepped, |s| s.next.map(|n| n.1)))
+                .bind(rows.iter().map(|r| r.job.to_string()).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.idx).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.name).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.state).collect::<Vec<_>>())
                 .bind(ended.iter().map(ToString::to_string).collect::<Vec<_>>())
                 .bind(tasks.iter().map(|t| t.id.to_string()).collect::<Vec<_>>())
                 .bind(
@@ -216,32 +243,23 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
     }
 }
 
-/// One end of each write's ranges, as the statement's array binds it.
-fn ends(stepped: &[&StepWrite], end: impl Fn(&StepWrite) -> Option<usize>) -> Vec<Option<i64>> {
-    stepped
-        .iter()
-        .map(|s| end(s).map(|i| i64::try_from(i).unwrap_or(i64::MAX)))
-        .collect()
-}
-
 /// The same writes on Postgres: one statement over arrays whatever their count. It tells
 /// the other replicas which nodes have new tasks (`NOTIFY`, sent as it commits), once per
 /// node, not once per task.
 const PG_WRITE: &str = concat!(
-    "WITH \
-     x AS (SELECT * FROM UNNEST($2::text[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]) \
-       AS x(job, done_lo, done_hi, next_lo, next_hi)), \
-     s AS (",
-    step_ranges_update!(),
-    " \
-       RETURNING 1), \
-     j AS (UPDATE jobs SET state = 'succeeded', ended_at = $1 WHERE uuid = ANY($7::text[]) \
+    "WITH s AS (",
+    step_cols!(),
+    "SELECT x.j, x.i, x.n, x.s, $1, CASE WHEN x.s = 'succeeded' THEN $1 END \
+     FROM UNNEST($2::text[], $3::int8[], $4::text[], $5::text[]) AS x(j, i, n, s)",
+    step_upsert!(),
+    " RETURNING 1), \
+     j AS (UPDATE jobs SET state = 'succeeded', ended_at = $1 WHERE uuid = ANY($6::text[]) \
        RETURNING 1), \
      t AS (INSERT INTO tasks (uuid, server_uuid, job_uuid, kind, payload, state, created_at) \
        SELECT t.u, t.s, t.j, t.k, t.p, 'queued', $1 \
-       FROM UNNEST($8::text[], $9::text[], $10::text[], $11::text[], $12::text[]) \
+       FROM UNNEST($7::text[], $8::text[], $9::text[], $10::text[], $11::text[]) \
        AS t(u, s, j, k, p) RETURNING 1), \
-     n AS (SELECT pg_notify($13, q.s) FROM (SELECT DISTINCT s FROM UNNEST($9::text[]) AS s) q) \
+     n AS (SELECT pg_notify($12, q.s) FROM (SELECT DISTINCT s FROM UNNEST($8::text[]) AS s) q) \
      SELECT (SELECT COUNT(*) FROM s) + (SELECT COUNT(*) FROM j) + (SELECT COUNT(*) FROM t) \
      + (SELECT COUNT(*) FROM n)"
 );

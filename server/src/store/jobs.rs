@@ -1,6 +1,7 @@
 //! Persisted jobs and their steps: the saga log a restarted server resumes from. A job is
 //! written with its kind alone; its steps always come from the kind
-//! (`passage_model::jobs::JobKind::step_names`).
+//! (`passage_model::jobs::JobKind::step_names`), and a step's row is written when the step
+//! first starts (`store::job_log`): a step without one is pending.
 
 use super::page::{self, Page, PageReq, TimeKey, Where};
 use super::sql::Sql;
@@ -27,7 +28,7 @@ pub struct NewJob {
 
 /// Jobs written in a transaction beside other writes (a VM row, a reservation).
 pub trait JobTx {
-    /// Writes each job, queued, with its kind's steps pending.
+    /// Writes each job, queued, its steps pending (no rows of their own yet).
     fn insert_jobs(&mut self, jobs: &[NewJob]) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
@@ -36,8 +37,6 @@ impl JobTx for sqlx::Transaction<'_, sqlx::Sqlite> {
         if jobs.is_empty() {
             return Ok(());
         }
-        // One call for the jobs and all their steps: a creation's transaction is short of
-        // round trips to the single SQLite writer.
         let now = now_ms();
         let mut q = Sql::default();
         let rows = q.rows(jobs, |q, j| {
@@ -54,28 +53,9 @@ impl JobTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.int(now)
             )
         });
-        let steps: Vec<(JobId, usize, &str)> = jobs
-            .iter()
-            .flat_map(|j| {
-                j.kind
-                    .step_names()
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, n)| (j.uuid, i, *n))
-            })
-            .collect();
-        let step_rows = q.rows(&steps, |q, (job, i, name)| {
-            format!(
-                "{}, {}, {}, 'pending'",
-                q.text(job),
-                q.int(*i as i64),
-                q.text(name)
-            )
-        });
         let sql = format!(
             "INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, created_at) \
-             VALUES {rows};\n\
-             INSERT INTO job_steps (job_uuid, idx, name, state) VALUES {step_rows}"
+             VALUES {rows}"
         );
         bind_args!(sqlx::query(&sql), &q.args)
             .execute(&mut **self)
@@ -84,31 +64,19 @@ impl JobTx for sqlx::Transaction<'_, sqlx::Sqlite> {
     }
 }
 
-/// The jobs and their steps on Postgres, one statement over arrays whatever their count.
-const PG_INSERT: &str = "WITH \
-     j AS (INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, created_at) \
-       SELECT x.u, x.n, x.v, x.o, x.p, 'queued', $1 \
-       FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
-       AS x(u, n, v, o, p) RETURNING 1), \
-     st AS (INSERT INTO job_steps (job_uuid, idx, name, state) \
-       SELECT x.j, x.i, x.n, 'pending' FROM UNNEST($7::text[], $8::int8[], $9::text[]) \
-       AS x(j, i, n) RETURNING 1) \
-     SELECT (SELECT COUNT(*) FROM j)";
+/// The jobs on Postgres, one statement over arrays whatever their count.
+const PG_INSERT: &str = "INSERT INTO jobs (uuid, name, vm_uuid, owner_uuid, payload, state, \
+     created_at) \
+     SELECT x.u, x.n, x.v, x.o, x.p, 'queued', $1 \
+     FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) \
+     AS x(u, n, v, o, p)";
 
 impl JobTx for sqlx::Transaction<'_, sqlx::Postgres> {
     async fn insert_jobs(&mut self, jobs: &[NewJob]) -> StoreResult<()> {
         if jobs.is_empty() {
             return Ok(());
         }
-        let mut steps: (Vec<String>, Vec<i64>, Vec<String>) = Default::default();
-        for j in jobs {
-            for (i, name) in j.kind.step_names().iter().enumerate() {
-                steps.0.push(j.uuid.to_string());
-                steps.1.push(i as i64);
-                steps.2.push((*name).to_string());
-            }
-        }
-        let _: (i64,) = sqlx::query_as(PG_INSERT)
+        sqlx::query(PG_INSERT)
             .bind(now_ms())
             .bind(jobs.iter().map(|j| j.uuid.to_string()).collect::<Vec<_>>())
             .bind(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>())
@@ -123,10 +91,7 @@ impl JobTx for sqlx::Transaction<'_, sqlx::Postgres> {
                     .collect::<Vec<_>>(),
             )
             .bind(jobs.iter().map(|j| j.payload.clone()).collect::<Vec<_>>())
-            .bind(steps.0)
-            .bind(steps.1)
-            .bind(steps.2)
-            .fetch_one(&mut **self)
+            .execute(&mut **self)
             .await?;
         Ok(())
     }
@@ -152,6 +117,7 @@ struct JobRow {
 
 #[derive(sqlx::FromRow)]
 struct StepRow {
+    idx: i64,
     name: String,
     state: String,
     started_at: Option<i64>,
@@ -227,7 +193,7 @@ const JOB_COLS: &str =
     "uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at";
 
 const STEP_COLS: &str =
-    "name, state, started_at, ended_at, error, error_kind, progress_done, progress_total";
+    "idx, name, state, started_at, ended_at, error, error_kind, progress_done, progress_total";
 
 fn step_record(s: StepRow) -> StoreResult<StepRecord> {
     let failure = match s.error {
@@ -258,10 +224,37 @@ fn step_record(s: StepRow) -> StoreResult<StepRecord> {
     })
 }
 
+/// A job's steps, in order: each of its kind's, as its row says once it has started, and
+/// pending before.
+fn steps_of(kind: JobKind, rows: Vec<StepRow>) -> StoreResult<Vec<StepRecord>> {
+    let names = kind.step_names();
+    let mut out: Vec<StepRecord> = names
+        .iter()
+        .map(|n| StepRecord {
+            name: (*n).to_string(),
+            state: StepState::Pending,
+            started_at: None,
+            ended_at: None,
+            failure: None,
+            progress: None,
+        })
+        .collect();
+    for row in rows {
+        let slot = usize::try_from(row.idx)
+            .ok()
+            .and_then(|i| out.get_mut(i))
+            .ok_or_else(|| corrupt(format!("{kind} job step {}", row.idx)))?;
+        *slot = step_record(row)?;
+    }
+    Ok(out)
+}
+
 fn record(row: JobRow, steps: Vec<StepRow>) -> StoreResult<JobRecord> {
+    let kind =
+        JobKind::parse(&row.name).ok_or_else(|| corrupt(format!("job kind {}", row.name)))?;
     Ok(JobRecord {
         uuid: parse_uuid(&row.uuid, "job")?,
-        kind: JobKind::parse(&row.name).ok_or_else(|| corrupt(format!("job kind {}", row.name)))?,
+        kind,
         vm: row
             .vm_uuid
             .as_deref()
@@ -274,10 +267,7 @@ fn record(row: JobRow, steps: Vec<StepRow>) -> StoreResult<JobRecord> {
             .transpose()?,
         payload: row.payload,
         state: JobState::parse(&row.state).ok_or_else(|| corrupt(&row.state))?,
-        steps: steps
-            .into_iter()
-            .map(step_record)
-            .collect::<StoreResult<_>>()?,
+        steps: steps_of(kind, steps)?,
         error: row.error,
         created_at: to_time(row.created_at),
         ended_at: row.ended_at.map(to_time),
@@ -373,23 +363,33 @@ pub async fn set_state(
     Ok(())
 }
 
-/// Ends a step in `state`; a failure is kept with its kind (a later end without one keeps
-/// it: an undone step still says why its job failed).
+/// Ends a step of a `kind` job in `state`; a failure is kept with its kind (a later end
+/// without one keeps it: an undone step still says why its job failed). The step's row is
+/// written if it has none yet (a failure put on a step its task did ahead).
 pub async fn step_ended(
     db: &Db,
-    job: JobId,
+    (job, kind): (JobId, JobKind),
     idx: usize,
     state: StepState,
     failure: Option<&StepFailure>,
 ) -> StoreResult<()> {
+    let name = kind
+        .step_names()
+        .get(idx)
+        .ok_or_else(|| corrupt(format!("{kind} job {job} has no step {idx}")))?;
+    let now = now_ms();
     on_write!(db, |p| sqlx::query(
-        "UPDATE job_steps SET state = $3, ended_at = $4, error = COALESCE($5, error), \
-         error_kind = COALESCE($6, error_kind) WHERE job_uuid = $1 AND idx = $2"
+        "INSERT INTO job_steps (job_uuid, idx, name, state, started_at, ended_at, error, \
+         error_kind) VALUES ($1, $2, $3, $4, $5, $5, $6, $7) \
+         ON CONFLICT (job_uuid, idx) DO UPDATE SET state = excluded.state, \
+         ended_at = excluded.ended_at, error = COALESCE(excluded.error, job_steps.error), \
+         error_kind = COALESCE(excluded.error_kind, job_steps.error_kind)"
     )
     .bind(job.to_string())
     .bind(idx as i64)
+    .bind(*name)
     .bind(state.as_str())
-    .bind(now_ms())
+    .bind(now)
     .bind(failure.map(|f| f.message.as_str()))
     .bind(failure.map(|f| f.kind.as_str()))
     .execute(p)

@@ -10,7 +10,7 @@
 //! them (`create`) or a resize's new devices (`vms::begin_job`) alike; every other device
 //! state change is `devices::DeviceTx::move_many` (`device_moves`: one device or a batch
 //! of callers' moves alike); jobs are written by
-//! `jobs::JobTx::insert_jobs`, with their kind's steps.
+//! `jobs::JobTx::insert_jobs`, and their steps' rows by `job_log` as each step starts.
 
 pub mod accounts;
 pub mod create;
@@ -346,6 +346,61 @@ pub async fn wait_turn(
     match turn {
         Some(t) => t.clone().acquire_owned().await.ok(),
         None => None,
+    }
+}
+
+/// SQLite: `sql`, one or more statements whose `?`s are bound in order from `args`, as a
+/// transaction sent to the writer's thread in one call. A transaction of `in_tx!` is
+/// three calls (`BEGIN`, the statements, `COMMIT`), and between two calls the writer
+/// waits, idle and held, for the caller's task to be run again: on a busy runtime that
+/// wait, not the statements, was most of a batch's time. All or nothing: on an error the
+/// transaction is rolled back; a call dropped part-way closes the connection, which rolls
+/// back whatever it had begun, instead of handing it to the next writer inside a
+/// transaction.
+pub async fn sqlite_atomic(
+    write: &SqlitePool,
+    turn: &Option<Arc<tokio::sync::Semaphore>>,
+    sql: &str,
+    args: &[page::Arg],
+) -> StoreResult<()> {
+    /// The writer while a call that may leave a transaction open is under way.
+    struct Held(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            if let Some(mut c) = self.0.take() {
+                c.close_on_drop();
+            }
+        }
+    }
+    let _turn = wait_turn(turn).await;
+    let mut held = Held(Some(write.acquire().await?));
+    let Some(conn) = held.0.as_mut() else {
+        return Err(StoreError::Corrupt(
+            "the writer connection went missing".into(),
+        ));
+    };
+    let text = format!("BEGIN;\n{sql};\nCOMMIT");
+    let r = crate::bind_args!(sqlx::query(&text), args)
+        .execute(&mut **conn)
+        .await;
+    match r {
+        Ok(_) => {
+            // Committed: the connection goes back to the pool as it is.
+            drop(held.0.take());
+            Ok(())
+        }
+        Err(e) => {
+            // Rolled back, or nothing was begun; any other answer leaves the connection
+            // to be closed by `held`.
+            match sqlx::query("ROLLBACK").execute(&mut **conn).await {
+                Ok(_) => drop(held.0.take()),
+                Err(sqlx::Error::Database(d)) if d.message().contains("no transaction") => {
+                    drop(held.0.take())
+                }
+                Err(_) => {}
+            }
+            Err(e.into())
+        }
     }
 }
 

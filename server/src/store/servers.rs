@@ -1,6 +1,7 @@
 //! Compute nodes: join tokens, registration, heartbeats.
 
 use super::page::{self, Page, PageReq, TimeKey, Where};
+use super::sql::padded;
 use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time};
 use crate::{in_tx, on_read, on_write};
 use chrono::{DateTime, Utc};
@@ -145,15 +146,26 @@ pub async fn by_credential(db: &Db, credential_hash: &str) -> StoreResult<Option
     s.map(|s| parse_uuid(&s, "server")).transpose()
 }
 
-pub async fn heartbeat(db: &Db, uuid: ServerId) -> StoreResult<()> {
-    on_write!(db, |p| sqlx::query(
-        "UPDATE servers SET last_heartbeat = $2 WHERE uuid = $1"
-    )
-    .bind(uuid.to_string())
-    .bind(now_ms())
-    .execute(p)
-    .await
-    .map(|r| r.rows_affected()))?;
+/// Marks each of `servers` alive now, in one statement (`services::heartbeats` gathers
+/// the nodes' heartbeats into it).
+pub async fn heartbeat_many(db: &Db, servers: &[ServerId]) -> StoreResult<()> {
+    if servers.is_empty() {
+        return Ok(());
+    }
+    let mut w = Where::default();
+    let now = w.int(now_ms());
+    let list: Vec<String> = padded(servers)
+        .iter()
+        .map(|s| w.text(s.to_string()))
+        .collect();
+    let sql = format!(
+        "UPDATE servers SET last_heartbeat = {now} WHERE uuid IN ({})",
+        list.join(", ")
+    );
+    on_write!(db, |p| crate::bind_args!(sqlx::query(&sql), &w.args)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()))?;
     Ok(())
 }
 

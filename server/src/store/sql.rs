@@ -44,3 +44,30 @@ impl Sql {
         rows.join(", ")
     }
 }
+
+/// `items` with its last one repeated up to the next power of two: a statement's text
+/// then takes one of a few lengths, and the connection's cache of prepared statements
+/// keeps them, where a text per count was prepared anew and pushed the others out. A
+/// value twice in an `IN` list, or a row written twice with the same values, changes
+/// nothing.
+pub fn padded<T: Clone>(items: &[T]) -> Vec<T> {
+    let mut v = items.to_vec();
+    if let Some(last) = items.last() {
+        v.resize(items.len().next_power_of_two(), last.clone());
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padded;
+
+    #[test]
+    fn lists_are_padded_to_a_power_of_two_with_their_last_item() {
+        assert_eq!(padded::<u8>(&[]), Vec::<u8>::new());
+        assert_eq!(padded(&[1]), vec![1]);
+        assert_eq!(padded(&[1, 2, 3]), vec![1, 2, 3, 3]);
+        assert_eq!(padded(&[1, 2, 3, 4, 5]), vec![1, 2, 3, 4, 5, 5, 5, 5]);
+        assert_eq!(padded(&[1, 2, 3, 4]), vec![1, 2, 3, 4]);
+    }
+}

@@ -177,7 +177,7 @@ async fn run_claimed<W: Workflow>(
         }
         if lost.load(Ordering::SeqCst) {
             if let Some(done) = ended.take() {
-                job_log::steps(ctx, StepWrite::ended(job, done)).await?;
+                job_log::steps(ctx, StepWrite::ended(job, W::KIND, done)).await?;
             }
             tracing::warn!(%job, "lost the job's lease to another replica; stopping here");
             return Ok(());
@@ -185,7 +185,7 @@ async fn run_claimed<W: Workflow>(
         let key = format!("{}.{}", W::KIND, step.name());
         if ctx.cfg.pause_before.as_deref() == Some(key.as_str()) {
             if let Some(done) = ended.take() {
-                job_log::steps(ctx, StepWrite::ended(job, done)).await?;
+                job_log::steps(ctx, StepWrite::ended(job, W::KIND, done)).await?;
             }
             pause_point(ctx, &key).await;
         }
@@ -198,7 +198,11 @@ async fn run_claimed<W: Workflow>(
                 .iter()
                 .filter_map(|s| W::Step::ALL.iter().position(|a| a == s))
                 .fold(i, usize::max);
-            job_log::steps(ctx, StepWrite::advance(job, ended.take(), (i, last))).await?;
+            job_log::steps(
+                ctx,
+                StepWrite::advance(job, W::KIND, ended.take(), (i, last)),
+            )
+            .await?;
             for k in i..=last {
                 run.set(k, StepState::Running);
             }
@@ -222,7 +226,7 @@ async fn run_claimed<W: Workflow>(
                     "job step failed");
                 jobs::step_ended(
                     &ctx.jobs_db,
-                    job,
+                    (job, W::KIND),
                     idx,
                     StepState::Failed,
                     Some(&e.failure()),
@@ -232,7 +236,7 @@ async fn run_claimed<W: Workflow>(
             }
         }
     }
-    job_log::steps(ctx, StepWrite::succeed(job, ended)).await?;
+    job_log::steps(ctx, StepWrite::succeed(job, W::KIND, ended)).await?;
     Ok(())
 }
 
@@ -273,7 +277,9 @@ async fn unwind_as<W: Workflow>(ctx: &Ctx, job: JobId) -> ApiResult<Vec<String>>
                 .map_err(|e| StepError::Broken(format!("the undo is not idempotent: {e}")));
         }
         match r {
-            Ok(()) => jobs::step_ended(&ctx.jobs_db, job, i, StepState::Undone, None).await?,
+            Ok(()) => {
+                jobs::step_ended(&ctx.jobs_db, (job, W::KIND), i, StepState::Undone, None).await?
+            }
             Err(e) => {
                 tracing::warn!(%job, step = step.name(), error = %e, "undo failed");
                 errors.push(format!("{}: {e}", step.name()));

@@ -1332,6 +1332,21 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     for j in [&a, &bj, &c] {
         jobs::insert(&db, j.clone()).await.unwrap();
     }
+    assert_eq!(
+        step_rows(&db, a.uuid).await,
+        0,
+        "a job is written without its steps' rows"
+    );
+    assert!(
+        jobs::get(&db, a.uuid)
+            .await
+            .unwrap()
+            .steps
+            .iter()
+            .map(|s| s.name.as_str())
+            .eq(JobKind::Provision.step_names().iter().copied()),
+        "its kind names them"
+    );
     let task = |vm| {
         let id = passage_model::TaskId::new_ordered();
         let t = NewTask::new(id, server, Some(a.uuid), &Task::StopVm { vm_uuid: vm }).unwrap();
@@ -1341,9 +1356,9 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     job_log::write(
         &db,
         &[
-            StepWrite::advance(a.uuid, None, (0, 0)),
-            StepWrite::advance(bj.uuid, None, (0, 0)),
-            StepWrite::succeed(c.uuid, None),
+            StepWrite::advance(a.uuid, a.kind, None, (0, 0)),
+            StepWrite::advance(bj.uuid, bj.kind, None, (0, 0)),
+            StepWrite::succeed(c.uuid, c.kind, None),
         ],
         &[new1],
     )
@@ -1353,6 +1368,11 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     assert_eq!(ra.steps[0].state, StepState::Running);
     assert!(ra.steps[0].started_at.is_some() && ra.steps[0].ended_at.is_none());
     assert!(ra.steps[1..].iter().all(|s| s.state == StepState::Pending));
+    assert_eq!(
+        step_rows(&db, a.uuid).await,
+        1,
+        "a row for the step started"
+    );
     let rc = jobs::get(&db, c.uuid).await.unwrap();
     assert_eq!(rc.state, JobState::Succeeded);
     assert!(rc.ended_at.is_some());
@@ -1366,8 +1386,8 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     job_log::write(
         &db,
         &[
-            StepWrite::advance(a.uuid, Some((0, 0)), (1, 1)),
-            StepWrite::succeed(bj.uuid, Some((0, 0))),
+            StepWrite::advance(a.uuid, a.kind, Some((0, 0)), (1, 1)),
+            StepWrite::succeed(bj.uuid, bj.kind, Some((0, 0))),
         ],
         &[new2],
     )
@@ -1394,13 +1414,17 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
         kind: StepErrorKind::Retryable,
         message: "the node did not answer".into(),
     };
-    jobs::step_ended(&db, a.uuid, 1, StepState::Failed, Some(&failure))
+    jobs::step_ended(&db, (a.uuid, a.kind), 1, StepState::Failed, Some(&failure))
         .await
         .unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    job_log::write(&db, &[StepWrite::advance(a.uuid, None, (1, 1))], &[])
-        .await
-        .unwrap();
+    job_log::write(
+        &db,
+        &[StepWrite::advance(a.uuid, a.kind, None, (1, 1))],
+        &[],
+    )
+    .await
+    .unwrap();
     let ra = jobs::get(&db, a.uuid).await.unwrap();
     assert_eq!(ra.steps[1].state, StepState::Running);
     assert_eq!(ra.steps[1].failure, None);
@@ -1415,9 +1439,13 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     // before and after are untouched.
     let d = job(JobKind::Provision);
     jobs::insert(&db, d.clone()).await.unwrap();
-    job_log::write(&db, &[StepWrite::advance(d.uuid, None, (1, 3))], &[])
-        .await
-        .unwrap();
+    job_log::write(
+        &db,
+        &[StepWrite::advance(d.uuid, d.kind, None, (1, 3))],
+        &[],
+    )
+    .await
+    .unwrap();
     let rd = jobs::get(&db, d.uuid).await.unwrap();
     let states: Vec<StepState> = rd.steps.iter().map(|s| s.state).collect();
     use StepState::{Pending, Running, Succeeded};
@@ -1426,7 +1454,7 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     assert!(rd.steps[4].started_at.is_none());
     job_log::write(
         &db,
-        &[StepWrite::advance(d.uuid, Some((1, 3)), (4, 4))],
+        &[StepWrite::advance(d.uuid, d.kind, Some((1, 3)), (4, 4))],
         &[],
     )
     .await
@@ -1435,12 +1463,37 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
     let states: Vec<StepState> = rd.steps.iter().map(|s| s.state).collect();
     assert_eq!(states, [Pending, Succeeded, Succeeded, Succeeded, Running]);
     assert!(rd.steps[1..4].iter().all(|s| s.ended_at.is_some()));
-    job_log::write(&db, &[StepWrite::ended(d.uuid, (4, 4))], &[])
+    job_log::write(&db, &[StepWrite::ended(d.uuid, d.kind, (4, 4))], &[])
         .await
         .unwrap();
     let rd = jobs::get(&db, d.uuid).await.unwrap();
     assert_eq!(rd.steps[4].state, Succeeded);
     assert_eq!(rd.state, JobState::Queued, "the job goes on");
+
+    // A failure put on a step that has no row yet (one its task did ahead) is kept.
+    let e = job(JobKind::Provision);
+    jobs::insert(&db, e.clone()).await.unwrap();
+    let refused = StepFailure {
+        kind: StepErrorKind::Refused,
+        message: "start_vm: no bridge".into(),
+    };
+    jobs::step_ended(&db, (e.uuid, e.kind), 3, StepState::Failed, Some(&refused))
+        .await
+        .unwrap();
+    let re = jobs::get(&db, e.uuid).await.unwrap();
+    let states: Vec<StepState> = re.steps.iter().map(|s| s.state).collect();
+    assert_eq!(
+        states,
+        [Pending, Pending, Pending, StepState::Failed, Pending]
+    );
+    assert_eq!(re.steps[3].failure.as_ref(), Some(&refused));
+    assert!(re.steps[3].ended_at.is_some());
+    assert!(
+        jobs::step_ended(&db, (e.uuid, e.kind), 9, StepState::Failed, None)
+            .await
+            .is_err(),
+        "no such step"
+    );
 
     let mut queued: Vec<_> = tasks::take(&db, server, 10, i64::MAX)
         .await
@@ -1483,6 +1536,104 @@ both!(
     a_job_log_batch_writes_each_jobs_progress_on,
     a_job_log_batch_writes_each_jobs_progress
 );
+
+/// How many rows of `job`'s steps are stored.
+async fn step_rows(db: &Db, job: JobId) -> i64 {
+    let q = "SELECT COUNT(*) FROM job_steps WHERE job_uuid = $1";
+    match db {
+        Db::Sqlite { read, .. } => sqlx::query_scalar(q)
+            .bind(job.to_string())
+            .fetch_one(read)
+            .await
+            .unwrap(),
+        Db::Postgres(p) => sqlx::query_scalar(q)
+            .bind(job.to_string())
+            .fetch_one(p)
+            .await
+            .unwrap(),
+    }
+}
+
+/// Heartbeats written together mark each node named, however often, and no other.
+async fn heartbeats_together_mark_each_node_named(b: Backend) {
+    let (_tdb, db, first, _ids) = seeded(b).await;
+    let mut nodes = vec![first];
+    for i in 0..4 {
+        let token = format!("jt-{i}");
+        servers::insert_join_token(&db, &format!("{token}-hash"), "test", i64::MAX)
+            .await
+            .unwrap();
+        let s = servers::register(&db, &format!("{token}-hash"), &format!("cn-{i}"), &token)
+            .await
+            .unwrap()
+            .unwrap();
+        nodes.push(s);
+    }
+    let before: Vec<_> = {
+        let mut v = Vec::new();
+        for n in &nodes {
+            v.push(servers::get(&db, *n).await.unwrap().last_heartbeat);
+        }
+        v
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    // Three of five, one twice: a list of four padded to a power of two.
+    let named = [nodes[1], nodes[3], nodes[1], nodes[4]];
+    servers::heartbeat_many(&db, &named).await.unwrap();
+    for (i, n) in nodes.iter().enumerate() {
+        let now = servers::get(&db, *n).await.unwrap().last_heartbeat;
+        if named.contains(n) {
+            assert!(now > before[i], "node {i} marked");
+        } else {
+            assert_eq!(now, before[i], "node {i} untouched");
+        }
+    }
+    servers::heartbeat_many(&db, &[]).await.unwrap();
+}
+both!(
+    heartbeats_together_mark_each_node_named_on,
+    heartbeats_together_mark_each_node_named
+);
+
+/// A SQLite transaction sent in one call is all or nothing: a statement that fails
+/// leaves nothing of those before it, and the writer takes the next one as usual.
+#[tokio::test]
+async fn a_transaction_in_one_call_is_all_or_nothing() {
+    use passage_server::store::page::Arg;
+    let (_tdb, db, server, _ids) = seeded(Backend::Sqlite).await;
+    let Db::Sqlite { write, turn, .. } = &db else {
+        unreachable!("a SQLite database")
+    };
+    let mark = |host: &str| format!("UPDATE servers SET hostname = '{host}' WHERE uuid = ?");
+    let hostname = |db: &Db| {
+        let db = db.clone();
+        async move { servers::get(&db, server).await.unwrap().hostname }
+    };
+    // The second statement breaks a NOT NULL rule.
+    let broken = format!(
+        "{};\nUPDATE servers SET hostname = NULL WHERE uuid = ?",
+        mark("renamed")
+    );
+    let args = [Arg::Text(server.to_string()), Arg::Text(server.to_string())];
+    let e = passage_server::store::sqlite_atomic(write, turn, &broken, &args).await;
+    assert!(e.is_err(), "{e:?}");
+    assert_eq!(
+        hostname(&db).await,
+        "cn-1",
+        "the first statement rolled back"
+    );
+    passage_server::store::sqlite_atomic(write, turn, &mark("renamed"), &args[..1])
+        .await
+        .unwrap();
+    assert_eq!(hostname(&db).await, "renamed");
+    // A text that does not parse: whatever it began is rolled back, and the writer goes on.
+    let e = passage_server::store::sqlite_atomic(write, turn, "UPDATE nowhere", &[]).await;
+    assert!(e.is_err());
+    passage_server::store::sqlite_atomic(write, turn, &mark("again"), &args[..1])
+        .await
+        .unwrap();
+    assert_eq!(hostname(&db).await, "again");
+}
 
 /// Task results recorded together are each recorded as alone: once, only by the task's
 /// own node; a result given twice in one batch is recorded for the first; each refused
