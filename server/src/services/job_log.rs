@@ -7,7 +7,7 @@
 
 use super::Ctx;
 use crate::store::job_log::{self, NewTask, StepWrite};
-use crate::store::jobs::{self, JobRecord};
+use crate::store::jobs::JobRecord;
 use crate::store::{StoreError, StoreResult};
 use passage_model::JobId;
 use tokio::sync::oneshot;
@@ -78,15 +78,19 @@ fn split(batch: &[Pending]) -> (Vec<StepWrite>, Vec<NewTask>, Vec<JobId>) {
     (steps, tasks, claims)
 }
 
-/// The batch's writes in one transaction, then its claims in one statement.
+/// The batch's writes and its claims (in one transaction on SQLite).
 async fn run(
     ctx: &Ctx,
     steps: &[StepWrite],
     tasks: &[NewTask],
     claims: &[JobId],
 ) -> StoreResult<std::collections::HashMap<JobId, JobRecord>> {
-    job_log::write(&ctx.jobs_db, steps, tasks).await?;
-    jobs::claim_records(&ctx.jobs_db, claims, &ctx.instance, lease_until(ctx)).await
+    let claims = job_log::Claims {
+        jobs: claims,
+        owner: &ctx.instance,
+        until_ms: lease_until(ctx),
+    };
+    job_log::write_and_claim(&ctx.jobs_db, steps, tasks, &claims).await
 }
 
 async fn write_batch(ctx: Ctx, batch: Vec<Pending>) {

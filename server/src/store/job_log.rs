@@ -4,12 +4,14 @@
 //! and 10 per destroy of a VM with an image); `services::job_log` gathers those of every
 //! running job into one transaction of at most three statements.
 
+use super::jobs::{self, JobRecord};
 use super::sql::Sql;
 use super::{Db, StoreResult, corrupt, now_ms};
 use crate::store::page::Arg;
 use passage_model::jobs::JobKind;
 use passage_model::protocol::Task;
 use passage_model::{JobId, ServerId, TaskId};
+use std::collections::HashMap;
 
 /// The columns a step write gives a step's row.
 macro_rules! step_cols {
@@ -159,8 +161,31 @@ impl NewTask {
 /// Writes `steps` and `tasks` in one transaction: all of them or, on an error, none.
 /// A job appears at most once in `steps` (its runner waits for each of its writes).
 pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResult<()> {
-    if steps.is_empty() && tasks.is_empty() {
-        return Ok(());
+    write_and_claim(db, steps, tasks, &Claims::default())
+        .await
+        .map(drop)
+}
+
+/// Jobs for this process's runners to take, as `jobs::claim_records` takes them.
+#[derive(Default)]
+pub struct Claims<'a> {
+    pub jobs: &'a [JobId],
+    pub owner: &'a str,
+    pub until_ms: i64,
+}
+
+/// [`write`], then the `claims` as `jobs::claim_records` makes them: the jobs claimed, as
+/// they stand once claimed. On SQLite the claims go in the same call to the writer (its
+/// turns are what a burst of job steps waits for), as the transaction's last statement;
+/// on Postgres they follow the write's statement.
+pub async fn write_and_claim(
+    db: &Db,
+    steps: &[StepWrite],
+    tasks: &[NewTask],
+    claims: &Claims<'_>,
+) -> StoreResult<HashMap<JobId, JobRecord>> {
+    if steps.is_empty() && tasks.is_empty() && claims.jobs.is_empty() {
+        return Ok(HashMap::new());
     }
     let now = now_ms();
     let ended: Vec<JobId> = steps.iter().filter(|s| s.end_job).map(|s| s.job).collect();
@@ -209,36 +234,50 @@ pub async fn write(db: &Db, steps: &[StepWrite], tasks: &[NewTask]) -> StoreResu
                      created_at) VALUES {rows}"
                 ));
             }
-            super::sqlite_atomic(write, turn, &parts.join(";\n"), &q.args).await
+            if !claims.jobs.is_empty() {
+                parts.push(jobs::claim_sqlite(
+                    &mut q,
+                    claims.jobs,
+                    claims.owner,
+                    claims.until_ms,
+                ));
+            }
+            if parts.is_empty() {
+                return Ok(HashMap::new());
+            }
+            let claimed = super::sqlite_atomic(write, turn, &parts.join(";\n"), &q.args).await?;
+            jobs::claimed(db, &claimed).await
         }
         // One statement: atomic without a transaction around it.
         Db::Postgres(p) => {
-            let _: (i64,) = sqlx::query_as(PG_WRITE)
-                .bind(now)
-                .bind(rows.iter().map(|r| r.job.to_string()).collect::<Vec<_>>())
-                .bind(rows.iter().map(|r| r.idx).collect::<Vec<_>>())
-                .bind(rows.iter().map(|r| r.name).collect::<Vec<_>>())
-                .bind(rows.iter().map(|r| r.state).collect::<Vec<_>>())
-                .bind(ended.iter().map(ToString::to_string).collect::<Vec<_>>())
-                .bind(tasks.iter().map(|t| t.id.to_string()).collect::<Vec<_>>())
-                .bind(
-                    tasks
-                        .iter()
-                        .map(|t| t.server.to_string())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(
-                    tasks
-                        .iter()
-                        .map(|t| t.job.map(|j| j.to_string()))
-                        .collect::<Vec<_>>(),
-                )
-                .bind(tasks.iter().map(|t| t.kind).collect::<Vec<_>>())
-                .bind(tasks.iter().map(|t| t.payload.as_str()).collect::<Vec<_>>())
-                .bind(super::tasks::QUEUED_CHANNEL)
-                .fetch_one(p)
-                .await?;
-            Ok(())
+            if !steps.is_empty() || !tasks.is_empty() {
+                let _: (i64,) = sqlx::query_as(PG_WRITE)
+                    .bind(now)
+                    .bind(rows.iter().map(|r| r.job.to_string()).collect::<Vec<_>>())
+                    .bind(rows.iter().map(|r| r.idx).collect::<Vec<_>>())
+                    .bind(rows.iter().map(|r| r.name).collect::<Vec<_>>())
+                    .bind(rows.iter().map(|r| r.state).collect::<Vec<_>>())
+                    .bind(ended.iter().map(ToString::to_string).collect::<Vec<_>>())
+                    .bind(tasks.iter().map(|t| t.id.to_string()).collect::<Vec<_>>())
+                    .bind(
+                        tasks
+                            .iter()
+                            .map(|t| t.server.to_string())
+                            .collect::<Vec<_>>(),
+                    )
+                    .bind(
+                        tasks
+                            .iter()
+                            .map(|t| t.job.map(|j| j.to_string()))
+                            .collect::<Vec<_>>(),
+                    )
+                    .bind(tasks.iter().map(|t| t.kind).collect::<Vec<_>>())
+                    .bind(tasks.iter().map(|t| t.payload.as_str()).collect::<Vec<_>>())
+                    .bind(super::tasks::QUEUED_CHANNEL)
+                    .fetch_one(p)
+                    .await?;
+            }
+            jobs::claim_records(db, claims.jobs, claims.owner, claims.until_ms).await
         }
     }
 }

@@ -310,15 +310,46 @@ pub async fn claim_records(
     let mut w = Where::default();
     let (o, until, now) = (w.text(owner), w.int(until_ms), w.int(now_ms()));
     let list: Vec<String> = jobs.iter().map(|j| w.text(j.to_string())).collect();
-    let sql = format!(
-        "UPDATE jobs SET lease_owner = {o}, lease_until = {until}, state = 'running' \
-         WHERE uuid IN ({}) AND {} RETURNING {JOB_COLS}",
-        list.join(", "),
-        claimable(&o, &now)
-    );
+    let sql = claim_sql(&o, &until, &list.join(", "), &claimable(&o, &now));
     let rows: Vec<JobRow> = on_write!(db, |p| bind_args!(sqlx::query_as(&sql), &w.args)
         .fetch_all(p)
         .await)?;
+    with_steps_of(db, rows).await
+}
+
+/// The claim's statement, from its placeholders: the owner, the lease's end, the jobs'
+/// list and the claimable condition.
+fn claim_sql(owner: &str, until: &str, list: &str, claimable: &str) -> String {
+    format!(
+        "UPDATE jobs SET lease_owner = {owner}, lease_until = {until}, state = 'running' \
+         WHERE uuid IN ({list}) AND {claimable} RETURNING {JOB_COLS}"
+    )
+}
+
+/// [`claim_records`]'s statement for a SQLite call whose values are bound in order (`q`):
+/// its rows, returned, go to [`claimed`].
+pub(super) fn claim_sqlite(q: &mut Sql, jobs: &[JobId], owner: &str, until_ms: i64) -> String {
+    let (o, until) = (q.text(owner), q.int(until_ms));
+    let list = q.list(jobs);
+    let (o2, now) = (q.text(owner), q.int(now_ms()));
+    claim_sql(&o, &until, &list, &claimable(&o2, &now))
+}
+
+/// The jobs [`claim_sqlite`]'s statement returned, as [`claim_records`] answers them.
+pub(super) async fn claimed(
+    db: &Db,
+    rows: &[sqlx::sqlite::SqliteRow],
+) -> StoreResult<HashMap<JobId, JobRecord>> {
+    use sqlx::FromRow;
+    let rows = rows
+        .iter()
+        .map(JobRow::from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    with_steps_of(db, rows).await
+}
+
+/// Claimed jobs' rows with their steps, read in one query.
+async fn with_steps_of(db: &Db, rows: Vec<JobRow>) -> StoreResult<HashMap<JobId, JobRecord>> {
     if rows.is_empty() {
         return Ok(HashMap::new());
     }

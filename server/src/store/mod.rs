@@ -350,7 +350,8 @@ pub async fn wait_turn(
 }
 
 /// SQLite: `sql`, one or more statements whose `?`s are bound in order from `args`, as a
-/// transaction sent to the writer's thread in one call. A transaction of `in_tx!` is
+/// transaction sent to the writer's thread in one call; answers the rows its statements
+/// returned (a `RETURNING`'s), in order. A transaction of `in_tx!` is
 /// three calls (`BEGIN`, the statements, `COMMIT`), and between two calls the writer
 /// waits, idle and held, for the caller's task to be run again: on a busy runtime that
 /// wait, not the statements, was most of a batch's time. All or nothing: on an error the
@@ -362,7 +363,7 @@ pub async fn sqlite_atomic(
     turn: &Option<Arc<tokio::sync::Semaphore>>,
     sql: &str,
     args: &[page::Arg],
-) -> StoreResult<()> {
+) -> StoreResult<Vec<sqlx::sqlite::SqliteRow>> {
     /// The writer while a call that may leave a transaction open is under way.
     struct Held(Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>);
     impl Drop for Held {
@@ -381,13 +382,13 @@ pub async fn sqlite_atomic(
     };
     let text = format!("BEGIN;\n{sql};\nCOMMIT");
     let r = crate::bind_args!(sqlx::query(&text), args)
-        .execute(&mut **conn)
+        .fetch_all(&mut **conn)
         .await;
     match r {
-        Ok(_) => {
+        Ok(rows) => {
             // Committed: the connection goes back to the pool as it is.
             drop(held.0.take());
-            Ok(())
+            Ok(rows)
         }
         Err(e) => {
             // Rolled back, or nothing was begun; any other answer leaves the connection

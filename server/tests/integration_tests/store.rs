@@ -1531,6 +1531,39 @@ async fn a_job_log_batch_writes_each_jobs_progress(b: Backend) {
         1,
         "renewed by its owner"
     );
+
+    // Written and claimed together: the claims see the writes before them, and answer
+    // only the jobs claimed.
+    let f = job(JobKind::Provision);
+    jobs::insert(&db, f.clone()).await.unwrap();
+    let claims = job_log::Claims {
+        jobs: &[f.uuid, c.uuid, a.uuid],
+        owner: "me",
+        until_ms: until,
+    };
+    let claimed = job_log::write_and_claim(
+        &db,
+        &[StepWrite::advance(f.uuid, f.kind, None, (0, 1))],
+        &[],
+        &claims,
+    )
+    .await
+    .unwrap();
+    let mut got: Vec<JobId> = claimed.keys().copied().collect();
+    got.sort();
+    let mut want = vec![f.uuid, a.uuid];
+    want.sort();
+    assert_eq!(got, want, "the finished job is not claimed");
+    let rf = &claimed[&f.uuid];
+    assert_eq!(rf.state, JobState::Running);
+    let states: Vec<StepState> = rf.steps.iter().map(|s| s.state).collect();
+    assert_eq!(states, [Running, Running, Pending, Pending, Pending]);
+    assert!(
+        job_log::write_and_claim(&db, &[], &[], &job_log::Claims::default())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 both!(
     a_job_log_batch_writes_each_jobs_progress_on,
@@ -1616,7 +1649,7 @@ async fn a_transaction_in_one_call_is_all_or_nothing() {
     );
     let args = [Arg::Text(server.to_string()), Arg::Text(server.to_string())];
     let e = passage_server::store::sqlite_atomic(write, turn, &broken, &args).await;
-    assert!(e.is_err(), "{e:?}");
+    assert!(e.is_err(), "a NULL hostname is refused");
     assert_eq!(
         hostname(&db).await,
         "cn-1",
