@@ -88,6 +88,15 @@ pub trait Workflow: Sized + Send + Sync + 'static {
         async { Vec::new() }
     }
 
+    /// Whether `step`'s action, in this run, only looks and changes nothing, here or on a
+    /// node: its start then need not be written before it runs (a restart that finds it
+    /// pending runs it again), and it is written, started and succeeded, with the next
+    /// step's start. A provision's first step, from the write that reserved its devices,
+    /// was a turn of its own on the job log for each VM. False by default.
+    fn only_looks(_run: &Run<Self>, _step: Self::Step) -> bool {
+        false
+    }
+
     /// The step a failure of `step`'s action is recorded on: `step` itself, or, where it
     /// did the work of later steps too ([`Workflow::ahead`]), the one whose part failed.
     fn failed_at(_run: &Run<Self>, step: Self::Step, _error: &StepError) -> Self::Step {

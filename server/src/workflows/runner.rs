@@ -189,9 +189,12 @@ async fn run_claimed<W: Workflow>(
             }
             pause_point(ctx, &key).await;
         }
-        // Started with the step that did its work: nothing to write before it.
+        // Started with the step that did its work, or one that only looks: nothing to
+        // write before it.
         let done_ahead = run.was_done_ahead(step);
-        if !done_ahead {
+        if !done_ahead && W::only_looks(&run, step) {
+            run.set(i, StepState::Running);
+        } else if !done_ahead {
             ctx.job_pacer.turn(|| ctx.placer.busy()).await;
             let doing = W::ahead(ctx, &run, step).await;
             let last = doing

@@ -761,13 +761,20 @@ async fn a_node_that_runs_them_gets_one_task_per_boot_and_destroy(b: Backend) {
             j.steps
                 .iter()
                 .all(|st| st.state == StepState::Succeeded && st.ended_at.is_some())
-                .then_some(())
+                .then_some(j)
         })
         .await;
-        assert!(
-            done.is_some(),
-            "{query}: every step of the provision succeeded"
-        );
+        let Some(done) = done else {
+            panic!("{query}: every step of the provision succeeded")
+        };
+        // The reservation's check, written only with the next step's start, has its
+        // start as every step has.
+        for st in &done.steps {
+            assert!(
+                st.started_at.is_some() && st.started_at <= st.ended_at,
+                "{query}: {st:?}"
+            );
+        }
 
         let _: Vm = s.delete(&format!("/v1/vms/{}", vm.uuid)).await.ok(202);
         let gone = work_until(&node, query, "scrub").await;
