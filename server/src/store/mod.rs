@@ -351,10 +351,10 @@ pub async fn wait_turn(
 
 /// SQLite: `sql`, one or more statements whose `?`s are bound in order from `args`, as a
 /// transaction sent to the writer's thread in one call; answers the rows its statements
-/// returned (a `RETURNING`'s), in order. A transaction of `in_tx!` is
-/// three calls (`BEGIN`, the statements, `COMMIT`), and between two calls the writer
-/// waits, idle and held, for the caller's task to be run again: on a busy runtime that
-/// wait, not the statements, was most of a batch's time. All or nothing: on an error the
+/// returned (a `RETURNING`'s), in order. A transaction of `in_tx!` is three calls
+/// (`BEGIN`, the statements, `COMMIT`): between two calls the writer waits, idle and
+/// held, for the caller's task to be run again, and every other writer waits for its
+/// turn behind it (BENCHMARKS.md, thirty-sixth session). All or nothing: on an error the
 /// transaction is rolled back; a call dropped part-way closes the connection, which rolls
 /// back whatever it had begun, instead of handing it to the next writer inside a
 /// transaction.
