@@ -339,13 +339,46 @@ fn pg_pool_options() -> PgPoolOptions {
 }
 
 /// Waits for a turn to write, where the handle takes one (see [`Db::first_in_line`]).
+/// The turn, once given back, says at debug level where it was taken, how long it was
+/// waited for and how long it was held: on SQLite those turns are what a burst of job
+/// steps waits for, and which writer holds them longest is the first thing to know
+/// there (BENCHMARKS.md, thirty-seventh session).
 #[doc(hidden)]
-pub async fn wait_turn(
+#[track_caller]
+pub fn wait_turn(
     turn: &Option<Arc<tokio::sync::Semaphore>>,
-) -> Option<tokio::sync::OwnedSemaphorePermit> {
-    match turn {
-        Some(t) => t.clone().acquire_owned().await.ok(),
-        None => None,
+) -> impl Future<Output = Option<Turn>> + use<> {
+    let at = std::panic::Location::caller();
+    let turn = turn.clone();
+    async move {
+        let asked = std::time::Instant::now();
+        let permit = turn?.acquire_owned().await.ok()?;
+        Some(Turn {
+            _permit: permit,
+            at,
+            asked,
+            got: std::time::Instant::now(),
+        })
+    }
+}
+
+/// A turn to write on SQLite's one writer ([`wait_turn`]), given back when dropped.
+#[doc(hidden)]
+pub struct Turn {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    at: &'static std::panic::Location<'static>,
+    asked: std::time::Instant,
+    got: std::time::Instant,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        tracing::debug!(
+            at = %format_args!("{}:{}", self.at.file(), self.at.line()),
+            waited_ms = (self.got - self.asked).as_secs_f64() * 1e3,
+            held_ms = self.got.elapsed().as_secs_f64() * 1e3,
+            "writer turn given back"
+        );
     }
 }
 
