@@ -142,18 +142,33 @@ macro_rules! on_read {
 }
 
 /// Runs `$body` (an expression of type `StoreResult<T>`, which may `.await`) inside a
-/// transaction bound to `$tx`: committed on `Ok`, rolled back on `Err`.
+/// transaction bound to `$tx`: committed on `Ok`, rolled back on `Err`. On SQLite a
+/// committed transaction says at debug level where it was begun and how long its `BEGIN`,
+/// its body and its `COMMIT` took: a commit that crosses the WAL's checkpoint mark copies
+/// the WAL into the database file, and only this tells that cost from the statements'
+/// (BENCHMARKS.md, thirty-eighth session).
 #[macro_export]
 macro_rules! in_tx {
     ($db:expr, |$tx:ident| $body:expr) => {
         match $db {
             $crate::store::Db::Sqlite { write, turn, .. } => {
                 let _turn = $crate::store::wait_turn(turn).await;
+                let t0 = std::time::Instant::now();
                 let mut $tx = write.begin().await?;
+                let t1 = std::time::Instant::now();
                 let r: $crate::store::StoreResult<_> = async { $body }.await;
                 match r {
                     Ok(v) => {
+                        let t2 = std::time::Instant::now();
                         $tx.commit().await?;
+                        tracing::debug!(
+                            target: "passage_server::store",
+                            at = %format_args!("{}:{}", file!(), line!()),
+                            begin_ms = (t1 - t0).as_secs_f64() * 1e3,
+                            body_ms = (t2 - t1).as_secs_f64() * 1e3,
+                            commit_ms = t2.elapsed().as_secs_f64() * 1e3,
+                            "transaction committed"
+                        );
                         Ok(v)
                     }
                     Err(e) => {
