@@ -784,6 +784,7 @@ pub async fn create_instance(
         memory_mib: None,
         networks,
         metadata,
+        tags: None,
     };
     let vm: Vm =
         be::send(Method::POST, "/vms", &vm)

@@ -150,9 +150,45 @@ impl CreateAccount {
                 ),
             ));
         }
+        if is_reserved_login(&self.login) {
+            return Err(BodyError::new(
+                "login",
+                format!(
+                    "{:?} is reserved: CloudAPI serves each account at /LOGIN, beside the \
+                     server's own paths ({})",
+                    self.login,
+                    RESERVED_LOGINS.join(", ")
+                ),
+            ));
+        }
         check_password(&self.password)?;
         check_quota(self.gpu_quota)
     }
+}
+
+/// The first path segments the server itself answers (the API, the agent API, metrics,
+/// the portal's pages and files): CloudAPI answers `/LOGIN/…` at the root too, so no
+/// account may be named like one of them.
+pub const RESERVED_LOGINS: &[&str] = &[
+    "v1",
+    "agent",
+    "metrics",
+    "--ping",
+    "login",
+    "admin",
+    "instances",
+    "keys",
+    "pkg",
+    "portal",
+    "favicon.ico",
+    "openapi.json",
+];
+
+/// Whether `login` is one of [`RESERVED_LOGINS`], in any case.
+pub fn is_reserved_login(login: &str) -> bool {
+    RESERVED_LOGINS
+        .iter()
+        .any(|r| r.eq_ignore_ascii_case(login))
 }
 
 /// `Some(None)` when the field is present and null, `None` when absent.
@@ -530,7 +566,16 @@ pub struct Vm {
     #[serde(default)]
     #[schema(value_type = Option<String>, format = Ipv4)]
     pub primary_ip: Option<std::net::Ipv4Addr>,
+    /// Its tags.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub tags: crate::tags::Tags,
+    /// Its metadata for the guest, as given at creation.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
     pub created_at: DateTime<Utc>,
+    /// When its row last changed (state, devices, server).
+    pub updated_at: DateTime<Utc>,
 }
 
 /// The end of a VM's serial console, as its node keeps it.
@@ -581,6 +626,10 @@ pub struct CreateVm {
     /// (run at first boot), and any others.
     #[serde(default)]
     pub metadata: Option<BTreeMap<String, String>>,
+    /// Tags to find it by: string, number or boolean values.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tags: Option<crate::tags::Tags>,
 }
 
 impl CreateVm {
@@ -620,6 +669,9 @@ impl CreateVm {
         }
         if let Some(m) = &self.metadata {
             crate::metadata::check("metadata", m)?;
+        }
+        if let Some(t) = &self.tags {
+            crate::tags::check("tags", t)?;
         }
         if self.package.is_some() && self.assigned_devices.is_some() {
             return Err(BodyError::new(
@@ -994,6 +1046,7 @@ mod tests {
             memory_mib: None,
             networks: None,
             metadata: None,
+            tags: None,
         }
     }
 

@@ -34,7 +34,7 @@ pub struct CreateSshKey {
     #[schema(min_length = 1, max_length = 64)]
     pub name: Option<String>,
     /// One public key in OpenSSH's form (a line of `~/.ssh/id_ed25519.pub`):
-    /// ssh-ed25519, ecdsa-sha2-nistp256, or ssh-rsa of at least 2048 bits.
+    /// ssh-ed25519, ecdsa-sha2-nistp256/384/521, or ssh-rsa of at least 2048 bits.
     #[schema(min_length = 1, max_length = 8192)]
     pub key: String,
 }

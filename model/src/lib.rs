@@ -18,6 +18,7 @@ pub mod protocol;
 mod redact;
 mod schema;
 pub mod state;
+pub mod tags;
 pub mod variant;
 pub mod vgpu;
 

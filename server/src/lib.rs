@@ -1,6 +1,7 @@
 //! Passage's control plane.
 
 pub mod api;
+pub mod cloudapi;
 pub mod config;
 pub mod error;
 pub mod health;

@@ -199,6 +199,15 @@ pub struct VmFilter {
     pub assigned_device: Option<String>,
     /// Only VMs built from this image.
     pub image: Option<ImageId>,
+    /// Only VMs of this alias.
+    pub alias: Option<String>,
+    /// Leave destroyed VMs out.
+    pub live: bool,
+    /// Only VMs of this much memory.
+    pub memory_mib: Option<u64>,
+    /// Only VMs with each of these tags, by key, whose value's JSON text is one of those
+    /// given (`passage_model::tags::filter_texts`).
+    pub tags: Vec<(String, Vec<String>)>,
 }
 
 /// Which assignable devices the fleet-wide list shows.

@@ -13,6 +13,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::OriginalUri;
 use axum::http::{HeaderValue, Request, Response, StatusCode, header};
+use axum::response::IntoResponse;
 use leptos::prelude::*;
 use leptos_axum::{LeptosRoutes, generate_route_list};
 use passage_app::backend::{Backend, BackendHandle};
@@ -144,8 +145,10 @@ fn bundle_files(
         .service(files)
 }
 
-/// The portal's routes, ready to merge into the main router.
-pub fn router(v1: Router) -> Router {
+/// The portal's routes, ready to merge into the main router. Paths it does not route go
+/// to `cloudapi` when [`crate::cloudapi::claims`] takes them (an API client at `/LOGIN/…`),
+/// else to the portal's not-found page.
+pub fn router(v1: Router, cloudapi: Router) -> Router {
     let site = site_root();
     let options = LeptosOptions::builder()
         .output_name("passage")
@@ -169,7 +172,21 @@ pub fn router(v1: Router) -> Router {
         })
         .nest_service("/pkg", pkg)
         .route_service("/favicon.ico", favicon)
-        .fallback(move |req: Request<Body>| not_found(req))
+        .fallback(move |req: Request<Body>| {
+            let to_cloudapi =
+                crate::cloudapi::claims(req.method(), req.uri().path(), req.headers());
+            let (not_found, cloudapi) = (not_found.clone(), cloudapi.clone());
+            async move {
+                if to_cloudapi {
+                    match cloudapi.oneshot(req).await {
+                        Ok(r) => r,
+                        Err(never) => match never {},
+                    }
+                } else {
+                    not_found(req).await.into_response()
+                }
+            }
+        })
         .with_state(options)
 }
 

@@ -389,23 +389,28 @@ fn ensure_wasm_bindgen(root: &Path) -> Result<PathBuf> {
 }
 
 /// `wasm-opt` from npm's `binaryen` at the version `xtask/wasm-opt/package-lock.json`
-/// pins (with its checksum), installed by `npm ci` into
-/// `~/.cache/passage-tools/wasm-opt-<lock hash>/` on first use: outside the clone, so a
-/// fresh checkout does not fetch it again.
+/// pins (with its checksum).
 fn ensure_wasm_opt(root: &Path) -> Result<PathBuf> {
-    let spec = root.join("xtask/wasm-opt");
-    let lock = std::fs::read(spec.join("package-lock.json"))
-        .context("cannot read xtask/wasm-opt/package-lock.json")?;
-    let manifest = std::fs::read(spec.join("package.json"))
-        .context("cannot read xtask/wasm-opt/package.json")?;
+    npm_tool(root, "wasm-opt", "wasm-opt")
+}
+
+/// The command `bin` of the npm packages `xtask/<spec>/package-lock.json` pins (with
+/// their checksums), installed by `npm ci` into `~/.cache/passage-tools/<spec>-<lock
+/// hash>/` on first use: outside the clone, so a fresh checkout does not fetch it again.
+pub fn npm_tool(root: &Path, spec: &str, bin: &str) -> Result<PathBuf> {
+    let spec_dir = root.join("xtask").join(spec);
+    let lock = std::fs::read(spec_dir.join("package-lock.json"))
+        .with_context(|| format!("cannot read xtask/{spec}/package-lock.json"))?;
+    let manifest = std::fs::read(spec_dir.join("package.json"))
+        .with_context(|| format!("cannot read xtask/{spec}/package.json"))?;
     let key = hex::encode(&Sha256::digest([manifest.as_slice(), &lock].concat())[..6]);
-    let dir = tools_cache()?.join(format!("wasm-opt-{key}"));
-    let bin = dir.join("node_modules/.bin/wasm-opt");
-    if bin.is_file() {
-        return Ok(bin);
+    let dir = tools_cache()?.join(format!("{spec}-{key}"));
+    let path = dir.join("node_modules/.bin").join(bin);
+    if path.is_file() {
+        return Ok(path);
     }
     eprintln!(
-        "xtask: installing wasm-opt (npm binaryen) into {} (once)",
+        "xtask: installing {bin} (npm) into {} (once)",
         dir.display()
     );
     let partial = dir.with_extension("partial");
@@ -423,10 +428,13 @@ fn ensure_wasm_opt(root: &Path) -> Result<PathBuf> {
             .args(["ci", "--no-audit", "--no-fund"]),
     )?;
     std::fs::rename(&partial, &dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    if !bin.is_file() {
-        bail!("npm installed binaryen but {} is missing", bin.display());
+    if !path.is_file() {
+        bail!(
+            "npm installed xtask/{spec} but {} is missing",
+            path.display()
+        );
     }
-    Ok(bin)
+    Ok(path)
 }
 
 /// Where tools the build fetches are kept: `$XDG_CACHE_HOME/passage-tools`, else

@@ -49,10 +49,23 @@ pub fn run(args: &Args) -> Result<()> {
         test_image = ensure_test_image()?;
         Ok(())
     })?;
+    // Triton's own CLI, which the CloudAPI tests drive, found by them in PASSAGE_TEST_TRITON.
+    let mut triton = None;
+    stages.run("triton-cli", || {
+        triton = Some(crate::site::npm_tool(
+            &util::repo_root(),
+            "triton-cli",
+            "triton",
+        )?);
+        Ok(())
+    })?;
     let with_env = |mut cmd: Command| {
         cmd.env("PASSAGE_TEST_PG_URL", &pg_url);
         if let Some(p) = &test_image {
             cmd.env("PASSAGE_TEST_IMAGE", p);
+        }
+        if let Some(t) = &triton {
+            cmd.env("PASSAGE_TEST_TRITON", t);
         }
         cmd
     };

@@ -24,7 +24,7 @@ for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
 done >"$work/sources"
 mmdebstrap --variant=minbase --mode=root \
   --include=systemd-sysv,udev,linux-image-cloud-amd64,kmod \
-  --include=cloud-init,openssh-server,sudo,ifupdown,net-tools,iproute2,resolvconf \
+  --include=cloud-init,openssh-server,sudo,ifupdown,net-tools,iproute2,resolvconf,pciutils \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \

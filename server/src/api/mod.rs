@@ -248,12 +248,16 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/credential", post(agent::rotate_credential))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
+    let cloudapi_ctx = ctx.clone();
     let app = Router::new()
         .route("/metrics", get(metrics::render))
         .nest("/agent/v1", agent_api)
         .with_state(ctx)
         .nest_service("/v1", v1.clone())
-        .merge(crate::portal::router(v1))
+        .merge(crate::portal::router(
+            v1,
+            crate::cloudapi::router(cloudapi_ctx),
+        ))
         // Portal forms post small bodies; nothing else is served here.
         .layer(DefaultBodyLimit::max(API_BODY_LIMIT));
     hardening::security_headers(app).layer(tower_http::trace::TraceLayer::new_for_http())

@@ -266,6 +266,7 @@ impl From<VmsQuery> for VmFilter {
             server: q.server_uuid,
             assigned_device: q.assigned_device.map(|d| d.to_string()),
             image: q.image_uuid,
+            ..VmFilter::default()
         }
     }
 }

@@ -15,7 +15,7 @@ use ssh_key::{HashAlg, PublicKey};
 /// The smallest RSA modulus accepted, in bits.
 const MIN_RSA_BITS: usize = 2048;
 
-const ACCEPTED: &str = "ssh-ed25519, ecdsa-sha2-nistp256 or ssh-rsa of at least 2048 bits";
+const ACCEPTED: &str = "ssh-ed25519, ecdsa-sha2-nistp256/384/521 or ssh-rsa of at least 2048 bits";
 
 /// A key as the API shows it, from its OpenSSH text; `name` defaults to the key's comment,
 /// else its fingerprint. Anything but one key of an accepted type is `InvalidArgument`.
@@ -44,7 +44,12 @@ pub fn parse(req: &CreateSshKey) -> ApiResult<SshKey> {
         ))
     })?;
     match key.key_data() {
-        KeyData::Ed25519(_) | KeyData::Ecdsa(EcdsaPublicKey::NistP256(_)) => {}
+        // Every curve OpenSSH and CloudAPI's signatures take (P-384 and P-521 sign
+        // ecdsa-sha384 and ecdsa-sha512).
+        KeyData::Ed25519(_)
+        | KeyData::Ecdsa(
+            EcdsaPublicKey::NistP256(_) | EcdsaPublicKey::NistP384(_) | EcdsaPublicKey::NistP521(_),
+        ) => {}
         KeyData::Rsa(rsa) => {
             let bits = rsa.n.as_positive_bytes().map_or(0, |n| {
                 n.first()
@@ -168,6 +173,7 @@ mod tests {
     const ECDSA_P256: &str = "ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBGMt6xyGiKol+p1ukMkfdIqbfHsgbNV3GNbRV44dEmjcsHiaWyNr46dai4cUsY9vTziWg9PleQHp4H6aeCEjMKc= ec256";
     const ECDSA_P384: &str = "ecdsa-sha2-nistp384 AAAAE2VjZHNhLXNoYTItbmlzdHAzODQAAAAIbmlzdHAzODQAAABhBDuEUt5zi8zTckA4J+nj7f3lFxHRmuGWv9Jr/vnOf+c8CS64YA45JBnIA7YZN1/MwrWPpReYAAUD8Wwcpfu4vt35IaNOINxw+V3eJBbYuGDB60wZYT+3tcWvJ0+FTViDaQ== ec384";
     const RSA_2048: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDoDfUJc2D51d7DpIWsAkDMp5rCqzUglzv8YuS7uL1xs+si7uKLxPfChaJjlDirw5s0A6ABpIHveVmxPbLAJnGVcFb2SpJza6huE6JTtEcdogoh0SRsm0NixXFn2xFEFEloAVmN8CtfX7ujNVmbsPkD1mV17NTBL+u8QMvaP0qf92jlwMBqdBiqExpKKSmPJolKId6GwemmL8rVJ26zJWcnTevv55hioea9vXXTGGronbzr4SanMwOJelrYBU3v3Cjwa+KAhaIyVecngcGCkCOJuKw+Mb9SelAPDmxuNUqqM3UMqdte0Az2mHxqCair7xDp0lt6vLanYdrMVrhiE7qh rsa2048";
+    const DSA: &str = "ssh-dss AAAAB3NzaC1kc3MAAACBANhny2MiH4/2HsG7BWLcapQ5i3PhKerbuMWUMD6cOpG+cQhx77IVwHlj7g0Aa4rv3PmNLVL1V7d3VDwuW4iwfxLTdZ9azPKNxI11ruTCfUlH7LZuaNkN0fE5WqwMYa/EpK0JGXfPIrxnRVIFz2yFE1n7Q/qemGnlDOA+6/xqwsbNAAAAFQDZcuZ5yQBjPG51MIQ6H2OdRkuybwAAAIAe9r6J8NgHg8oN6yQp/+qLsxMZ+EOKyyOVaIbfsVCYQyN3vTZRo2on6bc8ezFk6B4HxX6r8qyC0hQqVNRjPJbBWwNkD/Qy9xlw5/msYCBhf9PRwHZB9y/cdNRt8vvEW+ccJBaVa1+dC6RXGrwHBeUvkUH1uChxU28XERSCgH0rTAAAAIEAqY7gSpZ8eTUVWsAvVFFpnz8Gtr9M33OrXIRGjgPfWdVJs5bESV+pX/46Nr5Zm6/9WOVOIXRLmpnK3+nbAeLhb9iQebkzoYz7dibuKH3tE7AfTUQJtNh8Z/b30F6HXFfQCku5eJUOwHoIbbKk5YZhkguh8WD64os1qa6AR7F0uqM= dsa";
     const RSA_1024: &str = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAAAgQD3Mv8n2ti7kCyrbBm5WRsY8h+SxpNnCYXKAaSmFC8HAVSOwT85XWhVJHy9RiIi9rd9scAwCPsC1NUU7LBelDd9M1vWuI4UUjz/YH6wihWI5e1+i0fHFjX6JxPRVujJppjTHSL8+ocXaxiQdJ9lDz8pDXTqvzyiejptwG0z+uCgGQ== rsa1024";
 
     #[test]
@@ -202,6 +208,13 @@ mod tests {
     }
 
     #[test]
+    fn the_larger_ecdsa_curves_are_accepted() {
+        let k = parse(&req(ECDSA_P384)).unwrap_or_else(|e| panic!("{}", e.message));
+        assert_eq!(k.name, "ec384");
+        assert!(k.fingerprint.starts_with("SHA256:"));
+    }
+
+    #[test]
     fn a_key_without_a_comment_is_named_by_its_fingerprint() {
         let bare: Vec<&str> = ED25519.split(' ').take(2).collect();
         let k = parse(&req(&bare.join(" "))).unwrap_or_else(|e| panic!("{}", e.message));
@@ -227,7 +240,7 @@ mod tests {
             (two.as_str(), "one line"),
             (long.as_str(), "at most"),
             (RSA_1024, "RSA key of 1024 bits"),
-            (ECDSA_P384, "ecdsa-sha2-nistp384, which is not accepted"),
+            (DSA, "ssh-dss, which is not accepted"),
         ];
         for (text, why) in cases {
             let e = parse(&req(text))

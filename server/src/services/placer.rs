@@ -50,13 +50,14 @@ pub struct Request {
 }
 
 /// What a creation asks for besides its package: addresses on networks (and so servers
-/// with their bridges), and metadata for its guest.
+/// with their bridges), metadata for its guest, and tags.
 #[derive(Clone)]
 pub struct Extras {
     pub nics: Vec<NicWant>,
     pub bridges: BridgeFilter,
     /// A JSON object.
     pub metadata: String,
+    pub tags: passage_model::tags::Tags,
 }
 
 impl Extras {
@@ -66,6 +67,7 @@ impl Extras {
             nics: Vec::new(),
             bridges: BridgeFilter::any(),
             metadata: "{}".into(),
+            tags: passage_model::tags::Tags::new(),
         }
     }
 }
@@ -177,6 +179,7 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
             image: p.req.image,
             nics: &p.req.extras.nics,
             metadata: &p.req.extras.metadata,
+            tags: &p.req.extras.tags,
         })
         .collect();
     let t0 = std::time::Instant::now();

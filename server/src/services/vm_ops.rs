@@ -47,6 +47,47 @@ pub async fn start(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     Ok(begin::<Start>(ctx, &vm, &[VmState::Stopped], &(), None).await?)
 }
 
+/// How long a reboot waits for its stop before it gives up on the start.
+const REBOOT_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A stop, then a start once the stop has ended (CloudAPI's RebootMachine): the VM keeps
+/// its devices throughout. Answers when the stop has begun; a stop that fails leaves the
+/// VM as the stop left it, and no start is made.
+pub async fn reboot(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+    let vm = stop(ctx, caller, uuid).await?;
+    let Some(job) = vm.job_uuid else {
+        return Ok(vm);
+    };
+    let (ctx2, caller2) = (ctx.clone(), caller.clone());
+    tokio::spawn(async move {
+        let deadline = tokio::time::Instant::now() + REBOOT_STOP_WAIT;
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let ended = match crate::store::jobs::get(&ctx2.db, job).await {
+                Ok(rec) => !matches!(
+                    rec.state,
+                    passage_model::api::JobState::Queued | passage_model::api::JobState::Running
+                ),
+                Err(e) => {
+                    tracing::warn!(vm = %uuid, error = %e, "reboot: cannot read its stop job");
+                    return;
+                }
+            };
+            if ended {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(vm = %uuid, "reboot: the stop did not end in time; not starting");
+                return;
+            }
+        }
+        if let Err(e) = start(&ctx2, &caller2, uuid).await {
+            tracing::warn!(vm = %uuid, error = %e.message, "reboot: the start was refused");
+        }
+    });
+    Ok(vm)
+}
+
 /// The VM's devices by variant, as the fleet knows them.
 async fn current(ctx: &Ctx, vm: &Vm) -> ApiResult<(ServerId, BTreeMap<String, Vec<DevicePath>>)> {
     let server = vm

@@ -73,6 +73,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         nics: attachment.nics,
         bridges: super::networks::BridgeFilter::new(ctx, attachment.bridges).await?,
         metadata,
+        tags: req.tags.clone().unwrap_or_default(),
     };
     let job = JobId::new_ordered();
     let uuid = VmId::new_ordered();
@@ -215,6 +216,7 @@ pub(super) async fn place_and_reserve(
                 image,
                 nics: &extras.nics,
                 metadata: &extras.metadata,
+                tags: &extras.tags,
             },
             ctx.cfg.alloc,
         )
@@ -451,6 +453,7 @@ async fn create_with_devices(
             image: Some(image.uuid),
             nics: &extras.nics,
             metadata: &extras.metadata,
+            tags: &extras.tags,
         },
         ctx.cfg.alloc,
     )

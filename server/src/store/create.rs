@@ -35,6 +35,8 @@ pub struct NewVm<'a> {
     pub nics: &'a [NicWant],
     /// Its metadata for the guest, as a JSON object.
     pub metadata: &'a str,
+    /// Its tags.
+    pub tags: &'a passage_model::tags::Tags,
 }
 
 impl NewVm<'_> {
@@ -75,8 +77,15 @@ impl NewVm<'_> {
             assigned_devices: self.devices.to_vec(),
             job_uuid: Some(self.job),
             image_uuid: self.image,
+            tags: self.tags.clone(),
+            metadata: serde_json::from_str(self.metadata).unwrap_or_default(),
             created_at: to_time(now),
+            updated_at: to_time(now),
         }
+    }
+
+    fn tags_json(&self) -> StoreResult<String> {
+        serde_json::to_string(self.tags).map_err(super::corrupt)
     }
 
     fn devices_json(&self) -> StoreResult<String> {
@@ -111,8 +120,9 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
             let null_or = |q: &mut Sql, v: Option<String>| {
                 q.arg(v.map_or(super::page::Arg::Null, super::page::Arg::Text))
             };
+            let tags = vm.tags_json()?;
             rows.push(format!(
-                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {}, {}, {})",
+                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
                 q.text(vm.uuid),
                 q.text(vm.alias),
                 q.text(vm.owner),
@@ -128,12 +138,13 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 null_or(&mut q, image),
                 q.text(nics),
                 q.text(vm.metadata),
+                q.text(tags),
             ));
         }
         let sql = format!(
             "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
              memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, nics, \
-             metadata) VALUES {}",
+             metadata, tags) VALUES {}",
             rows.join(", ")
         );
         bind_args!(sqlx::query(&sql), &q.args)
@@ -146,11 +157,11 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
 /// The VM rows on Postgres, one statement over arrays whatever their count.
 const PG_INSERT: &str = "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, \
      state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, \
-     nics, metadata) \
-     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i, x.n, x.md \
+     nics, metadata, tags) \
+     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i, x.n, x.md, x.t \
      FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[], \
-     $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[]) \
-     AS x(u, a, o, s, p, c, m, d, j, i, n, md)";
+     $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[], \
+     $15::text[]) AS x(u, a, o, s, p, c, m, d, j, i, n, md, t)";
 
 impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
     async fn insert_vms(&mut self, all: &[(&NewVm<'_>, &[Nic])], now: i64) -> StoreResult<()> {
@@ -197,6 +208,11 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
             )
             .bind(nics)
             .bind(texts(&|v| v.metadata.to_string()))
+            .bind(
+                vms.iter()
+                    .map(|v| v.tags_json())
+                    .collect::<StoreResult<Vec<_>>>()?,
+            )
             .execute(&mut **self)
             .await?;
         Ok(())

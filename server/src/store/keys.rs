@@ -117,3 +117,35 @@ pub async fn delete(db: &Db, account: AccountId, name: &str) -> StoreResult<()> 
     }
     Ok(())
 }
+
+/// The account of `login` and its key of MD5 fingerprint `md5`, as OpenSSH text: what an
+/// HTTP Signature names (`/LOGIN/keys/MD5`). `None` when either is unknown.
+pub async fn signing_key(
+    db: &Db,
+    login: &str,
+    md5: &str,
+) -> StoreResult<Option<(AccountId, String)>> {
+    let row: Option<(String, String)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT a.uuid, k.public_key FROM accounts a \
+         JOIN ssh_keys k ON k.account_uuid = a.uuid \
+         WHERE a.login = $1 AND k.md5_fingerprint = $2"
+    )
+    .bind(login)
+    .bind(md5)
+    .fetch_optional(p)
+    .await)?;
+    row.map(|(uuid, key)| Ok((super::parse_uuid(&uuid, "account")?, key)))
+        .transpose()
+}
+
+/// An account's key by its MD5 fingerprint (`aa:bb:…`), as CloudAPI's GetKey also takes.
+pub async fn by_md5(db: &Db, account: AccountId, md5: &str) -> StoreResult<SshKey> {
+    let sql =
+        format!("SELECT {COLS} FROM ssh_keys WHERE account_uuid = $1 AND md5_fingerprint = $2");
+    let row: Option<KeyRow> = on_read!(db, |p| sqlx::query_as(&sql)
+        .bind(account.to_string())
+        .bind(md5)
+        .fetch_optional(p)
+        .await)?;
+    row.map(SshKey::from).ok_or(StoreError::NotFound("key"))
+}

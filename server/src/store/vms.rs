@@ -29,10 +29,14 @@ struct VmRow {
     created_at: i64,
     image_uuid: Option<String>,
     nics: String,
+    tags: String,
+    updated_at: i64,
+    metadata: String,
 }
 
 const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
-    memory_mib, assigned_devices, job_uuid, created_at, image_uuid, nics";
+    memory_mib, assigned_devices, job_uuid, created_at, image_uuid, nics, tags, updated_at, \
+    metadata";
 
 impl VmRow {
     fn into_view(self) -> StoreResult<Vm> {
@@ -68,7 +72,10 @@ impl VmRow {
                 .as_deref()
                 .map(|s| parse_uuid(s, "image"))
                 .transpose()?,
+            tags: serde_json::from_str(&self.tags).map_err(corrupt)?,
+            metadata: serde_json::from_str(&self.metadata).map_err(corrupt)?,
             created_at: to_time(self.created_at),
+            updated_at: to_time(self.updated_at),
         })
     }
 }
@@ -113,6 +120,34 @@ pub async fn list(db: &Db, f: &VmFilter, req: &PageReq<TimeKey>) -> StoreResult<
             .replace('_', "\\_");
         let a = w.text(format!("%\"{escaped}\"%"));
         w.and(format!("assigned_devices LIKE {a} ESCAPE '\\'"));
+    }
+    if let Some(alias) = &f.alias {
+        let a = w.text(alias.clone());
+        w.and(format!("alias = {a}"));
+    }
+    if f.live {
+        let a = w.text(VmState::Destroyed.as_str());
+        w.and(format!("state <> {a}"));
+    }
+    if let Some(m) = f.memory_mib {
+        let a = w.int(i64::try_from(m).unwrap_or(i64::MAX));
+        w.and(format!("memory_mib = {a}"));
+    }
+    for (key, texts) in &f.tags {
+        // The value's JSON text: SQLite's `->` and Postgres' `jsonb -> key` both give it
+        // minified, so `"train"`, `8` and `true` compare as written by `filter_texts`.
+        let value = match db {
+            Db::Sqlite { .. } => {
+                let k = w.text(format!("$.\"{key}\""));
+                format!("(tags -> {k})")
+            }
+            Db::Postgres(_) => {
+                let k = w.text(key.clone());
+                format!("((tags::jsonb -> {k})::text)")
+            }
+        };
+        let alts: Vec<String> = texts.iter().map(|t| w.text(t.clone())).collect();
+        w.and(format!("{value} IN ({})", alts.join(", ")));
     }
     let p = page::newest_first(db, COLS, "vms", w, req, |r: &VmRow| {
         TimeKey::new(r.created_at, &r.uuid)

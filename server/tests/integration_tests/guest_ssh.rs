@@ -267,4 +267,93 @@ async fn walk(image: &Path) {
     .await
     .expect("the second VM was destroyed");
     assert!(our_taps().is_empty(), "taps left: {:?}", our_taps());
+
+    // The same through Triton's own CLI: `triton instance create -w`, then `triton ssh`.
+    let Some(cli) = super::triton_cli::triton_cli() else {
+        return;
+    };
+    wait_for(Duration::from_secs(120), || async {
+        let srv: passage_model::api::Server =
+            op.get(&format!("/v1/servers/{server}")).await.ok(200);
+        srv.assignable_devices?
+            .iter()
+            .all(|d| d.state == passage_model::DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await
+    .expect("the GPUs were scrubbed again");
+    let (user, public) = super::triton_cli::TritonUser::new(&cli, &base, "tenant");
+    tenant
+        .post::<serde_json::Value>("/v1/keys", &json!({"name": "triton", "key": public}))
+        .await
+        .ok(201);
+    let started = Instant::now();
+    let out = user
+        .run(&[
+            "instance",
+            "create",
+            "-w",
+            "-n",
+            "tri-box",
+            "debian-cloud",
+            "ssh-2x",
+        ])
+        .await
+        .ok();
+    assert!(out.contains("Created instance tri-box"), "{out}");
+    // `triton ssh` runs `ssh` from PATH with no key or host-key options; a user answers
+    // the host-key prompt and has the key in ~/.ssh (which ssh finds by the passwd entry,
+    // not $HOME). This `ssh` does both, then runs the real one with what triton gave it.
+    let bin = user.home.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let wrapper = bin.join("ssh");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec {} -F /dev/null -o BatchMode=yes -o ConnectTimeout=10 \
+             -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -i {} \"$@\"\n",
+            sh(Command::new("sh").args(["-c", "command -v ssh"])).trim(),
+            user.ssh_dir().join("id_ed25519").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let lspci = wait_for(Duration::from_secs(600), || {
+        let mut cmd = user.command(&["ssh", "tri-box", "lspci", "-n"]);
+        cmd.env("PATH", &path);
+        async move {
+            let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+                .await
+                .ok()?;
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).to_string())
+        }
+    })
+    .await
+    .expect("triton ssh tri-box answered");
+    println!(
+        "triton instance create -w → triton ssh answers {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        lspci.matches("1234:11e8").count(),
+        2,
+        "two stand-in GPUs in `lspci -n`: {lspci}"
+    );
+    let out = user
+        .run(&["instance", "delete", "-w", "-f", "tri-box"])
+        .await
+        .ok();
+    assert!(out.contains("Delete instance tri-box"), "{out}");
+    assert!(our_taps().is_empty(), "taps left: {:?}", our_taps());
 }

@@ -3,6 +3,7 @@
 
 mod addresses;
 mod api;
+mod cloudapi;
 mod console;
 mod durable;
 mod e2e;
@@ -22,5 +23,6 @@ mod security;
 mod sriov;
 mod store;
 mod tls;
+mod triton_cli;
 mod vgpus;
 mod workflows;

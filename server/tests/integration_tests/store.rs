@@ -79,6 +79,8 @@ async fn tenant(db: &Db, login: &'static str, quota: Option<u32>) -> AccountId {
     .uuid
 }
 
+static NO_TAGS: passage_model::tags::Tags = passage_model::tags::Tags::new();
+
 fn paths(ids: &[String]) -> Vec<DevicePath> {
     ids.iter().map(|i| i.parse().unwrap()).collect()
 }
@@ -102,6 +104,7 @@ fn new_vm<'a>(
         image: None,
         nics: &[],
         metadata: "{}",
+        tags: &NO_TAGS,
     }
 }
 
@@ -526,6 +529,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         image: None,
         nics: &[],
         metadata: "{}",
+        tags: &NO_TAGS,
     };
     let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
         Box::leak(v.into_boxed_slice())
@@ -920,6 +924,7 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
                 image: None,
                 nics: &[],
                 metadata: "{}",
+                tags: &NO_TAGS,
             })
             .collect();
         let outcomes = if batch {

@@ -1,0 +1,324 @@
+//! CloudAPI's HTTP face, called directly with signed requests: what the `triton` CLI
+//! cannot be made to send (a stale date, a burst of bad signatures, forms, query
+//! actions), and the answers around it (`/--ping`, paging, reserved logins, the portal's
+//! own not-found page for browsers).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::*;
+use base64::Engine;
+use ed25519_dalek::{Signer, SigningKey};
+use passage_model::ErrorCode;
+use passage_model::keys::SshKey;
+use serde_json::{Value, json};
+
+/// An account's key, and requests signed with it as the `triton` CLI signs them.
+struct Signer25519 {
+    login: String,
+    key: SigningKey,
+    md5: String,
+}
+
+impl Signer25519 {
+    fn new(login: &str) -> Signer25519 {
+        Signer25519 {
+            login: login.to_string(),
+            key: SigningKey::generate(&mut rand::rngs::OsRng),
+            md5: String::new(),
+        }
+    }
+
+    fn public(&self) -> String {
+        let k = ssh_key::PublicKey::from(ssh_key::public::Ed25519PublicKey(
+            self.key.verifying_key().to_bytes(),
+        ));
+        k.to_openssh().unwrap()
+    }
+
+    /// Adds the key to the account through `/v1` and remembers its fingerprint.
+    async fn register(&mut self, c: &Client) {
+        let k: SshKey = c
+            .post("/v1/keys", &json!({"key": self.public()}))
+            .await
+            .ok(201);
+        self.md5 = k.md5_fingerprint;
+    }
+
+    fn authorization(&self, method: &str, target: &str, date: &str) -> String {
+        let message = format!(
+            "(request-target): {} {target}\ndate: {date}",
+            method.to_lowercase()
+        );
+        let sig = self.key.sign(message.as_bytes());
+        format!(
+            "Signature keyId=\"/{}/keys/{}\",algorithm=\"ed25519-sha512\",\
+             headers=\"(request-target) date\",signature=\"{}\"",
+            self.login,
+            self.md5,
+            base64::engine::general_purpose::STANDARD.encode(sig.to_bytes())
+        )
+    }
+
+    async fn send(
+        &self,
+        s: &TestServer,
+        method: &str,
+        target: &str,
+        body: Option<(&str, String)>,
+    ) -> reqwest::Response {
+        self.send_dated(s, method, target, body, chrono::Utc::now())
+            .await
+    }
+
+    async fn send_dated(
+        &self,
+        s: &TestServer,
+        method: &str,
+        target: &str,
+        body: Option<(&str, String)>,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> reqwest::Response {
+        let date = at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
+        let mut r = s
+            .http
+            .request(method.parse().unwrap(), s.url(target))
+            .header("date", &date)
+            .header("accept", "application/json")
+            .header("authorization", self.authorization(method, target, &date));
+        if let Some((ctype, b)) = body {
+            r = r.header("content-type", ctype).body(b);
+        }
+        r.send().await.unwrap()
+    }
+}
+
+async fn code_of(r: reqwest::Response) -> (u16, String) {
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    (status, body["code"].as_str().unwrap_or("").to_string())
+}
+
+async fn cloudapi_by_hand(backend: Backend) {
+    let mut s = TestServer::start(backend, fast_config()).await;
+    let _node = s.add_node(2).await;
+    let package = s.h100_catalog(1).await;
+    let (_, token) = s.tenant("carol").await;
+    let carol_api = s.with(&token);
+    let mut carol = Signer25519::new("carol");
+    carol.register(&carol_api).await;
+
+    // Ping needs no signature; everything else does.
+    let ping: Value = s
+        .http
+        .get(s.url("/--ping"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ping["ping"], "pong");
+    let r = s
+        .http
+        .get(s.url("/carol/machines"))
+        .header("accept", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(code_of(r).await, (401, "InvalidCredentials".into()));
+    // A browser asking for the same path gets the portal's not-found page.
+    let r = s
+        .http
+        .get(s.url("/carol/machines"))
+        .header("accept", "text/html,application/xhtml+xml")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(r.text().await.unwrap().contains("<html"));
+
+    // A date more than five minutes off is refused, though the signature is good.
+    let stale = chrono::Utc::now() - chrono::Duration::seconds(400);
+    let r = carol
+        .send_dated(&s, "GET", "/carol/machines", None, stale)
+        .await;
+    assert_eq!(code_of(r).await, (401, "InvalidCredentials".into()));
+    let r = carol.send(&s, "GET", "/carol", None).await;
+    assert_eq!(r.status(), 200);
+
+    // Machines: form bodies, query actions, paging by page length, tag filters.
+    for i in 0..2 {
+        let form =
+            format!("name=m{i}&image=test-image&package={package}&tag.gpu=8&metadata.note=hi");
+        let r = carol
+            .send(
+                &s,
+                "POST",
+                "/carol/machines",
+                Some(("application/x-www-form-urlencoded", form)),
+            )
+            .await;
+        assert_eq!(r.status(), 201);
+        assert!(
+            r.headers()["location"]
+                .to_str()
+                .unwrap()
+                .starts_with("/carol/machines/")
+        );
+        let m: Value = r.json().await.unwrap();
+        assert_eq!(m["state"], "provisioning");
+        assert_eq!(m["tags"]["gpu"], "8");
+    }
+    let r = carol
+        .send(&s, "GET", "/carol/machines?limit=1&offset=0", None)
+        .await;
+    assert_eq!(r.headers()["x-resource-count"], "1");
+    let page: Vec<Value> = r.json().await.unwrap();
+    assert_eq!(page[0]["name"], "m1", "newest first");
+    let r = carol
+        .send(&s, "GET", "/carol/machines?limit=1&offset=1", None)
+        .await;
+    let page: Vec<Value> = r.json().await.unwrap();
+    assert_eq!(page[0]["name"], "m0");
+    let r = carol
+        .send(&s, "GET", "/carol/machines?limit=1&offset=2", None)
+        .await;
+    assert_eq!(r.headers()["x-resource-count"], "0");
+    // `tag.gpu=8` finds the string "8" (and would find the number 8).
+    let r = carol
+        .send(&s, "GET", "/carol/machines?tag.gpu=8", None)
+        .await;
+    assert_eq!(r.json::<Vec<Value>>().await.unwrap().len(), 2);
+    let r = carol
+        .send(&s, "GET", "/carol/machines?tag.gpu=9&tag.other=x", None)
+        .await;
+    assert_eq!(r.json::<Vec<Value>>().await.unwrap().len(), 0);
+    let r = carol
+        .send(&s, "GET", "/carol/machines?state=sleeping", None)
+        .await;
+    assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
+
+    let id = page_id(&carol, &s, "m0").await;
+    wait_for(std::time::Duration::from_secs(30), || async {
+        let r = carol
+            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
+            .await;
+        let m: Value = r.json().await.unwrap();
+        (m["state"] == "running").then_some(())
+    })
+    .await
+    .expect("m0 runs");
+    let r = carol
+        .send(
+            &s,
+            "POST",
+            &format!("/carol/machines/{id}?action=stop"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    wait_for(std::time::Duration::from_secs(30), || async {
+        let r = carol
+            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
+            .await;
+        let m: Value = r.json().await.unwrap();
+        (m["state"] == "stopped").then_some(())
+    })
+    .await
+    .expect("m0 stops");
+    // Starting it twice: the second finds it not stopped.
+    let m0 = format!("/carol/machines/{id}");
+    let start = || {
+        carol.send(
+            &s,
+            "POST",
+            &m0,
+            Some(("application/x-www-form-urlencoded", "action=start".into())),
+        )
+    };
+    assert_eq!(start().await.status(), 202);
+    let (status, code) = code_of(start().await).await;
+    assert_eq!((status, code.as_str()), (409, "InvalidState"));
+    let r = carol
+        .send(
+            &s,
+            "POST",
+            &format!("/carol/machines/{id}"),
+            Some(("application/json", r#"{"action":"dance"}"#.into())),
+        )
+        .await;
+    assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
+    // Reboot: a stop, then a start.
+    wait_for(std::time::Duration::from_secs(30), || async {
+        let r = carol
+            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
+            .await;
+        let m: Value = r.json().await.unwrap();
+        (m["state"] == "running").then_some(())
+    })
+    .await
+    .expect("m0 runs again");
+    let r = carol
+        .send(
+            &s,
+            "POST",
+            &format!("/carol/machines/{id}"),
+            Some(("application/json", r#"{"action":"reboot"}"#.into())),
+        )
+        .await;
+    assert_eq!(r.status(), 202);
+    let jobs = wait_for(std::time::Duration::from_secs(30), || async {
+        // Carol's jobs, newest first: the reboot's stop and start on top of the ones above.
+        let jobs: Vec<Value> = carol_api.get("/v1/jobs").await.ok(200);
+        let names: Vec<String> = jobs
+            .iter()
+            .filter(|j| j["vm_uuid"] == id.as_str())
+            .map(|j| Some(format!("{}:{}", j["name"].as_str()?, j["state"].as_str()?)))
+            .collect::<Option<Vec<String>>>()?;
+        (names[..4]
+            == [
+                "start:succeeded",
+                "stop:succeeded",
+                "start:succeeded",
+                "stop:succeeded",
+            ])
+        .then_some(names)
+    })
+    .await;
+    assert!(jobs.is_some(), "reboot = stop then start");
+    let r = carol
+        .send(&s, "GET", "/carol/machines/not-a-uuid", None)
+        .await;
+    assert_eq!(code_of(r).await, (404, "ResourceNotFound".into()));
+
+    // A bad signature counts as a failed login: after five, even good ones wait.
+    let mut wrong = Signer25519::new("carol");
+    wrong.md5 = carol.md5.clone();
+    for _ in 0..5 {
+        let r = wrong.send(&s, "GET", "/carol", None).await;
+        assert_eq!(code_of(r).await, (401, "InvalidCredentials".into()));
+    }
+    let r = carol.send(&s, "GET", "/carol", None).await;
+    assert_eq!(code_of(r).await, (429, "RequestThrottled".into()));
+
+    // Reserved logins: no account can shadow the server's own paths.
+    for login in ["v1", "agent", "metrics", "admin", "Keys", "--ping"] {
+        let e = s
+            .post::<Value>(
+                "/v1/accounts",
+                &json!({"login": login, "password": "long-enough-1"}),
+            )
+            .await
+            .fails(400, ErrorCode::InvalidArgument);
+        assert!(e.message.contains("reserved"), "{login}: {}", e.message);
+    }
+}
+both!(cloudapi_http, cloudapi_by_hand);
+
+async fn page_id(c: &Signer25519, s: &TestServer, name: &str) -> String {
+    let r = c
+        .send(s, "GET", &format!("/carol/machines?name={name}"), None)
+        .await;
+    let list: Vec<Value> = r.json().await.unwrap();
+    assert_eq!(list.len(), 1, "{list:?}");
+    list[0]["id"].as_str().unwrap().to_string()
+}
