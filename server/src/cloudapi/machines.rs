@@ -143,6 +143,31 @@ pub async fn get(
     Ok((status, Json(m)).into_response())
 }
 
+/// `GET /:login/machines/:id/tags`: the machine's tags (`triton instance tag list`).
+pub async fn tags(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+) -> CloudResult<Response> {
+    let vm = own_vm(&ctx, &caller, path_id(&raw, "vm")?).await?;
+    Ok(Json(vm.tags).into_response())
+}
+
+/// `GET /:login/machines/:id/tags/:key`: one tag's value (`triton instance tag get`).
+pub async fn tag(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw, key)): Path<(String, String, String)>,
+) -> CloudResult<Response> {
+    let vm = own_vm(&ctx, &caller, path_id(&raw, "vm")?).await?;
+    let v = vm
+        .tags
+        .get(&key)
+        .cloned()
+        .ok_or_else(|| CloudError(ApiError::not_found("tag")))?;
+    Ok(Json(v).into_response())
+}
+
 /// A metadata value as the guest gets it: strings as given, other values as JSON text.
 fn as_text(v: Value) -> String {
     match v {

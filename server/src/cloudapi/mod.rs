@@ -151,6 +151,8 @@ pub fn router(ctx: Ctx) -> Router {
                 .post(machines::action)
                 .delete(machines::delete),
         )
+        .route("/{login}/machines/{id}/tags", get(machines::tags))
+        .route("/{login}/machines/{id}/tags/{key}", get(machines::tag))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(crate::api::API_BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(

@@ -230,6 +230,16 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
         let out = alice.run(&["-k", md5, "account", "get"]).await.ok();
         assert!(out.contains("login: alice"), "{md5}: {out}");
     }
+    let got = alice.json(&["key", "get", "-j", "rsa-key"]).await;
+    assert_eq!(got["fingerprint"], rsa_md5);
+    let got = alice.json(&["key", "get", "-j", &ec_md5]).await;
+    assert_eq!(got["name"], "ec-key");
+    let out = alice.run(&["key", "delete", "-f", "ec-key"]).await.ok();
+    assert!(out.contains("Deleted key \"ec-key\""), "{out}");
+    let r = alice.run(&["-k", &ec_md5, "account", "get"]).await;
+    assert_eq!(r.code, 1, "a deleted key signs no more: {r:#?}");
+    let out = alice.run(&["key", "list"]).await.ok();
+    assert!(!out.contains("ec-key"), "{out}");
 
     // Create by name with metadata, a tag and a network; wait for it to run.
     let out = alice
@@ -311,6 +321,13 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
     assert_eq!(got["assigned_devices"], json!([vm.assigned_devices[0]]));
     assert_eq!(got["tags"], json!({"role": "train"}));
     assert_eq!(got["metadata"]["count"], "3");
+    let got = alice.json(&["instance", "tag", "list", "train-1"]).await;
+    assert_eq!(got, json!({"role": "train"}));
+    let out = alice
+        .run(&["instance", "tag", "get", "train-1", "role"])
+        .await
+        .ok();
+    assert_eq!(out.trim(), "train");
     let ip = alice.run(&["instance", "ip", "train-1"]).await.ok();
     assert_eq!(ip.trim(), vm.primary_ip.unwrap().to_string());
 
@@ -400,3 +417,55 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
     .expect("the deleted instance's GPU was scrubbed");
 }
 both!(triton_cli_workflow, the_triton_cli_drives_passage);
+
+/// The CLI pages through `GET /:login/machines` 1,000 at a time and stops at the first
+/// page shorter than that (`x-resource-count` is the page's length): 1,001 instances all
+/// show, in `instance list` and in `info`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_triton_cli_pages_past_a_thousand_instances() {
+    let Some(cli) = triton_cli() else {
+        return;
+    };
+    let mut s = TestServer::start(Backend::Sqlite, fast_config()).await;
+    let opts = node_agent::fake::FakeOptions {
+        cpus: Some(1100),
+        ..node_agent::fake::FakeOptions::default()
+    };
+    let _node = s
+        .add_node_from(1, node_agent::fake::GpuModel::H100, &opts)
+        .await;
+    s.image().await;
+    s.post::<Package>(
+        "/v1/packages",
+        &json!({"name": "tiny", "vcpus": 1, "memory_mib": 64, "disk_gib": 1, "devices": {}}),
+    )
+    .await
+    .ok(201);
+    let (_, token) = s.tenant("many").await;
+    let api = s.with(&token);
+    let (user, public) = TritonUser::new(&cli, &s.base, "many");
+    api.post::<SshKey>("/v1/keys", &json!({"key": public}))
+        .await
+        .ok(201);
+    const N: usize = 1001;
+    for chunk in (0..N).collect::<Vec<_>>().chunks(50) {
+        let bodies: Vec<Value> = chunk
+            .iter()
+            .map(|i| json!({"alias": format!("vm-{i:04}"), "package": "tiny", "image": "test-image"}))
+            .collect();
+        let creations = bodies.iter().map(|b| api.post::<Vm>("/v1/vms", b));
+        for r in futures_util::future::join_all(creations).await {
+            r.ok(202);
+        }
+    }
+    let out = user
+        .run(&["instance", "list", "-H", "-o", "name"])
+        .await
+        .ok();
+    let mut names: Vec<&str> = out.lines().collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), N, "every instance once");
+    let info = user.run(&["info"]).await.ok();
+    assert!(info.contains(&format!("instances: {N}")), "{info}");
+}
