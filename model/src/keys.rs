@@ -29,7 +29,8 @@ pub struct SshKey {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSshKey {
-    /// Default: the key's comment, or its fingerprint when it has none.
+    /// Default: the key's comment, or its MD5 fingerprint when it has none (or one that is
+    /// not a valid name).
     #[serde(default)]
     #[schema(min_length = 1, max_length = 64)]
     pub name: Option<String>,

@@ -18,7 +18,7 @@ const MIN_RSA_BITS: usize = 2048;
 const ACCEPTED: &str = "ssh-ed25519, ecdsa-sha2-nistp256/384/521 or ssh-rsa of at least 2048 bits";
 
 /// A key as the API shows it, from its OpenSSH text; `name` defaults to the key's comment,
-/// else its fingerprint. Anything but one key of an accepted type is `InvalidArgument`.
+/// else its MD5 fingerprint. Anything but one key of an accepted type is `InvalidArgument`.
 pub fn parse(req: &CreateSshKey) -> ApiResult<SshKey> {
     let bad = |why: String| ApiError::invalid("key", why);
     if req.key.len() > MAX_KEY_TEXT_LEN {
@@ -82,7 +82,9 @@ pub fn parse(req: &CreateSshKey) -> ApiResult<SshKey> {
         None if !key.comment().trim().is_empty() && check_key_name(key.comment()).is_ok() => {
             key.comment().to_string()
         }
-        None => fingerprint.clone(),
+        // The MD5 form, as CloudAPI names such keys: the SHA-256 one is base64, whose '/'
+        // no name may hold (a name is a path segment).
+        None => md5_fingerprint.clone(),
     };
     check_key_name(&name)?;
     let text = key
@@ -218,7 +220,7 @@ mod tests {
     fn a_key_without_a_comment_is_named_by_its_fingerprint() {
         let bare: Vec<&str> = ED25519.split(' ').take(2).collect();
         let k = parse(&req(&bare.join(" "))).unwrap_or_else(|e| panic!("{}", e.message));
-        assert_eq!(k.name, "SHA256:YTlYQAivbUAXrf2tbvJs8Ckf5i5YBCtV2IhGPvNUgjI");
+        assert_eq!(k.name, "52:84:f6:9d:76:79:e4:e4:d1:9e:96:c5:76:fa:ee:ac");
         let named = CreateSshKey {
             name: Some("work".into()),
             key: format!("  {ED25519}\n"),

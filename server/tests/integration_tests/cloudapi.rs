@@ -198,15 +198,7 @@ async fn cloudapi_by_hand(backend: Backend) {
     assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
 
     let id = page_id(&carol, &s, "m0").await;
-    wait_for(std::time::Duration::from_secs(30), || async {
-        let r = carol
-            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
-            .await;
-        let m: Value = r.json().await.unwrap();
-        (m["state"] == "running").then_some(())
-    })
-    .await
-    .expect("m0 runs");
+    wait_state(&carol, &s, &id, "running").await;
     let r = carol
         .send(
             &s,
@@ -216,15 +208,7 @@ async fn cloudapi_by_hand(backend: Backend) {
         )
         .await;
     assert_eq!(r.status(), 202);
-    wait_for(std::time::Duration::from_secs(30), || async {
-        let r = carol
-            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
-            .await;
-        let m: Value = r.json().await.unwrap();
-        (m["state"] == "stopped").then_some(())
-    })
-    .await
-    .expect("m0 stops");
+    wait_state(&carol, &s, &id, "stopped").await;
     // Starting it twice: the second finds it not stopped.
     let m0 = format!("/carol/machines/{id}");
     let start = || {
@@ -248,15 +232,7 @@ async fn cloudapi_by_hand(backend: Backend) {
         .await;
     assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
     // Reboot: a stop, then a start.
-    wait_for(std::time::Duration::from_secs(30), || async {
-        let r = carol
-            .send(&s, "GET", &format!("/carol/machines/{id}"), None)
-            .await;
-        let m: Value = r.json().await.unwrap();
-        (m["state"] == "running").then_some(())
-    })
-    .await
-    .expect("m0 runs again");
+    wait_state(&carol, &s, &id, "running").await;
     let r = carol
         .send(
             &s,
@@ -321,4 +297,15 @@ async fn page_id(c: &Signer25519, s: &TestServer, name: &str) -> String {
     let list: Vec<Value> = r.json().await.unwrap();
     assert_eq!(list.len(), 1, "{list:?}");
     list[0]["id"].as_str().unwrap().to_string()
+}
+
+/// Waits until the machine `id` reads `state`.
+async fn wait_state(c: &Signer25519, s: &TestServer, id: &str, state: &str) {
+    let path = format!("/carol/machines/{id}");
+    let seen = wait_for(std::time::Duration::from_secs(30), || async {
+        let m: Value = c.send(s, "GET", &path, None).await.json().await.ok()?;
+        (m["state"] == state).then_some(())
+    })
+    .await;
+    assert!(seen.is_some(), "{id} never read {state}");
 }

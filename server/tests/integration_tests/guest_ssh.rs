@@ -237,16 +237,9 @@ async fn walk(image: &Path) {
     // Its GPUs come back once scrubbed, a moment after the VM is destroyed (slower on a
     // busy machine): until then the node has none free for the next VM.
     let server = placed.server_uuid.expect("a placed VM names its server");
-    wait_for(Duration::from_secs(120), || async {
-        let srv: passage_model::api::Server =
-            op.get(&format!("/v1/servers/{server}")).await.ok(200);
-        srv.assignable_devices?
-            .iter()
-            .all(|d| d.state == passage_model::DeviceState::Unassigned)
-            .then_some(())
-    })
-    .await
-    .expect("the GPUs were scrubbed");
+    all_unassigned(&op, server)
+        .await
+        .expect("the GPUs were scrubbed");
     let again: Vm = tenant
         .post(
             "/v1/vms",
@@ -272,16 +265,9 @@ async fn walk(image: &Path) {
     let Some(cli) = super::triton_cli::triton_cli() else {
         return;
     };
-    wait_for(Duration::from_secs(120), || async {
-        let srv: passage_model::api::Server =
-            op.get(&format!("/v1/servers/{server}")).await.ok(200);
-        srv.assignable_devices?
-            .iter()
-            .all(|d| d.state == passage_model::DeviceState::Unassigned)
-            .then_some(())
-    })
-    .await
-    .expect("the GPUs were scrubbed again");
+    all_unassigned(&op, server)
+        .await
+        .expect("the GPUs were scrubbed again");
     let (user, public) = super::triton_cli::TritonUser::new(&cli, &base, "tenant");
     tenant
         .post::<serde_json::Value>("/v1/keys", &json!({"name": "triton", "key": public}))
@@ -356,4 +342,17 @@ async fn walk(image: &Path) {
         .ok();
     assert!(out.contains("Delete instance tri-box"), "{out}");
     assert!(our_taps().is_empty(), "taps left: {:?}", our_taps());
+}
+
+/// Waits until every assignable device of `server` is unassigned (scrubbed).
+async fn all_unassigned(op: &Client, server: passage_model::ServerId) -> Option<()> {
+    wait_for(Duration::from_secs(120), || async {
+        let srv: passage_model::api::Server =
+            op.get(&format!("/v1/servers/{server}")).await.ok(200);
+        srv.assignable_devices?
+            .iter()
+            .all(|d| d.state == passage_model::DeviceState::Unassigned)
+            .then_some(())
+    })
+    .await
 }
