@@ -300,9 +300,28 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
         .ok();
     assert!(out.contains("Created instance"), "{out}");
 
+    // A fixed address, as `--nic` asks for it.
+    let nic = format!("ipv4_uuid={},ipv4_ips=10.60.0.50", net.uuid);
+    alice
+        .run(&[
+            "instance",
+            "create",
+            "-w",
+            "-n",
+            "fixed",
+            "--nic",
+            &nic,
+            "test-image",
+            &gpu_1x,
+        ])
+        .await
+        .ok();
+    let ip = alice.run(&["instance", "ip", "fixed"]).await.ok();
+    assert_eq!(ip.trim(), "10.60.0.50");
+
     // list, get, ip, tag filters.
     let out = alice.run(&["instance", "list"]).await.ok();
-    assert_eq!(out.matches("running").count(), 2, "{out}");
+    assert_eq!(out.matches("running").count(), 3, "{out}");
     assert!(
         out.contains("train-1") && out.contains("test-image@1"),
         "{out}"
@@ -390,9 +409,9 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
         .run(&["instance", "list", "-H", "-o", "name"])
         .await
         .ok();
-    assert_eq!(out.lines().count(), 1, "{out}");
+    assert_eq!(out.lines().count(), 2, "{out}");
 
-    // Every change went through /v1's audit log, under alice's name.
+    // Every change is in /v1's audit log under alice's name: here, her three creations.
     let audit: Vec<Value> = s.get("/v1/audit?limit=1000").await.ok(200);
     let posts = audit
         .iter()
@@ -400,7 +419,7 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
             e["actor_login"] == "alice" && e["method"] == "POST" && e["path"] == "/alice/machines"
         })
         .count();
-    assert_eq!(posts, 2, "{audit:#?}");
+    assert_eq!(posts, 3, "{audit:#?}");
     wait_for(Duration::from_secs(30), || async {
         let srv: passage_model::api::Server = s
             .get(&format!("/v1/servers/{}", v.server_uuid?))
@@ -411,7 +430,7 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
             .iter()
             .filter(|d| d.state == passage_model::DeviceState::Unassigned)
             .count();
-        (free == 3).then_some(())
+        (free == 2).then_some(())
     })
     .await
     .expect("the deleted instance's GPU was scrubbed");
