@@ -75,13 +75,29 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateImage) -> ApiResult<I
     .await?)
 }
 
+/// An image by uuid: those the caller may list, and also one any of the caller's live
+/// VMs was built from, whatever its state since (a disabled image stays readable to the
+/// VMs' owners: `triton ssh` reads the VM's image for its default user).
 pub async fn get(ctx: &Ctx, caller: &Caller, uuid: ImageId) -> ApiResult<Image> {
     let mut img = store::get(&ctx.db, uuid).await?;
-    if !visible(caller, &img) {
+    if !visible(caller, &img) && !uses(ctx, caller, uuid).await? {
         return Err(ApiError::not_found("image"));
     }
     count_vms(ctx, caller, std::slice::from_mut(&mut img)).await?;
     Ok(img)
+}
+
+/// Whether one of the caller's VMs not yet destroyed was built from `image`.
+async fn uses(ctx: &Ctx, caller: &Caller, image: ImageId) -> ApiResult<bool> {
+    let filter = crate::listing::VmFilter {
+        owner: Some(caller.account.uuid),
+        image: Some(image),
+        live: true,
+        ..Default::default()
+    };
+    let page =
+        crate::store::vms::list(&ctx.db, &filter, &crate::listing::PageReq::offset(1, 0)).await?;
+    Ok(!page.items.is_empty())
 }
 
 /// Fills in `vm_count` for staff, with one query for the whole page.

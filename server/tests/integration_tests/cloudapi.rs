@@ -266,6 +266,24 @@ async fn cloudapi_by_hand(backend: Backend) {
         .await;
     assert_eq!(code_of(r).await, (404, "ResourceNotFound".into()));
 
+    // An image carol's VMs were built from stays readable to her once disabled (`triton
+    // ssh` reads it), though no longer listed; to others it is gone.
+    let images: Vec<Value> = carol_api.get("/v1/images").await.ok(200);
+    let image = images[0]["uuid"].as_str().unwrap().to_string();
+    s.delete::<Value>(&format!("/v1/images/{image}")).await;
+    let r = carol
+        .send(&s, "GET", &format!("/carol/images/{image}"), None)
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["state"], "disabled");
+    let r = carol.send(&s, "GET", "/carol/images", None).await;
+    assert_eq!(r.headers()["x-resource-count"], "0");
+    let (_, dave) = s.tenant("dave").await;
+    s.with(&dave)
+        .get::<Value>(&format!("/v1/images/{image}"))
+        .await
+        .fails(404, ErrorCode::ResourceNotFound);
+
     // A bad signature counts as a failed login: after five, even good ones wait.
     let mut wrong = Signer25519::new("carol");
     wrong.md5 = carol.md5.clone();
