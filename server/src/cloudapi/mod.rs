@@ -101,7 +101,7 @@ pub fn page<T: Serialize>(items: Vec<T>) -> Response {
     r
 }
 
-/// The account a signed request was verified for, and the login in its path (the same).
+/// The account a request was signed by, verified; its login is the path's.
 #[derive(Clone, Debug)]
 pub struct Signed {
     pub caller: Caller,
