@@ -577,6 +577,7 @@ pub async fn create_image(
             min_disk_gib: optional(&min_disk_gib)
                 .map(|g| number("min_disk_gib", g))
                 .transpose()?,
+            bootrom: None,
         },
     };
     // The API's field names, where the form's differ.

@@ -144,6 +144,54 @@ pub struct ImageRequirements {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(maximum = 1048576)]
     pub min_disk_gib: Option<u64>,
+    /// The firmware the image boots with (IMGAPI's `requirements.bootrom`); absent: the
+    /// node's default for the VM ([`Bootrom::for_vm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootrom: Option<Bootrom>,
+}
+
+/// A VM's firmware: OVMF's UEFI, or SeaBIOS.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Bootrom {
+    Uefi,
+    Bios,
+}
+
+impl Bootrom {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bootrom::Uefi => "uefi",
+            Bootrom::Bios => "bios",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "uefi" => Some(Bootrom::Uefi),
+            "bios" => Some(Bootrom::Bios),
+            _ => None,
+        }
+    }
+
+    /// What a VM boots with: what its image requires, else UEFI for a VM with passed
+    /// devices (a GPU's 64-bit BARs need firmware that maps them above 4 GiB, which
+    /// SeaBIOS does not do for BARs this large) and BIOS for one without.
+    pub fn for_vm(image: Option<Bootrom>, has_devices: bool) -> Self {
+        image.unwrap_or(if has_devices {
+            Bootrom::Uefi
+        } else {
+            Bootrom::Bios
+        })
+    }
+}
+
+impl std::fmt::Display for Bootrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// An image of the catalog, after Triton's IMGAPI.

@@ -114,6 +114,10 @@ pub struct VmSpec {
     /// seeds (they get none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<CloudInitSpec>,
+    /// The firmware to boot; absent (older servers): [`crate::images::Bootrom::for_vm`]
+    /// with no image requirement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootrom: Option<crate::images::Bootrom>,
 }
 
 /// NICs a VM may have at most.

@@ -73,6 +73,7 @@ mod tests {
             disk: None,
             nics: Vec::new(),
             cloud_init: None,
+            bootrom: None,
         };
         let argv = cloud_hypervisor_argv(
             Path::new("cloud-hypervisor"),

@@ -137,6 +137,7 @@ mod tests {
             disk: None,
             nics: Vec::new(),
             cloud_init: None,
+            bootrom: None,
         }
     }
 

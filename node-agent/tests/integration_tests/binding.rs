@@ -212,6 +212,7 @@ fn executor_runs_a_vm_lifecycle() {
         disk: None,
         nics: Vec::new(),
         cloud_init: None,
+        bootrom: None,
     };
 
     // Launching before binding fails, as a real hypervisor would.
@@ -290,6 +291,7 @@ fn executor_destroys_a_vm_in_one_task() {
         disk: None,
         nics: Vec::new(),
         cloud_init: None,
+        bootrom: None,
     };
     assert!(exec.execute(&Task::StartVm { vm: spec }).ok);
     assert_eq!(hv.running(), vec![vm]);
@@ -352,6 +354,7 @@ fn executor_boots_a_vm_in_one_task() {
         disk: None,
         nics: Vec::new(),
         cloud_init: None,
+        bootrom: None,
     };
     let vm = spec(vec![w.gpus[0].clone(), w.gpus[1].clone()]);
     let boot = Task::BootVm {

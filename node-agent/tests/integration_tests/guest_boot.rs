@@ -142,6 +142,7 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
         disk: Some(disk.clone()),
         nics: Vec::new(),
         cloud_init: None,
+        bootrom: None,
     };
     assert_eq!(tree.gpus.len(), 2);
     ok(

@@ -165,6 +165,7 @@ async fn applies_the_seed_inside(image: std::path::PathBuf) {
             user_script: Some(USER_SCRIPT.into()),
             metadata: BTreeMap::from([("role".to_string(), "db \"primary\"".to_string())]),
         }),
+        bootrom: None,
     };
     let files = VmFiles::new(&state, vm);
 

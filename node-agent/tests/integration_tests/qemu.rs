@@ -39,6 +39,7 @@ fn spec() -> VmSpec {
         disk: None,
         nics: Vec::new(),
         cloud_init: None,
+        bootrom: None,
     }
 }
 

@@ -46,6 +46,7 @@ fn spec(nics: Vec<NicSpec>) -> VmSpec {
         disk: None,
         nics,
         cloud_init: None,
+        bootrom: None,
     }
 }
 

@@ -54,6 +54,7 @@ impl ImageRow {
             tags,
             requirements: ImageRequirements {
                 min_disk_gib: self.min_disk_gib.and_then(|g| u64::try_from(g).ok()),
+                bootrom: None,
             },
             created_at: to_time(self.created_at),
             vm_count: None,

@@ -109,6 +109,7 @@ pub(super) async fn spec(
         disk,
         nics,
         cloud_init,
+        bootrom: None,
     })
 }
 
