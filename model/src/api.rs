@@ -466,6 +466,10 @@ pub struct Server {
     /// leaves them unchecked on this server).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ServerResources>,
+    /// What its agent last reported of the machine (address width, NUMA nodes and their
+    /// huge pages); absent until an agent that reads them reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<crate::protocol::HostFacts>,
 }
 
 /// What a server can give VMs besides devices, and what its VMs (all but destroyed and

@@ -24,6 +24,8 @@ pub mod vgpu;
 
 pub use error::{ApiErrorBody, ErrorCode};
 pub use ids::*;
-pub use pci::{DevicePath, HexId, PciAddress, PciDetails, PciDevice, PciParseError};
+pub use pci::{
+    BarKind, DevicePath, HexId, PciAddress, PciBar, PciDetails, PciDevice, PciParseError,
+};
 pub use state::{DeviceEvent, DeviceState, TransitionError, transition};
 pub use variant::{Variant, VariantError};

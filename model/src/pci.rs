@@ -409,6 +409,112 @@ pub struct PciDetails {
     /// For a GPU whose driver can share it: its vGPU types, VFs, vGPUs and MIG mode.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vgpu: Option<crate::vgpu::VgpuHost>,
+    /// The regions the function decodes, as the kernel assigned them (sysfs `resource`),
+    /// by index; unassigned ones left out. A VM launch sizes its PCI holes from these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bars: Vec<PciBar>,
+    /// The resets the kernel may use on the function, in its order of preference
+    /// (sysfs `reset_method`, e.g. `flr bus`). Empty when the kernel knows none or does
+    /// not say: a function that cannot be reset is a poor candidate for passthrough.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reset_methods: Vec<String>,
+}
+
+/// The index of the expansion ROM among a function's resources (after BARs 0 to 5).
+pub const ROM_BAR_INDEX: u8 = 6;
+/// Most reset methods accepted (Linux knows seven).
+pub const MAX_RESET_METHODS: usize = 8;
+/// Longest reset method name accepted (Linux's are at most 10 characters).
+pub const MAX_RESET_METHOD_LEN: usize = 32;
+
+/// What address space a region decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BarKind {
+    Memory,
+    Io,
+}
+
+/// One region of a function: a base address register (index 0 to 5) or the expansion
+/// ROM ([`ROM_BAR_INDEX`]). A 64-bit BAR takes two registers; it is listed under the
+/// lower index and the next index is absent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PciBar {
+    pub index: u8,
+    pub kind: BarKind,
+    /// The bus address the region starts at.
+    pub start: u64,
+    /// Its length in bytes, never 0.
+    pub size: u64,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_64bit: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefetchable: bool,
+}
+
+impl PciBar {
+    /// The last address of the region; `None` when it would pass 2^64.
+    pub fn end(&self) -> Option<u64> {
+        self.size
+            .checked_sub(1)
+            .and_then(|s| self.start.checked_add(s))
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.index > ROM_BAR_INDEX {
+            return Err(format!("BAR index {} is above {ROM_BAR_INDEX}", self.index));
+        }
+        if self.size == 0 || self.end().is_none() {
+            return Err(format!("BAR {} is empty or passes 2^64", self.index));
+        }
+        if self.kind == BarKind::Io
+            && (self.is_64bit || self.prefetchable || self.index == ROM_BAR_INDEX)
+        {
+            return Err(format!(
+                "BAR {}: an I/O region is neither 64-bit nor prefetchable nor a ROM",
+                self.index
+            ));
+        }
+        Ok(())
+    }
+
+    /// `Memory at 9e000000 (32-bit, non-prefetchable) [size=16M]`, `I/O ports at e000
+    /// [size=32]`: the words pciutils' `lspci -vv` prints after `Region N: `, for an
+    /// enabled region.
+    pub fn pciutils_text(&self) -> String {
+        let what = match self.kind {
+            BarKind::Io => format!("I/O ports at {:04x}", self.start),
+            BarKind::Memory => format!(
+                "Memory at {:08x} ({}, {}prefetchable)",
+                self.start,
+                if self.is_64bit { "64-bit" } else { "32-bit" },
+                if self.prefetchable { "" } else { "non-" }
+            ),
+        };
+        format!("{what} [size={}]", size_text(self.size))
+    }
+}
+
+/// A size as pciutils writes it: the largest of K, M, G, T that divides it exactly
+/// (`16M`, `128G`, `96`, `1536K`).
+pub fn size_text(mut bytes: u64) -> String {
+    let mut unit = 0;
+    while unit < 4 && bytes != 0 && bytes.is_multiple_of(1024) {
+        bytes /= 1024;
+        unit += 1;
+    }
+    format!("{bytes}{}", ["", "K", "M", "G", "T"][unit])
+}
+
+/// Checks one reset method name as `reset_method` lists it (`flr`, `bus`, `pm`,
+/// `acpi`, `device_specific`, `cxl_bus`): short, lowercase letters, digits and `_`.
+pub fn valid_reset_method(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_RESET_METHOD_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
 impl PciDetails {
@@ -445,6 +551,34 @@ impl PciDetails {
         }
         if let Some(v) = &self.vgpu {
             v.validate()?;
+        }
+        if self.bars.len() > usize::from(ROM_BAR_INDEX) + 1 {
+            return Err(PciParseError::Details(format!(
+                "more than {} BARs",
+                ROM_BAR_INDEX + 1
+            )));
+        }
+        let mut seen = 0u8;
+        for b in &self.bars {
+            b.check().map_err(PciParseError::Details)?;
+            if seen & (1 << b.index) != 0 {
+                return Err(PciParseError::Details(format!(
+                    "BAR {} listed twice",
+                    b.index
+                )));
+            }
+            seen |= 1 << b.index;
+        }
+        if self.reset_methods.len() > MAX_RESET_METHODS {
+            return Err(PciParseError::Details(format!(
+                "more than {MAX_RESET_METHODS} reset methods"
+            )));
+        }
+        if let Some(bad) = self.reset_methods.iter().find(|m| !valid_reset_method(m)) {
+            return Err(PciParseError::Details(format!(
+                "reset method {:?} is not a short lowercase word",
+                bad.chars().take(40).collect::<String>()
+            )));
         }
         Ok(())
     }
@@ -490,6 +624,20 @@ impl PciDetails {
         put(
             "vgpu",
             self.vgpu.as_ref().map(crate::vgpu::VgpuHost::summary),
+        );
+        put(
+            "bars",
+            (!self.bars.is_empty()).then(|| {
+                self.bars
+                    .iter()
+                    .map(|b| format!("{}: {}", b.index, b.pciutils_text()))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            }),
+        );
+        put(
+            "reset_methods",
+            (!self.reset_methods.is_empty()).then(|| self.reset_methods.join(" ")),
         );
         out
     }
@@ -708,6 +856,123 @@ mod tests {
         let mut bad = with_vgpu;
         bad["details"]["vgpu"]["mig"] = true.into();
         assert!(serde_json::from_value::<PciDevice>(bad).is_err());
+    }
+
+    #[test]
+    fn bars_and_reset_methods() {
+        let gpu = PciBar {
+            index: 1,
+            kind: BarKind::Memory,
+            start: 0x2bfe_0000_0000,
+            size: 128 << 30,
+            is_64bit: true,
+            prefetchable: true,
+        };
+        let regs = PciBar {
+            index: 0,
+            kind: BarKind::Memory,
+            start: 0x9e00_0000,
+            size: 16 << 20,
+            is_64bit: false,
+            prefetchable: false,
+        };
+        let io = PciBar {
+            index: 2,
+            kind: BarKind::Io,
+            start: 0xe000,
+            size: 32,
+            is_64bit: false,
+            prefetchable: false,
+        };
+        assert_eq!(
+            gpu.pciutils_text(),
+            "Memory at 2bfe00000000 (64-bit, prefetchable) [size=128G]"
+        );
+        assert_eq!(
+            regs.pciutils_text(),
+            "Memory at 9e000000 (32-bit, non-prefetchable) [size=16M]"
+        );
+        assert_eq!(io.pciutils_text(), "I/O ports at e000 [size=32]");
+        assert_eq!(size_text(96), "96");
+        assert_eq!(size_text(1536 << 10), "1536K");
+        assert_eq!(size_text(1 << 50), "1024T");
+        assert_eq!(size_text(0), "0");
+        assert_eq!(gpu.end(), Some(0x2bfe_0000_0000 + (128 << 30) - 1));
+
+        let details = PciDetails {
+            bars: vec![regs, gpu, io],
+            reset_methods: vec!["flr".into(), "bus".into()],
+            ..PciDetails::default()
+        };
+        assert!(details.validate().is_ok());
+        let json = serde_json::to_value(&details).unwrap();
+        assert_eq!(
+            json["bars"][0],
+            serde_json::json!({"index": 0, "kind": "memory", "start": 0x9e00_0000u64,
+                               "size": 16u64 << 20})
+        );
+        assert_eq!(json["bars"][1]["is_64bit"], true);
+        assert_eq!(json["reset_methods"], serde_json::json!(["flr", "bus"]));
+        assert_eq!(
+            serde_json::from_value::<PciDetails>(json.clone()).unwrap(),
+            details
+        );
+        let lines = details.lines();
+        assert!(lines.contains(&("reset_methods", "flr bus".to_string())));
+        assert!(lines.iter().any(|(k, v)| *k == "bars"
+            && v.starts_with("0: Memory at 9e000000")
+            && v.contains("; 1: Memory at 2bfe00000000")));
+        // Nothing known, nothing shown.
+        assert!(PciDetails::default().lines().is_empty());
+        let mut bad = json;
+        bad["bars"][0]["colour"] = "green".into();
+        assert!(serde_json::from_value::<PciDetails>(bad).is_err());
+
+        let bad_bars: [&dyn Fn(&mut PciBar); 5] = [
+            &|b| b.index = 7,
+            &|b| b.size = 0,
+            &|b| b.start = u64::MAX,
+            &|b| {
+                b.kind = BarKind::Io;
+                b.prefetchable = true;
+            },
+            &|b| {
+                b.kind = BarKind::Io;
+                b.index = ROM_BAR_INDEX;
+            },
+        ];
+        for change in bad_bars {
+            let mut d = details.clone();
+            change(&mut d.bars[0]);
+            assert!(d.validate().is_err(), "{:?}", d.bars[0]);
+        }
+        let mut twice = details.clone();
+        twice.bars.push(regs);
+        assert!(twice.validate().is_err());
+        let mut many = details.clone();
+        many.bars = (0..8)
+            .map(|i| PciBar {
+                index: i % 7,
+                ..regs
+            })
+            .collect();
+        assert!(many.validate().is_err());
+        for bad in [
+            "",
+            "FLR",
+            "f l r",
+            "flr\n",
+            &"x".repeat(MAX_RESET_METHOD_LEN + 1),
+        ] {
+            let mut d = details.clone();
+            d.reset_methods = vec![bad.to_string()];
+            assert!(d.validate().is_err(), "{bad:?}");
+        }
+        let mut d = details;
+        d.reset_methods = vec!["bus".to_string(); MAX_RESET_METHODS + 1];
+        assert!(d.validate().is_err());
+        assert!(valid_reset_method("device_specific"));
+        assert!(valid_reset_method("cxl_bus"));
     }
 
     proptest! {

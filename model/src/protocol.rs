@@ -72,13 +72,94 @@ pub const MAX_HOST_CPUS: u32 = 1 << 16;
 /// 64 PiB: beyond any machine.
 pub const MAX_HOST_MEMORY_MIB: u64 = 1 << 36;
 
-/// What a node has besides its devices, as its kernel counts it: online CPUs, and the
-/// memory of all its NUMA nodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Most NUMA nodes accepted (Linux's `MAX_NUMNODES` is at most 1024).
+pub const MAX_NUMA_NODES: usize = 1024;
+/// Most huge page sizes accepted per NUMA node (x86 has two, arm64 four).
+pub const MAX_HUGEPAGE_POOLS: usize = 8;
+/// Longest CPU list accepted (`0-63,128-191`): a kernel writes at most a page.
+pub const MAX_CPU_LIST_LEN: usize = 4096;
+
+/// What a node has besides its devices, as its kernel counts it: online CPUs, the
+/// memory of all its NUMA nodes, and (from newer agents) what a VM launch and NUMA-aware
+/// placement need to know of the machine.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostResources {
     pub cpus: u32,
     pub memory_mib: u64,
+    /// The CPUs' physical address width (`/proc/cpuinfo`'s `address sizes`): a guest
+    /// whose BARs sit above it cannot reach them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_bits: Option<u8>,
+    /// Each NUMA node's CPUs, memory and huge pages, by node number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa: Vec<NumaNode>,
+}
+
+/// One NUMA node as `devices/system/node/node<N>` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NumaNode {
+    pub node: u32,
+    /// Its CPUs as a kernel CPU list (`0-15,64-79`); empty for a node with memory only.
+    #[serde(default)]
+    pub cpus: String,
+    /// Its `MemTotal`.
+    pub memory_mib: u64,
+    /// Its huge page pools, by page size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hugepages: Vec<HugepagePool>,
+}
+
+/// The huge pages of one size on one NUMA node (`hugepages-<size>kB/nr_hugepages` and
+/// `free_hugepages`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HugepagePool {
+    pub size_kib: u64,
+    pub total: u64,
+    pub free: u64,
+}
+
+/// What the control plane keeps and shows of a node's [`HostResources`] beyond its CPU
+/// and memory totals (which placement counts and `resources` shows).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HostFacts {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_bits: Option<u8>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa: Vec<NumaNode>,
+}
+
+impl HostFacts {
+    pub fn is_empty(&self) -> bool {
+        self.address_bits.is_none() && self.numa.is_empty()
+    }
+}
+
+/// Counts the CPUs of a kernel CPU list (`0-63`, `0,2-5,8`); `None` for anything else,
+/// including CPU numbers from [`MAX_HOST_CPUS`] on, and for an empty list.
+pub fn count_cpu_list(list: &str) -> Option<u32> {
+    let list = list.trim();
+    if list.len() > MAX_CPU_LIST_LEN {
+        return None;
+    }
+    let mut total: u32 = 0;
+    for part in list.split(',') {
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?),
+            None => {
+                let n = part.parse::<u32>().ok()?;
+                (n, n)
+            }
+        };
+        if hi < lo || hi >= MAX_HOST_CPUS {
+            return None;
+        }
+        total = total.checked_add(hi - lo + 1)?;
+    }
+    (1..=MAX_HOST_CPUS).contains(&total).then_some(total)
 }
 
 impl HostResources {
@@ -93,7 +174,78 @@ impl HostResources {
                 format!("must be 1 to {MAX_HOST_MEMORY_MIB}"),
             ));
         }
+        if let Some(bits) = self.address_bits
+            && !(32..=64).contains(&bits)
+        {
+            return Err(("host.address_bits", "must be 32 to 64".into()));
+        }
+        if self.numa.len() > MAX_NUMA_NODES {
+            return Err(("host.numa", format!("at most {MAX_NUMA_NODES} nodes")));
+        }
+        let mut nodes = std::collections::BTreeSet::new();
+        for n in &self.numa {
+            if n.node as usize >= MAX_NUMA_NODES || !nodes.insert(n.node) {
+                return Err((
+                    "host.numa",
+                    format!(
+                        "node {} is listed twice or not below {MAX_NUMA_NODES}",
+                        n.node
+                    ),
+                ));
+            }
+            if !n.cpus.is_empty() && count_cpu_list(&n.cpus).is_none() {
+                return Err((
+                    "host.numa",
+                    format!("node {}: cpus is not a CPU list", n.node),
+                ));
+            }
+            if n.memory_mib > MAX_HOST_MEMORY_MIB {
+                return Err((
+                    "host.numa",
+                    format!("node {}: memory_mib above {MAX_HOST_MEMORY_MIB}", n.node),
+                ));
+            }
+            if n.hugepages.len() > MAX_HUGEPAGE_POOLS {
+                return Err((
+                    "host.numa",
+                    format!(
+                        "node {}: at most {MAX_HUGEPAGE_POOLS} huge page sizes",
+                        n.node
+                    ),
+                ));
+            }
+            let mut sizes = std::collections::BTreeSet::new();
+            for h in &n.hugepages {
+                let kib = h
+                    .total
+                    .checked_mul(h.size_kib)
+                    .filter(|k| *k / 1024 <= MAX_HOST_MEMORY_MIB);
+                let ok = h.size_kib.is_power_of_two()
+                    && h.size_kib >= 4
+                    && h.free <= h.total
+                    && kib.is_some()
+                    && sizes.insert(h.size_kib);
+                if !ok {
+                    return Err((
+                        "host.numa",
+                        format!(
+                            "node {}: huge pages of {} KiB: a size that is no power of two, \
+                             listed twice, more free than total, or more than any machine",
+                            n.node, h.size_kib
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The facts the control plane keeps beyond the totals.
+    pub fn facts(&self) -> HostFacts {
+        HostFacts {
+            address_bits: self.address_bits,
+            numa: self.numa.clone(),
+        }
     }
 }
 
@@ -530,6 +682,105 @@ crate::redact::debug_redacting!(RegisterResponse { server_uuid } secret { creden
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn host() -> HostResources {
+        HostResources {
+            cpus: 64,
+            memory_mib: 512 * 1024,
+            address_bits: Some(46),
+            numa: (0..2)
+                .map(|n| NumaNode {
+                    node: n,
+                    cpus: format!("{}-{}", n * 32, n * 32 + 31),
+                    memory_mib: 256 * 1024,
+                    hugepages: vec![
+                        HugepagePool {
+                            size_kib: 2048,
+                            total: 512,
+                            free: 500,
+                        },
+                        HugepagePool {
+                            size_kib: 1 << 20,
+                            total: 0,
+                            free: 0,
+                        },
+                    ],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn host_facts_are_optional_and_bounded() {
+        // An older agent's report: totals only, and it serialises back unchanged.
+        let old = serde_json::json!({"cpus": 8, "memory_mib": 4096});
+        let h: HostResources = serde_json::from_value(old.clone()).unwrap();
+        assert!(h.validate().is_ok() && h.facts().is_empty());
+        assert_eq!(serde_json::to_value(&h).unwrap(), old);
+
+        let h = host();
+        assert!(h.validate().is_ok());
+        let json = serde_json::to_value(&h).unwrap();
+        assert_eq!(json["address_bits"], 46);
+        assert_eq!(json["numa"][1]["cpus"], "32-63");
+        assert_eq!(json["numa"][0]["hugepages"][0]["size_kib"], 2048);
+        assert_eq!(
+            serde_json::from_value::<HostResources>(json.clone()).unwrap(),
+            h
+        );
+        let facts = h.facts();
+        assert_eq!(facts.numa.len(), 2);
+        assert_eq!(
+            serde_json::from_value::<HostFacts>(serde_json::to_value(&facts).unwrap()).unwrap(),
+            facts
+        );
+        let mut bad = json;
+        bad["numa"][0]["colour"] = "green".into();
+        assert!(serde_json::from_value::<HostResources>(bad).is_err());
+
+        // A memory-only node (CXL) has no CPUs.
+        let mut cxl = host();
+        cxl.numa[1].cpus = String::new();
+        assert!(cxl.validate().is_ok());
+
+        let breaks: [&dyn Fn(&mut HostResources); 10] = [
+            &|h| h.address_bits = Some(31),
+            &|h| h.address_bits = Some(65),
+            &|h| h.numa[1].node = 0,
+            &|h| h.numa[1].node = MAX_NUMA_NODES as u32,
+            &|h| h.numa[0].cpus = "0-".into(),
+            &|h| h.numa[0].memory_mib = MAX_HOST_MEMORY_MIB + 1,
+            &|h| h.numa[0].hugepages[0].free = 513,
+            &|h| h.numa[0].hugepages[0].size_kib = 3000,
+            &|h| h.numa[0].hugepages[1].size_kib = 2048,
+            &|h| h.numa[0].hugepages[0].total = u64::MAX,
+        ];
+        for (i, b) in breaks.iter().enumerate() {
+            let mut h = host();
+            b(&mut h);
+            assert!(h.validate().is_err(), "case {i}: {h:?}");
+        }
+        let mut many = host();
+        many.numa[0].hugepages = (0..=MAX_HUGEPAGE_POOLS as u32)
+            .map(|i| HugepagePool {
+                size_kib: 4 << i,
+                total: 0,
+                free: 0,
+            })
+            .collect();
+        assert!(many.validate().is_err());
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(count_cpu_list("0-63\n"), Some(64));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("0,2-5,8"), Some(6));
+        for bad in ["", "-", "5-3", "a", "0-", "0,,1", "0-70000", "1-2-3"] {
+            assert_eq!(count_cpu_list(bad), None, "{bad:?}");
+        }
+        assert_eq!(count_cpu_list(&"1,".repeat(3000)), None);
+    }
 
     #[test]
     fn scrub_steps_refuse_unknown_fields() {
