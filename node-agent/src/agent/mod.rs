@@ -396,7 +396,7 @@ impl Agent {
                 .collect();
             let after = Arc::new(InventoryReport {
                 devices: now,
-                host: before.host,
+                host: before.host.clone(),
                 bridges: before.bridges.clone(),
             });
             return Ok(Some(Changes {

@@ -7,7 +7,7 @@ mod vgpu;
 
 pub use kernel::{FakeKernel, RESET_LOG, native_driver};
 pub use tree::{
-    FAKE_BRIDGE, FAKE_DEV_DIR, FAKE_NVME_BYTES, FakeError, FakeOptions, FakeSpec, FakeTree,
-    GpuModel, generate, generate_with,
+    FAKE_BRIDGE, FAKE_CPUINFO_ADDRESS_SIZES, FAKE_DEV_DIR, FAKE_NVME_BYTES, FAKE_PROC_DIR,
+    FakeError, FakeOptions, FakeSpec, FakeTree, GpuModel, generate, generate_with,
 };
 pub use vgpu::{FAKE_NVIDIA_SMI, FakeVgpu};

@@ -5,7 +5,7 @@
 use super::kernel::native_driver;
 use super::vgpu::{self as fake_vgpu, FAKE_VFS, FakeGpu, FakeVgpu};
 use crate::host::FAKE_MARKER;
-use passage_model::{DevicePath, PciAddress};
+use passage_model::{BarKind, DevicePath, PciAddress, PciBar};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -63,6 +63,9 @@ pub struct FakeOptions {
     /// The Linux bridges the node has (`class/net/<name>/bridge/`), which a simulated
     /// node reports and hosts VMs on; default [`FAKE_BRIDGE`].
     pub bridges: Vec<String>,
+    /// Huge pages reserved on each NUMA node, all free: (2 MiB pages, 1 GiB pages);
+    /// default none, as a kernel boots without `hugepages=`.
+    pub hugepages_per_node: (u64, u64),
 }
 
 /// The one bridge of a generated tree unless asked otherwise, so that simulated nodes can
@@ -78,11 +81,17 @@ impl Default for FakeOptions {
             vgpu: None,
             mig: false,
             bridges: vec![FAKE_BRIDGE.to_string()],
+            hugepages_per_node: (0, 0),
         }
     }
 }
 
 const FAKE_CPUS_PER_NODE: u32 = 32;
+/// The stand-in for `/proc`, at the root of a generated tree: `/proc` is no part of
+/// sysfs, and a simulated node must not report the host's CPUs.
+pub const FAKE_PROC_DIR: &str = ".passage-fake-proc";
+/// What the generated CPUs say of their address sizes (a Sapphire Rapids part's).
+pub const FAKE_CPUINFO_ADDRESS_SIZES: &str = "46 bits physical, 57 bits virtual";
 const FAKE_MIB_PER_NODE: u64 = 256 * 1024;
 
 impl Default for FakeSpec {
@@ -180,6 +189,10 @@ struct Func {
     physfn: Option<PciAddress>,
     virtfns: Vec<PciAddress>,
     children: Vec<Func>,
+    /// Its regions, addresses filled in by [`assign_bars`] once the whole tree is known.
+    bars: Vec<PciBar>,
+    /// `reset_method`'s words; none (no file) for functions the kernel cannot reset.
+    reset: &'static str,
 }
 
 const INTEL: u16 = 0x8086;
@@ -221,6 +234,8 @@ fn endpoint(a: PciAddress, ids: Ids, numa: u32) -> Func {
         physfn: None,
         virtfns: Vec::new(),
         children: Vec::new(),
+        bars: Vec::new(),
+        reset: "",
     }
 }
 
@@ -268,6 +283,8 @@ fn bridge(
         physfn: None,
         virtfns: Vec::new(),
         children,
+        bars: Vec::new(),
+        reset: "",
     })
 }
 
@@ -308,7 +325,7 @@ fn gpu_switch(
         GEN4_X16
     };
     bridge(rp, rp_ids, numa, buses, |up_bus, buses| {
-        let up = bridge(addr(up_bus, 0, 0), plx, numa, buses, |down_bus, buses| {
+        let mut up = bridge(addr(up_bus, 0, 0), plx, numa, buses, |down_bus, buses| {
             let mut downs = Vec::new();
             for i in 0..gpus {
                 let slot = format!("CPU{} SLOT{}", numa + 1, plan.next_slot);
@@ -360,6 +377,8 @@ fn gpu_switch(
             }
             Some(downs)
         })?;
+        // A PEX 8747's upstream port has its own registers; its downstream ports none.
+        up.bars = vec![shape(0, BarKind::Memory, 256 << 10, false, false)];
         Some(vec![up])
     })
 }
@@ -482,9 +501,189 @@ fn build(spec: &FakeSpec, opts: &FakeOptions) -> Result<Vec<(u8, Vec<Func>)>, Fa
             left -= here;
         }
         funcs.sort_by_key(|f| f.addr);
+        each_mut(&mut funcs, &mut give_bars);
         roots.push((root_bus, funcs));
     }
+    assign_bars(&mut roots).ok_or_else(too_many)?;
     Ok(roots)
+}
+
+/// A region of `size` bytes, its address not yet chosen.
+fn shape(index: u8, kind: BarKind, size: u64, is_64bit: bool, prefetchable: bool) -> PciBar {
+    PciBar {
+        index,
+        kind,
+        start: 0,
+        size,
+        is_64bit,
+        prefetchable,
+    }
+}
+
+fn each_mut(funcs: &mut [Func], g: &mut impl FnMut(&mut Func)) {
+    for f in funcs {
+        g(f);
+        each_mut(&mut f.children, g);
+    }
+}
+
+/// The regions and reset methods of the parts the generator knows, as their datasheets
+/// and `lspci -vv` on real machines show them. A VF's BARs live in its physical
+/// function's SR-IOV capability; the generated VFs show none.
+fn give_bars(f: &mut Func) {
+    use BarKind::{Io, Memory};
+    let mem32 = |i, size| shape(i, Memory, size, false, false);
+    let mem64 = |i, size, pref| shape(i, Memory, size, true, pref);
+    if f.physfn.is_some() {
+        f.reset = "flr";
+        return;
+    }
+    let gpu = [
+        GpuModel::V100,
+        GpuModel::A100,
+        GpuModel::H100,
+        GpuModel::L40s,
+    ]
+    .into_iter()
+    .find(|m| m.ids().0 == f.ids.device);
+    let (bars, reset) = match (f.ids.vendor, f.ids.class >> 8, gpu) {
+        (NVIDIA, 0x0302, Some(model)) => {
+            let framebuffer: u64 = match model {
+                GpuModel::V100 => 32 << 30,
+                GpuModel::A100 | GpuModel::H100 => 128 << 30,
+                GpuModel::L40s => 64 << 30,
+            };
+            let reset = if model == GpuModel::V100 {
+                "bus"
+            } else {
+                "flr bus"
+            };
+            (
+                vec![
+                    mem32(0, 16 << 20),
+                    mem64(1, framebuffer, true),
+                    mem64(3, 32 << 20, true),
+                ],
+                reset,
+            )
+        }
+        // The HDMI audio function of a display card.
+        (NVIDIA, 0x0403, _) => (vec![mem32(0, 16 << 10)], "flr"),
+        // i350: registers, an I/O window, MSI-X tables.
+        (INTEL, 0x0200, _) => (
+            vec![
+                mem32(0, 1 << 20),
+                shape(2, Io, 32, false, false),
+                mem32(3, 16 << 10),
+            ],
+            "flr bus",
+        ),
+        // An NVMe SSD: 64-bit registers, not prefetchable (so below 4 GiB).
+        (_, 0x0108, _) => (vec![mem64(0, 32 << 10, false)], "flr bus"),
+        // The chipset's SMBus controller.
+        (INTEL, 0x0c05, _) => (
+            vec![mem64(0, 256, false), shape(4, Io, 32, false, false)],
+            "",
+        ),
+        _ => (Vec::new(), ""),
+    };
+    if f.bars.is_empty() {
+        f.bars = bars;
+    }
+    f.reset = reset;
+}
+
+/// Where the generated regions go: non-prefetchable memory below 4 GiB (under the
+/// firmware's area at 0xfc000000), I/O ports from 0x2000, and 64-bit prefetchable memory
+/// high, each NUMA root its own window starting on a TiB boundary from 32 TiB, all below
+/// the 46 address bits the generated CPUs have.
+const LOW_MMIO: (u64, u64) = (0x9000_0000, 0xfc00_0000);
+const IO_PORTS: (u64, u64) = (0x2000, 0x1_0000);
+const HIGH_MMIO: (u64, u64) = (0x2000_0000_0000, 1 << 46);
+
+/// Gives every region an address, as firmware does: per NUMA root, the largest first,
+/// each aligned to its size. `None` when the windows are full.
+fn assign_bars(roots: &mut [(u8, Vec<Func>)]) -> Option<()> {
+    let (mut low, mut io, mut high) = (LOW_MMIO.0, IO_PORTS.0, HIGH_MMIO.0);
+    for (_, funcs) in roots.iter_mut() {
+        let mut wanted: Vec<(u64, PciAddress, u8)> = Vec::new();
+        each_mut(funcs, &mut |f| {
+            wanted.extend(f.bars.iter().map(|b| (b.size, f.addr, b.index)));
+        });
+        wanted.sort_by_key(|&(size, a, i)| (std::cmp::Reverse(size), a, i));
+        let mut kinds = std::collections::HashMap::new();
+        each_mut(funcs, &mut |f| {
+            for b in &f.bars {
+                kinds.insert((f.addr, b.index), (b.kind, b.prefetchable && b.is_64bit));
+            }
+        });
+        let mut at = std::collections::HashMap::new();
+        for (size, a, i) in wanted {
+            let (cursor, limit) = match kinds.get(&(a, i))? {
+                (BarKind::Io, _) => (&mut io, IO_PORTS.1),
+                (BarKind::Memory, true) => (&mut high, HIGH_MMIO.1),
+                (BarKind::Memory, false) => (&mut low, LOW_MMIO.1),
+            };
+            let start = cursor.checked_next_multiple_of(size)?;
+            let end = start.checked_add(size)?;
+            if end > limit {
+                return None;
+            }
+            *cursor = end;
+            at.insert((a, i), start);
+        }
+        each_mut(funcs, &mut |f| {
+            for b in &mut f.bars {
+                b.start = at.get(&(f.addr, b.index)).copied().unwrap_or(0);
+            }
+        });
+        high = high.checked_next_multiple_of(1 << 40)?;
+    }
+    Some(())
+}
+
+/// Linux's flags for a region (`IORESOURCE_*`, with the BAR's own low bits), as
+/// `resource` shows them.
+fn resource_flags(b: &PciBar) -> u64 {
+    match b.kind {
+        BarKind::Io => 0x40101,
+        BarKind::Memory => {
+            let mut f = 0x40200 | bar_low_bits(b);
+            if b.is_64bit {
+                f |= 0x10_0000;
+            }
+            if b.prefetchable {
+                f |= 0x2000;
+            }
+            f
+        }
+    }
+}
+
+/// The type bits of a BAR register: I/O, or memory 64-bit (0x4) and prefetchable (0x8).
+fn bar_low_bits(b: &PciBar) -> u64 {
+    match b.kind {
+        BarKind::Io => 0x1,
+        BarKind::Memory => {
+            (if b.is_64bit { 0x4 } else { 0 }) | (if b.prefetchable { 0x8 } else { 0 })
+        }
+    }
+}
+
+/// `resource`: the BARs and ROM, then six lines for SR-IOV's VF BARs, all zero where
+/// unassigned.
+fn resource_text(bars: &[PciBar]) -> String {
+    (0..13u8)
+        .map(|i| match bars.iter().find(|b| b.index == i) {
+            Some(b) => format!(
+                "0x{:016x} 0x{:016x} 0x{:016x}\n",
+                b.start,
+                b.start + b.size - 1,
+                resource_flags(b)
+            ),
+            None => format!("0x{0:016x} 0x{0:016x} 0x{0:016x}\n", 0),
+        })
+        .collect()
 }
 
 /// Writes the tree for `spec` under `out`, which must be absent or empty.
@@ -599,6 +798,7 @@ pub(crate) fn write_vf(
 ) -> io::Result<()> {
     let mut f = endpoint(vf, ids, numa);
     f.physfn = Some(pf);
+    give_bars(&mut f);
     let w = Writer {
         root: root.to_path_buf(),
         flat: Vec::new(),
@@ -700,6 +900,7 @@ impl Writer {
         let total = opts
             .memory_mib
             .unwrap_or(FAKE_MIB_PER_NODE * u64::from(nodes));
+        let (two_mib, one_gib) = opts.hugepages_per_node;
         for n in 0..nodes {
             let dir = self.root.join(format!("devices/system/node/node{n}"));
             fs::create_dir_all(&dir)?;
@@ -708,7 +909,34 @@ impl Writer {
                 dir.join("meminfo"),
                 format!("Node {n} MemTotal:       {kib} kB\nNode {n} MemFree:        {kib} kB\n"),
             )?;
+            // The online CPUs split evenly, in order; a node left without any (fewer CPUs
+            // than nodes) has an empty list, as a memory-only node has.
+            let (lo, hi) = (n * cpus / nodes, (n + 1) * cpus / nodes);
+            let list = match hi - lo {
+                0 => String::new(),
+                1 => lo.to_string(),
+                _ => format!("{lo}-{}", hi - 1),
+            };
+            fs::write(dir.join("cpulist"), format!("{list}\n"))?;
+            for (size_kib, count) in [(2048u64, two_mib), (1 << 20, one_gib)] {
+                let pool = dir.join(format!("hugepages/hugepages-{size_kib}kB"));
+                fs::create_dir_all(&pool)?;
+                fs::write(pool.join("nr_hugepages"), format!("{count}\n"))?;
+                fs::write(pool.join("free_hugepages"), format!("{count}\n"))?;
+                fs::write(pool.join("surplus_hugepages"), "0\n")?;
+            }
         }
+        let proc = self.root.join(FAKE_PROC_DIR);
+        fs::create_dir_all(&proc)?;
+        // The first CPU's entry only: the agent reads the address sizes, which every CPU
+        // shares, and a simulated fleet writes thousands of these files.
+        fs::write(
+            proc.join("cpuinfo"),
+            format!(
+                "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) \
+                 Platinum 8480+\naddress sizes\t: {FAKE_CPUINFO_ADDRESS_SIZES}\n\n"
+            ),
+        )?;
         Ok(())
     }
 
@@ -832,10 +1060,7 @@ impl Writer {
                     format!("{}\n", 32 + group)
                 },
             ),
-            (
-                "resource",
-                "0x0000000000000000 0x0000000000000000 0x0000000000000000\n".repeat(13),
-            ),
+            ("resource", resource_text(&f.bars)),
             ("local_cpulist", "0-15\n".to_string()),
             (
                 "modalias",
@@ -855,6 +1080,9 @@ impl Writer {
             fs::write(dir.join(name), text)?;
         }
         fs::write(dir.join("config"), config_space(f))?;
+        if !f.reset.is_empty() {
+            fs::write(dir.join("reset_method"), format!("{}\n", f.reset))?;
+        }
         if let Some(link) = f.link {
             for (name, text) in [
                 ("current_link_speed", link.speed.to_string()),
@@ -964,8 +1192,10 @@ fn config_space(f: &Func) -> Vec<u8> {
     let i = f.ids;
     c[0x00..0x02].copy_from_slice(&i.vendor.to_le_bytes());
     c[0x02..0x04].copy_from_slice(&i.device.to_le_bytes());
-    // Memory space and bus master enabled, as firmware leaves an enumerated function.
-    c[0x04..0x06].copy_from_slice(&0x0006u16.to_le_bytes());
+    // Memory space and bus master enabled, as firmware leaves an enumerated function;
+    // I/O space too where it has I/O ports.
+    let io = f.bars.iter().any(|b| b.kind == BarKind::Io);
+    c[0x04..0x06].copy_from_slice(&(0x0006u16 | u16::from(io)).to_le_bytes());
     c[0x08] = i.revision;
     c[0x09] = (i.class & 0xff) as u8;
     c[0x0a] = ((i.class >> 8) & 0xff) as u8;
@@ -989,6 +1219,16 @@ fn config_space(f: &Func) -> Vec<u8> {
             if i.class >> 16 != 0x06 {
                 c[0x3d] = 1;
             }
+        }
+    }
+    // Type-1 headers have two BARs, type-0 six; the ROM is not generated.
+    let bars = if f.bridge.is_some() { 2 } else { 6 };
+    for b in f.bars.iter().filter(|b| b.index < bars) {
+        let at = 0x10 + 4 * usize::from(b.index);
+        let low = (b.start & 0xffff_fff0) | bar_low_bits(b);
+        c[at..at + 4].copy_from_slice(&(low as u32).to_le_bytes());
+        if b.is_64bit && b.index + 1 < bars {
+            c[at + 4..at + 8].copy_from_slice(&((b.start >> 32) as u32).to_le_bytes());
         }
     }
     c

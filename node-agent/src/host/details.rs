@@ -4,8 +4,11 @@
 //! attribute leaves its field empty and adds a note; it never drops the function.
 
 use super::{AttrDir, FdBudget, KeptFd, read_attr};
-use passage_model::pci::{MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_SLOT_LEN};
-use passage_model::{HexId, PciAddress, PciDetails, pci::PciClass};
+use passage_model::pci::{
+    MAX_LINK_SPEED_LEN, MAX_NAME_LEN, MAX_RESET_METHODS, MAX_SLOT_LEN, ROM_BAR_INDEX,
+    valid_reset_method,
+};
+use passage_model::{BarKind, HexId, PciAddress, PciBar, PciDetails, pci::PciClass};
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs;
@@ -139,6 +142,79 @@ pub(crate) fn parse_aer_total(text: &str, total_key: &str) -> Option<u64> {
         let n = it.next()?.parse().ok()?;
         it.next().is_none().then_some(n)
     })
+}
+
+/// Linux's resource flags (`include/linux/ioport.h`), as `resource` writes them.
+const IORESOURCE_IO: u64 = 0x100;
+const IORESOURCE_MEM: u64 = 0x200;
+const IORESOURCE_PREFETCH: u64 = 0x2000;
+const IORESOURCE_MEM_64: u64 = 0x10_0000;
+/// More lines than `resource` has (7 for the function's own regions, 6 for SR-IOV's VF
+/// BARs, 4 for a bridge's windows, a few spare).
+const MAX_RESOURCE_LINES: usize = 32;
+
+/// `0x` and 1 to 16 hex digits.
+fn hex64(word: &str) -> Option<u64> {
+    let digits = word.strip_prefix("0x")?;
+    (!digits.is_empty() && digits.len() <= 16 && digits.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| u64::from_str_radix(digits, 16).ok())
+        .flatten()
+}
+
+/// `resource`: one line `0x<start> 0x<end> 0x<flags>` per resource, the BARs 0 to 5 and
+/// the expansion ROM first. Unassigned resources (end 0) and those that are neither
+/// memory nor I/O are left out; the lines after the ROM (SR-IOV's VF BARs, a bridge's
+/// windows) are not the function's own regions and are checked but not kept. `None`
+/// for anything that is not such a file.
+pub(crate) fn parse_resource(text: &str) -> Option<Vec<PciBar>> {
+    let mut bars = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if i >= MAX_RESOURCE_LINES {
+            return None;
+        }
+        let mut it = line.split_whitespace();
+        let (start, end, flags) = (hex64(it.next()?)?, hex64(it.next()?)?, hex64(it.next()?)?);
+        if it.next().is_some() {
+            return None;
+        }
+        let Ok(index) = u8::try_from(i) else {
+            return None;
+        };
+        if end == 0 || index > ROM_BAR_INDEX {
+            continue;
+        }
+        let size = end.checked_sub(start)?.checked_add(1)?;
+        let kind = if flags & IORESOURCE_IO != 0 && index != ROM_BAR_INDEX {
+            BarKind::Io
+        } else if flags & IORESOURCE_MEM != 0 {
+            BarKind::Memory
+        } else {
+            continue;
+        };
+        let memory = kind == BarKind::Memory;
+        bars.push(PciBar {
+            index,
+            kind,
+            start,
+            size,
+            is_64bit: memory && flags & IORESOURCE_MEM_64 != 0,
+            prefetchable: memory && flags & IORESOURCE_PREFETCH != 0,
+        });
+    }
+    Some(bars)
+}
+
+/// `reset_method`: the method names in the kernel's order, space-separated.
+pub(crate) fn parse_reset_methods(text: &str) -> Option<Vec<String>> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    (words.len() <= MAX_RESET_METHODS && words.iter().all(|w| valid_reset_method(w)))
+        .then(|| words.into_iter().map(str::to_string).collect())
+}
+
+/// A function's regions from its `resource` (opened for this read): empty, with a note,
+/// when the file is garbled; empty when there is none.
+pub(crate) fn read_bars(dir: &AttrDir, notes: &mut Vec<String>) -> Vec<PciBar> {
+    field(dir, "resource", Via::Open, parse_resource, &[], notes).unwrap_or_default()
 }
 
 fn bounded_name(s: &str) -> Option<String> {
@@ -300,6 +376,8 @@ pub(crate) struct Kept {
     aer_dev_fatal: KeptFd,
     aer_dev_nonfatal: KeptFd,
     sriov_numvfs: KeptFd,
+    resource: KeptFd,
+    reset_method: KeptFd,
 }
 
 /// Reads the details of the function in `dir` that can change (driver-independent
@@ -361,6 +439,26 @@ pub(crate) fn collect(
             &[],
             notes,
         ),
+        // Read on every pass: a driver may resize a BAR when it binds (amdgpu does), and
+        // root may write `reset_method`, both without the directory changing.
+        bars: field(
+            dir,
+            "resource",
+            Via::Kept(&mut kept.resource, budget),
+            parse_resource,
+            &[],
+            notes,
+        )
+        .unwrap_or_default(),
+        reset_methods: field(
+            dir,
+            "reset_method",
+            Via::Kept(&mut kept.reset_method, budget),
+            parse_reset_methods,
+            &[],
+            notes,
+        )
+        .unwrap_or_default(),
         ..PciDetails::default()
     };
     // Only functions that can have VFs have `sriov_numvfs`: no open for the others.
@@ -489,9 +587,129 @@ mod tests {
         assert_eq!(class_name(PciClass(0xfe0000)), None);
     }
 
+    /// An H100 SXM5 as a kernel shows it: BAR0 32-bit registers, BAR1 the 64-bit
+    /// framebuffer, BAR3 64-bit, no ROM assigned, then six SR-IOV lines and nothing else.
+    const H100_RESOURCE: &str = "0x00000000e2000000 0x00000000e2ffffff 0x0000000000040200
+0x0000228000000000 0x0000229fffffffff 0x000000000014220c
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x000022a000000000 0x000022a001ffffff 0x000000000014220c
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x00000000e3000000 0x00000000e303ffff 0x0000000000040200
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+0x0000000000000000 0x0000000000000000 0x0000000000000000
+";
+
+    #[test]
+    fn resources() {
+        let bars = parse_resource(H100_RESOURCE).unwrap();
+        assert_eq!(
+            bars,
+            vec![
+                PciBar {
+                    index: 0,
+                    kind: BarKind::Memory,
+                    start: 0xe200_0000,
+                    size: 16 << 20,
+                    is_64bit: false,
+                    prefetchable: false,
+                },
+                PciBar {
+                    index: 1,
+                    kind: BarKind::Memory,
+                    start: 0x2280_0000_0000,
+                    size: 128 << 30,
+                    is_64bit: true,
+                    prefetchable: true,
+                },
+                PciBar {
+                    index: 3,
+                    kind: BarKind::Memory,
+                    start: 0x22a0_0000_0000,
+                    size: 32 << 20,
+                    is_64bit: true,
+                    prefetchable: true,
+                },
+            ]
+        );
+        // An I/O BAR and a ROM (flags as the kernel writes them for an i350 and a VGA
+        // card); a disabled ROM has the memory flag all the same.
+        let text = "0x000000000000e000 0x000000000000e01f 0x0000000000040101\n\
+                    0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+                    0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+                    0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+                    0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+                    0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+                    0x00000000c0000000 0x00000000c007ffff 0x0000000000046200\n";
+        let bars = parse_resource(text).unwrap();
+        assert_eq!(bars.len(), 2);
+        assert_eq!((bars[0].kind, bars[0].size), (BarKind::Io, 32));
+        assert_eq!(
+            (bars[1].index, bars[1].kind),
+            (ROM_BAR_INDEX, BarKind::Memory)
+        );
+        assert_eq!(parse_resource(""), Some(vec![]));
+        for bad in [
+            "0x1 0x2",
+            "0x1 0x2 0x200 0x4",
+            "1 2 3",
+            "0x 0x1 0x200",
+            "0x10 0x1 0x200",
+            "0x0 0xffffffffffffffff 0x200",
+            "0x00000000000000001 0x2 0x200",
+            "0xzz 0x2 0x200",
+        ] {
+            assert_eq!(parse_resource(bad), None, "{bad:?}");
+        }
+        let long = "0x0 0x0 0x0\n".repeat(MAX_RESOURCE_LINES + 1);
+        assert_eq!(parse_resource(&long), None);
+    }
+
+    #[test]
+    fn reset_methods() {
+        assert_eq!(
+            parse_reset_methods("flr bus\n"),
+            Some(vec!["flr".to_string(), "bus".to_string()])
+        );
+        assert_eq!(parse_reset_methods(""), Some(vec![]));
+        assert_eq!(
+            parse_reset_methods("device_specific acpi pm"),
+            Some(vec!["device_specific".into(), "acpi".into(), "pm".into()])
+        );
+        for bad in [
+            "FLR",
+            "flr,bus",
+            "flr \u{0}",
+            &"bus ".repeat(MAX_RESET_METHODS + 1),
+        ] {
+            assert_eq!(parse_reset_methods(bad), None, "{bad:?}");
+        }
+    }
+
     proptest! {
         #[test]
+        fn resource_like_text_never_panics(
+            lines in proptest::collection::vec(
+                ("0x[0-9a-f]{0,17}", "0x[0-9a-f]{0,17}", "0x[0-9a-f]{0,8}"), 0..20)
+        ) {
+            let text: String = lines
+                .iter()
+                .map(|(a, b, c)| format!("{a} {b} {c}\n"))
+                .collect();
+            if let Some(bars) = parse_resource(&text) {
+                let details = PciDetails { bars, ..PciDetails::default() };
+                prop_assert!(details.validate().is_ok());
+            }
+        }
+
+        #[test]
         fn parsers_never_panic(s in "\\PC{0,200}") {
+            let _ = parse_resource(&s);
+            let _ = parse_reset_methods(&s);
             let _ = parse_link_speed(&s);
             let _ = parse_link_width(&s);
             let _ = parse_count(&s);

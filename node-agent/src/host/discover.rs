@@ -573,7 +573,7 @@ fn read_ids(dir: &AttrDir) -> Result<Ids, String> {
 }
 
 /// Kernels without NUMA support have no `numa_node`; -1 means "no affinity".
-fn numa(dir: &AttrDir) -> Result<Option<u32>, String> {
+pub(crate) fn numa(dir: &AttrDir) -> Result<Option<u32>, String> {
     let text = match dir.read("numa_node") {
         Ok(t) => t,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),

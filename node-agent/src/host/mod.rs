@@ -5,6 +5,7 @@
 mod binding;
 mod details;
 mod discover;
+mod facts;
 mod resources;
 mod sriov;
 mod vgpu;
@@ -13,7 +14,12 @@ mod vgpu_slots;
 pub use binding::{BindError, Binder, BindingRecord, BindingState, VFIO_DRIVER};
 pub use details::{PCI_IDS_VERSION, class_name, device_name, vendor_name};
 pub use discover::{Discoverer, Discovery, DiscoveryError, discover, merge_reread, try_discover};
-pub use resources::{ResourcesError, count_cpu_list, host_resources, mem_total_kib};
+pub use facts::{
+    FactsError, FunctionFacts, device_path_of, function_facts, function_facts_by_address,
+};
+pub use resources::{
+    ResourcesError, address_bits, count_cpu_list, cpuinfo_path, host_resources, mem_total_kib,
+};
 pub use sriov::set_numvfs;
 pub use vgpu::NvidiaSmi;
 pub use vgpu_slots::{VgpuRecord, VgpuSlots, VgpuState};
