@@ -176,6 +176,7 @@ fn main() -> ExitCode {
                         Some(b) => b.into_iter().filter(|b| !b.is_empty()).collect(),
                         None => vec![fake::FAKE_BRIDGE.to_string()],
                     },
+                    hugepages_per_node: (0, 0),
                 },
             ) {
                 Ok(tree) => {

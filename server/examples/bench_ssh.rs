@@ -45,7 +45,7 @@ mod common;
 use clap::Parser;
 use common::guests::{Api, Cleanup, median};
 use common::post;
-use node_agent::hypervisor::{QemuConfig, VmFiles, qemu_argv};
+use node_agent::hypervisor::{QemuConfig, VmFiles, launch_plan, qemu_argv};
 use passage_model::VmId;
 use passage_model::api::{Job, JobState, Server, Vm, VmState};
 use passage_model::protocol::VmSpec;
@@ -357,7 +357,8 @@ impl Bench {
         for (tap, nic) in taps.iter().zip(&spec.nics) {
             node_agent::net::create_tap(net_root, tap, nic).unwrap();
         }
-        let argv = qemu_argv(&self.qemu, &spec, &files);
+        let plan = launch_plan(&self.qemu, &spec).unwrap();
+        let argv = qemu_argv(&self.qemu, &spec, &files, &plan);
         let log = std::fs::File::create(&files.log).unwrap();
         let log2 = log.try_clone().unwrap();
         let hand_prep = prep.elapsed().as_secs_f64();

@@ -6,6 +6,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// What the node agent boots UEFI guests with (Debian's `ovmf`).
+const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
 const PG_START_WAIT: Duration = Duration::from_secs(30);
 
 /// `cargo xtask test [-- ARGS]`.
@@ -219,7 +221,13 @@ fn ensure_lspci() -> Result<()> {
 /// Where it cannot be installed the stage fails, unless `PASSAGE_ALLOW_NO_QEMU=1`, in
 /// which case the test itself skips with a note.
 fn ensure_qemu() -> Result<()> {
-    match ensure_tool("qemu-system-x86_64", "qemu-system-x86") {
+    // UEFI guests boot OVMF, the node agent's default for VMs with devices.
+    let qemu = ensure_tool("qemu-system-x86_64", "qemu-system-x86").and_then(|()| {
+        ensure_package(OVMF_CODE, "ovmf", || {
+            std::path::Path::new(OVMF_CODE).is_file()
+        })
+    });
+    match qemu {
         Err(e) if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
             println!("warning: {e:#}; PASSAGE_ALLOW_NO_QEMU=1, so the QEMU test will skip");
             Ok(())
@@ -243,7 +251,13 @@ fn ensure_test_image() -> Result<Option<std::path::PathBuf>> {
 
 /// Installs the Debian `package` with apt-get unless `tool` is already on PATH.
 pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
-    if on_path(tool) {
+    ensure_package(tool, package, || on_path(tool))
+}
+
+/// Installs the Debian `package` with apt-get unless `present` says `tool` (a command
+/// or a file) is there.
+fn ensure_package(tool: &str, package: &str, present: impl Fn() -> bool) -> Result<()> {
+    if present() {
         println!("{tool} present");
         return Ok(());
     }
@@ -261,8 +275,8 @@ pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
         util::run_checked(Command::new("apt-get").arg("update"))?;
         install()?;
     }
-    if !on_path(tool) {
-        bail!("{package} is installed but {tool} is still not on PATH");
+    if !present() {
+        bail!("{package} is installed but {tool} is still not there");
     }
     Ok(())
 }

@@ -18,6 +18,8 @@ pub const TOOLS: &[(&str, &str)] = &[
     ("extlinux", "extlinux"),
     ("sfdisk", "fdisk"),
     ("mkfs.ext4", "e2fsprogs"),
+    ("mkfs.vfat", "dosfstools"),
+    ("mcopy", "mtools"),
 ];
 
 fn cache_dir() -> PathBuf {

@@ -52,14 +52,14 @@ struct Cached {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Ids {
-    vendor: HexId,
+pub(crate) struct Ids {
+    pub(crate) vendor: HexId,
     device: HexId,
     subvendor: HexId,
     subsystem: HexId,
     revision: Revision,
-    class: PciClass,
-    numa_node: Option<u32>,
+    pub(crate) class: PciClass,
+    pub(crate) numa_node: Option<u32>,
 }
 
 /// Discovery that remembers, between passes, what cannot change while a function's
@@ -552,7 +552,7 @@ fn describe(
 }
 
 /// The attributes every function must have, parsed.
-fn read_ids(dir: &AttrDir) -> Result<Ids, String> {
+pub(crate) fn read_ids(dir: &AttrDir) -> Result<Ids, String> {
     let attr = |file: &str| -> Result<String, String> {
         dir.read(file).map_err(|e| format!("{file}: {e}"))
     };

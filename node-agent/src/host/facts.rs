@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 /// One function's facts for a launch (see [`function_facts`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FunctionFacts {
+    /// Its vendor and class code (`0x030200`): which guest-side hints apply to it.
+    pub vendor: u16,
+    pub class: u32,
     /// Its assigned regions, by index (sysfs `resource`); the guest's PCI holes must
     /// hold them.
     pub bars: Vec<PciBar>,
@@ -43,12 +46,15 @@ pub fn function_facts(sysfs_root: &Path, id: &DevicePath) -> Result<FunctionFact
         why,
     };
     let dir = AttrDir::open(&path).map_err(|e| err(e.to_string()))?;
-    let numa_node = super::discover::numa(&dir).map_err(err)?;
+    let ids = super::discover::read_ids(&dir).map_err(err)?;
+    let numa_node = ids.numa_node;
     let mut notes = Vec::new();
     let bars = details::read_bars(&dir, &mut notes);
     let parents = id.parents();
     let switch = (parents.len() >= 3).then(|| parents[parents.len() - 2]);
     Ok(FunctionFacts {
+        vendor: ids.vendor.0,
+        class: ids.class.0,
         bars,
         numa_node,
         switch,

@@ -10,7 +10,11 @@ mod sim;
 
 pub use bhyve::{BHYVE_BINARY, PassthruRef, TooManyDevices, bhyve_argv};
 pub use cloud_hypervisor::{CLOUD_HYPERVISOR_BINARY, cloud_hypervisor_argv};
-pub use qemu::{QEMU_BINARY, QemuConfig, QemuHypervisor, VmFiles, qemu_argv};
+pub use qemu::{
+    Backing, CpuModel, HugepagePolicy, LaunchPlan, OVMF_CODE, OVMF_VARS, OVMF_VARS_FILE,
+    OVMF_VARS_TMP_FILE, QEMU_BINARY, QemuConfig, QemuHypervisor, STAND_IN_ENV, StandIn, VmFiles,
+    launch_plan, layout, qemu_argv, vars_path,
+};
 pub use sim::SimHypervisor;
 
 use crate::host::{VFIO_DRIVER, bound_driver, device_dir};

@@ -26,6 +26,9 @@ const VM_FILES: &[&str] = &[
     "qemu.log",
     crate::seed::SEED_FILE,
     crate::seed::SEED_TMP_FILE,
+    // A UEFI VM's variables live as long as its disk.
+    crate::hypervisor::OVMF_VARS_FILE,
+    crate::hypervisor::OVMF_VARS_TMP_FILE,
 ];
 
 /// `STATE/qemu/<vm>`: the VM's directory (shared with the QEMU backend's files).

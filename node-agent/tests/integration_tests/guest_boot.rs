@@ -197,6 +197,14 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
         super::reported(&console, "PASSAGE-EDU-COUNT").contains(&"2".to_string()),
         "the guest should see 2 stand-in devices:\n{console}"
     );
+    // A VM with devices and no firmware asked for boots UEFI, with variables of its own.
+    assert_eq!(
+        super::reported(&console, "PASSAGE-FIRMWARE"),
+        ["uefi"],
+        "{console}"
+    );
+    let vars = node_agent::hypervisor::vars_path(&files);
+    assert!(vars.is_file(), "the VM's own OVMF variables");
 
     // A disk may not go while its VM runs.
     let r = run(&exec, Task::DeleteDisk { vm_uuid: vm }).await;
@@ -245,6 +253,7 @@ async fn a_real_guest_boots_sees_its_stand_in_gpus_and_keeps_its_disk() {
         "destroy removes the overlay"
     );
     assert!(!files.console.exists());
+    assert!(!vars.exists(), "the UEFI variables went with the disk");
     let r = run(&exec, Task::ReadConsole { vm_uuid: vm }).await;
     assert_eq!(
         r.console.as_deref(),

@@ -178,6 +178,8 @@ async fn applies_the_seed_inside(image: std::path::PathBuf) {
     .await;
     let at_report = t.elapsed();
     assert_eq!(super::reported(&report, "PASSAGE-EDU-COUNT"), ["0"]);
+    // No devices and no firmware asked for: SeaBIOS.
+    assert_eq!(super::reported(&report, "PASSAGE-FIRMWARE"), ["bios"]);
     let console = wait_for(&files, "cloud-init's final message", |l| {
         l.contains("Cloud-init v.") && l.contains("finished at")
     })

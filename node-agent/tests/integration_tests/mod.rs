@@ -5,6 +5,7 @@ mod agent_images;
 mod binding;
 mod bridges;
 mod guest_boot;
+mod guest_layout;
 mod guest_seed;
 mod images;
 mod netns;

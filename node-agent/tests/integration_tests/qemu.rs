@@ -18,6 +18,11 @@ pub(super) fn qemu() -> Option<QemuConfig> {
             accel: "tcg".into(),
             sysfs_root: None,
             stand_in_devices: false,
+            stand_in_bars: false,
+            ovmf_code: node_agent::hypervisor::OVMF_CODE.into(),
+            ovmf_vars: node_agent::hypervisor::OVMF_VARS.into(),
+            hugepages: node_agent::hypervisor::HugepagePolicy::Off,
+            host_sysfs: "/sys".into(),
         }),
         None if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
             eprintln!("note: SKIPPED: {QEMU_BINARY} is not installed and PASSAGE_ALLOW_NO_QEMU=1");

@@ -1,32 +1,182 @@
 //! The QEMU command line a VM is started with, built from its spec and what the node's
 //! configuration says about how QEMU runs here.
 
+use super::layout::{Layout, PassedFunction};
 use super::{QemuConfig, VmFiles};
 use crate::net;
+use passage_model::images::Bootrom;
 use passage_model::protocol::VmSpec;
+use std::collections::BTreeMap;
 
-/// The QEMU command line for `spec`: q35, no default devices, no display, the boot disk
-/// (virtio-blk: Debian's cloud kernel has no AHCI), the cloud-init seed read-only when
-/// the VM has one, the serial console to `console.log`,
-/// one `vfio-pci` device per passed-through function (or an `edu` stand-in for each, see
-/// [`QemuConfig::stand_in_devices`]), one virtio-net device per NIC on its tap (the
-/// primary first, so the guest names it first), QMP on a unix socket.
-pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String> {
+/// Where OVMF keeps a VM's UEFI variables: a copy of the template, made at its first
+/// start and kept with its disk, so boot entries and settings survive a stop.
+pub const OVMF_VARS_FILE: &str = "OVMF_VARS.fd";
+/// The copy being made.
+pub const OVMF_VARS_TMP_FILE: &str = "OVMF_VARS.fd.tmp";
+
+/// The per-VM copy of OVMF's variables.
+pub fn vars_path(files: &VmFiles) -> std::path::PathBuf {
+    files.dir.join(OVMF_VARS_FILE)
+}
+
+/// How the guest's RAM is backed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// Ordinary pages, as QEMU allocates them.
+    Plain,
+    /// Hugepages of this size (KiB), preallocated at start: vfio pins all of a VM's RAM
+    /// anyway, and hugepages make that and every DMA the GPU does cheaper.
+    Hugepages { page_kib: u64 },
+}
+
+/// The guest CPU model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuModel {
+    /// Under KVM: the host's CPU with the host's address width (a GPU's BARs sit high).
+    Host,
+    /// Under emulation: every feature QEMU emulates, with this address width.
+    Max { phys_bits: u8 },
+}
+
+/// What a launch decided from the host before the command line is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchPlan {
+    /// What the host says about each of the spec's devices, in the spec's order.
+    pub functions: Vec<PassedFunction>,
+    pub layout: Layout,
+    pub bootrom: Bootrom,
+    pub cpu: CpuModel,
+    pub backing: Backing,
+    /// Bind each guest node's RAM to its host NUMA node (`policy=bind`); off where the
+    /// host does not have the nodes the devices report (a generated tree).
+    pub bind_numa: bool,
+}
+
+/// How each passed function appears in the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StandIn {
+    /// The function itself, through vfio-pci.
+    None,
+    /// A QEMU `edu` device (1234:11e8) per function: a guest can count them.
+    Edu,
+    /// An `ivshmem-plain` (1af4:1110) per function whose shared-memory BAR has the size
+    /// of the function's largest 64-bit BAR, backed by memory that is reserved, not
+    /// allocated: the guest's firmware and kernel must place BARs of the real sizes.
+    SizedBars,
+}
+
+/// The largest 64-bit BAR of a function, as a power of two (what an `ivshmem-plain`
+/// stand-in can have); 1 MiB for a function without one.
+fn stand_in_bar(f: &PassedFunction) -> u64 {
+    f.bars
+        .iter()
+        .filter(|b| b.kind == passage_model::BarKind::Memory && b.is_64bit)
+        .map(|b| b.size.next_power_of_two())
+        .max()
+        .unwrap_or(1 << 20)
+        .max(1 << 20)
+}
+
+/// `N` in MiB, or `NG` when whole GiB.
+fn size_arg(bytes: u64) -> String {
+    if bytes % (1 << 30) == 0 {
+        format!("{}G", bytes >> 30)
+    } else {
+        format!("{}M", bytes.div_ceil(1 << 20))
+    }
+}
+
+/// A compact list (`0-3,8`) of the numbers in `r`.
+fn range_arg(r: &std::ops::Range<u32>) -> String {
+    match r.end - r.start {
+        1 => r.start.to_string(),
+        _ => format!("{}-{}", r.start, r.end - 1),
+    }
+}
+
+/// The QEMU command line for `spec` as `plan` lays it out: q35, the firmware and CPU
+/// model, the guest RAM (hugepage-backed, NUMA-bound where the plan says), no default
+/// devices, no display, the boot disk (virtio-blk: Debian's cloud kernel has no AHCI),
+/// the cloud-init seed read-only when the VM has one, the serial console to
+/// `console.log`, each passed device on a PCIe root port of its own (behind a
+/// `pxb-pcie` expander per guest NUMA node when it has several), one virtio-net device
+/// per NIC on its tap (the primary first, so the guest names it first), QMP on a unix
+/// socket.
+pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles, plan: &LaunchPlan) -> Vec<String> {
+    let layout = &plan.layout;
     let mut argv = vec![
         cfg.binary.display().to_string(),
         "-name".into(),
         format!("guest={},debug-threads=on", spec.uuid),
         "-uuid".into(),
         spec.uuid.to_string(),
-        "-machine".into(),
-        format!("q35,accel={}", cfg.accel),
+    ];
+    let single_backend = layout.nodes.is_empty() && needs_backend(plan);
+    let mut machine = format!("q35,accel={}", cfg.accel);
+    if single_backend {
+        machine.push_str(",memory-backend=ram0");
+    }
+    argv.extend(["-machine".into(), machine, "-cpu".into()]);
+    argv.push(match plan.cpu {
+        CpuModel::Host => "host,host-phys-bits=on".into(),
+        CpuModel::Max { phys_bits } => format!("max,phys-bits={phys_bits}"),
+    });
+    if layout.hole64 > 0 {
+        argv.extend([
+            "-global".into(),
+            format!("q35-pcihost.pci-hole64-size={}", size_arg(layout.hole64)),
+        ]);
+        if plan.bootrom == Bootrom::Uefi {
+            // OVMF sizes its 64-bit aperture from this, not from QEMU's hole.
+            argv.extend([
+                "-fw_cfg".into(),
+                format!(
+                    "name=opt/ovmf/X-PciMmio64Mb,string={}",
+                    layout.hole64.div_ceil(1 << 20)
+                ),
+            ]);
+        }
+    }
+    if plan.bootrom == Bootrom::Uefi {
+        argv.extend([
+            "-drive".into(),
+            format!(
+                "if=pflash,format=raw,unit=0,file={},readonly=on",
+                cfg.ovmf_code.display()
+            ),
+            "-drive".into(),
+            format!(
+                "if=pflash,format=raw,unit=1,file={}",
+                vars_path(files).display()
+            ),
+        ]);
+    }
+    argv.extend([
         "-m".into(),
         format!("{}M", spec.memory_mib),
         "-smp".into(),
         spec.vcpus.to_string(),
-        "-nographic".into(),
-        "-nodefaults".into(),
-    ];
+    ]);
+    if single_backend {
+        argv.extend([
+            "-object".into(),
+            backend(plan, "ram0", spec.memory_mib, None),
+        ]);
+    }
+    for (k, n) in layout.nodes.iter().enumerate() {
+        let id = format!("ram{k}");
+        argv.extend([
+            "-object".into(),
+            backend(plan, &id, n.memory_mib, Some(n.host_node)),
+            "-numa".into(),
+            if n.vcpus.is_empty() {
+                format!("node,nodeid={k},memdev={id}")
+            } else {
+                format!("node,nodeid={k},cpus={},memdev={id}", range_arg(&n.vcpus))
+            },
+        ]);
+    }
+    argv.extend(["-nographic".into(), "-nodefaults".into()]);
     if spec.disk.is_some() {
         argv.extend([
             "-drive".into(),
@@ -60,24 +210,7 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
         "-serial".into(),
         "chardev:console0".into(),
     ]);
-    for d in &spec.devices {
-        argv.push("-device".into());
-        let mdev = d
-            .vgpu()
-            .map(|u| format!("/sys/bus/mdev/devices/{}", u.hyphenated()));
-        let is_mdev = cfg
-            .sysfs_root
-            .as_ref()
-            .is_some_and(|r| crate::host::device_dir(r, d).is_dir());
-        if cfg.stand_in_devices {
-            argv.push("edu".into());
-        } else if let (Some(mdev), true) = (mdev, is_mdev) {
-            argv.push(format!("vfio-pci,sysfsdev={mdev}"));
-        } else {
-            // A function, or a vendor-VFIO vGPU: its VF (the path's last address).
-            argv.push(format!("vfio-pci,host={}", d.address()));
-        }
-    }
+    devices(cfg, spec, plan, &mut argv);
     // Stable: the others keep the spec's order.
     let mut nics: Vec<(usize, &passage_model::protocol::NicSpec)> =
         spec.nics.iter().enumerate().collect();
@@ -102,19 +235,159 @@ pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles) -> Vec<String
     argv
 }
 
+/// Whether the RAM needs a memory backend object of its own (hugepages or a NUMA bind);
+/// plain RAM on one node is QEMU's default and needs none.
+fn needs_backend(plan: &LaunchPlan) -> bool {
+    plan.backing != Backing::Plain || (plan.bind_numa && single_host_node(plan).is_some())
+}
+
+/// The one host node all of a VM's devices report, if they report one.
+fn single_host_node(plan: &LaunchPlan) -> Option<u32> {
+    let mut nodes = plan.functions.iter().filter_map(|f| f.numa_node);
+    let first = nodes.next()?;
+    nodes.all(|n| n == first).then_some(first)
+}
+
+fn backend(plan: &LaunchPlan, id: &str, mib: u64, host_node: Option<u32>) -> String {
+    let mut s = match plan.backing {
+        Backing::Plain => format!("memory-backend-ram,id={id},size={mib}M"),
+        Backing::Hugepages { page_kib } => format!(
+            "memory-backend-memfd,id={id},size={mib}M,hugetlb=on,hugetlbsize={},prealloc=on",
+            size_arg(page_kib * 1024)
+        ),
+    };
+    let node = host_node.or_else(|| single_host_node(plan));
+    if plan.bind_numa
+        && let Some(n) = node
+    {
+        s.push_str(&format!(",host-nodes={n},policy=bind"));
+    }
+    s
+}
+
+/// The expanders, root ports and the devices on them. Root ports on `pcie.0` take
+/// slots from 0x10 as multifunction groups of eight (as libvirt packs them), clear of
+/// the slots QEMU gives the disks and NICs from 1 upwards; on an expander, from slot 0.
+fn devices(cfg: &QemuConfig, spec: &VmSpec, plan: &LaunchPlan, argv: &mut Vec<String>) {
+    let layout = &plan.layout;
+    let stand_in = cfg.stand_in();
+    for (k, bus_nr) in layout.expander_buses.iter().enumerate() {
+        argv.extend([
+            "-device".into(),
+            format!("pxb-pcie,id=pxb{k},bus_nr={bus_nr},numa_node={k},bus=pcie.0"),
+        ]);
+    }
+    let mut per_bus: BTreeMap<Option<usize>, u32> = BTreeMap::new();
+    for (i, slot) in layout.slots.iter().enumerate() {
+        let n = per_bus.entry(slot.guest_node).or_insert(0);
+        let (bus, first) = match slot.guest_node {
+            Some(k) => (format!("pxb{k}"), 0),
+            None => ("pcie.0".to_string(), 0x10),
+        };
+        let (dev, func) = (first + *n / 8, *n % 8);
+        *n += 1;
+        let multi = if func == 0 { ",multifunction=on" } else { "" };
+        argv.extend([
+            "-device".into(),
+            format!(
+                "pcie-root-port,id=rp{i},bus={bus},addr={dev:#04x}.{func}{multi},chassis={}",
+                i + 1
+            ),
+        ]);
+        let several = slot.functions.len() > 1;
+        for (gf, &fi) in slot.functions.iter().enumerate() {
+            let d = &spec.devices[fi];
+            let at = format!(
+                "bus=rp{i},addr=0.{gf}{}",
+                if gf == 0 && several { ",multifunction=on" } else { "" }
+            );
+            let line = match stand_in {
+                StandIn::Edu => format!("edu,{at}"),
+                StandIn::SizedBars => {
+                    let id = format!("bar{i}.{gf}");
+                    argv.extend([
+                        "-object".into(),
+                        format!(
+                            "memory-backend-ram,id={id},size={},share=on,reserve=off",
+                            size_arg(plan.functions.get(fi).map_or(1 << 20, stand_in_bar))
+                        ),
+                    ]);
+                    format!("ivshmem-plain,memdev={id},{at}")
+                }
+                StandIn::None => {
+                    let mdev = d
+                        .vgpu()
+                        .map(|u| format!("/sys/bus/mdev/devices/{}", u.hyphenated()));
+                    let is_mdev = cfg
+                        .sysfs_root
+                        .as_ref()
+                        .is_some_and(|r| crate::host::device_dir(r, d).is_dir());
+                    let mut l = match (mdev, is_mdev) {
+                        (Some(mdev), true) => format!("vfio-pci,sysfsdev={mdev},{at}"),
+                        // A function, or a vendor-VFIO vGPU: its VF (the path's last
+                        // address).
+                        _ => format!("vfio-pci,host={},{at}", d.address()),
+                    };
+                    if gf == 0
+                        && let Some(c) = slot.clique
+                    {
+                        l.push_str(&format!(",x-nv-gpudirect-clique={c}"));
+                    }
+                    l
+                }
+            };
+            argv.extend(["-device".into(), line]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::layout::{self, PassedFunction};
     use super::*;
     use std::path::{Path, PathBuf};
 
-    #[test]
-    fn command_line() {
-        let cfg = QemuConfig {
+    fn cfg(accel: &str) -> QemuConfig {
+        QemuConfig {
             binary: PathBuf::from("/usr/bin/qemu-system-x86_64"),
-            accel: "kvm:tcg".into(),
+            accel: accel.into(),
             sysfs_root: None,
             stand_in_devices: false,
-        };
+            stand_in_bars: false,
+            ovmf_code: PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"),
+            ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
+            hugepages: super::super::HugepagePolicy::Prefer,
+            host_sysfs: PathBuf::from("/sys"),
+        }
+    }
+
+    /// The plan for devices the host says nothing about.
+    fn bare_plan(spec: &VmSpec, bootrom: Bootrom, cpu: CpuModel) -> LaunchPlan {
+        let functions: Vec<PassedFunction> = spec
+            .devices
+            .iter()
+            .map(|d| PassedFunction {
+                path: d.clone(),
+                vendor: 0x10de,
+                class: 0x030200,
+                numa_node: None,
+                switch: None,
+                bars: Vec::new(),
+            })
+            .collect();
+        LaunchPlan {
+            layout: layout::plan(spec.vcpus, spec.memory_mib, &functions, 4).unwrap(),
+            functions,
+            bootrom,
+            cpu,
+            backing: Backing::Plain,
+            bind_numa: false,
+        }
+    }
+
+    #[test]
+    fn command_line() {
+        let cfg = cfg("kvm:tcg");
         let mut spec = VmSpec {
             uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
             vcpus: 8,
@@ -133,22 +406,30 @@ mod tests {
             bootrom: None,
         };
         let files = VmFiles::new(Path::new("/var/lib/passage-agent"), spec.uuid);
-        let argv = qemu_argv(&cfg, &spec, &files);
+        let plan = bare_plan(&spec, Bootrom::Uefi, CpuModel::Host);
+        let argv = qemu_argv(&cfg, &spec, &files, &plan);
         let dir = "/var/lib/passage-agent/qemu/6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10";
+        // A GPU and its second function: one root port, one multifunction device.
         assert_eq!(
             argv.join(" "),
             format!(
                 "/usr/bin/qemu-system-x86_64 \
                  -name guest=6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10,debug-threads=on \
                  -uuid 6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10 -machine q35,accel=kvm:tcg \
+                 -cpu host,host-phys-bits=on \
+                 -drive if=pflash,format=raw,unit=0,file=/usr/share/OVMF/OVMF_CODE_4M.fd,readonly=on \
+                 -drive if=pflash,format=raw,unit=1,file={dir}/OVMF_VARS.fd \
                  -m 65536M -smp 8 -nographic -nodefaults \
                  -chardev file,id=console0,path={dir}/console.log,append=on -serial chardev:console0 \
-                 -device vfio-pci,host=0000:3b:00.0 -device vfio-pci,host=0000:3b:00.1 \
+                 -device pcie-root-port,id=rp0,bus=pcie.0,addr=0x10.0,multifunction=on,chassis=1 \
+                 -device vfio-pci,host=0000:3b:00.0,bus=rp0,addr=0.0,multifunction=on \
+                 -device vfio-pci,host=0000:3b:00.1,bus=rp0,addr=0.1 \
                  -qmp unix:{dir}/qmp.sock,server,nowait -pidfile {dir}/qemu.pid"
             )
         );
 
-        // With a boot disk, over a generated tree: virtio-blk and one edu per function.
+        // With a boot disk, over a generated tree: virtio-blk and one edu per function;
+        // SeaBIOS when asked, and the emulated CPU.
         spec.disk = Some(passage_model::protocol::DiskSpec {
             image: passage_model::protocol::ImageRef {
                 sha256: "ab".repeat(32).parse().unwrap(),
@@ -161,7 +442,8 @@ mod tests {
             stand_in_devices: true,
             ..cfg
         };
-        let line = qemu_argv(&cfg, &spec, &files).join(" ");
+        let plan = bare_plan(&spec, Bootrom::Bios, CpuModel::Max { phys_bits: 40 });
+        let line = qemu_argv(&cfg, &spec, &files, &plan).join(" ");
         assert!(
             line.contains(&format!(
                 "-drive file={dir}/disk.qcow2,if=none,id=disk0,format=qcow2,cache=writeback \
@@ -169,7 +451,14 @@ mod tests {
             )),
             "{line}"
         );
-        assert_eq!(line.matches("-device edu").count(), 2, "{line}");
+        assert!(line.contains("-cpu max,phys-bits=40 -m"), "{line}");
+        assert!(!line.contains("pflash"), "{line}");
+        assert!(
+            line.contains(
+                "-device edu,bus=rp0,addr=0.0,multifunction=on -device edu,bus=rp0,addr=0.1"
+            ),
+            "{line}"
+        );
         assert!(!line.contains("vfio-pci"), "{line}");
         assert!(!line.contains("seed.img"), "no cloud-init, no seed: {line}");
 
@@ -181,7 +470,7 @@ mod tests {
             user_script: None,
             metadata: Default::default(),
         });
-        let line = qemu_argv(&cfg, &spec, &files).join(" ");
+        let line = qemu_argv(&cfg, &spec, &files, &plan).join(" ");
         assert!(
             line.contains(&format!(
                 "-device virtio-blk-pci,drive=disk0,bootindex=0 \
@@ -219,13 +508,10 @@ mod tests {
             cloud_init: None,
             bootrom: None,
         };
-        let cfg = QemuConfig {
-            binary: PathBuf::from("qemu-system-x86_64"),
-            accel: "tcg".into(),
-            sysfs_root: None,
-            stand_in_devices: false,
-        };
-        let line = qemu_argv(&cfg, &spec, &VmFiles::new(Path::new("/st"), spec.uuid)).join(" ");
+        let cfg = cfg("tcg");
+        let plan = bare_plan(&spec, Bootrom::Bios, CpuModel::Max { phys_bits: 40 });
+        let line = qemu_argv(&cfg, &spec, &VmFiles::new(Path::new("/st"), spec.uuid), &plan)
+            .join(" ");
         assert!(
             line.contains(
                 "-netdev tap,id=net1,ifname=psg1b2c3d4e5f61,script=no,downscript=no \
@@ -238,6 +524,7 @@ mod tests {
     }
 
     /// An mdev vGPU is passed by its sysfs path; a vendor-VFIO vGPU by its VF's address.
+    /// Each is a device of its own, on a root port of its own.
     #[test]
     fn vgpus_on_the_command_line() {
         let root = tempfile::tempdir().unwrap();
@@ -251,10 +538,8 @@ mod tests {
             .parse()
             .unwrap();
         let cfg = QemuConfig {
-            binary: PathBuf::from("qemu-system-x86_64"),
-            accel: "tcg".into(),
             sysfs_root: Some(root.path().to_path_buf()),
-            stand_in_devices: false,
+            ..cfg("tcg")
         };
         let spec = VmSpec {
             uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
@@ -266,11 +551,48 @@ mod tests {
             cloud_init: None,
             bootrom: None,
         };
-        let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid)).join(" ");
+        let plan = bare_plan(&spec, Bootrom::Uefi, CpuModel::Max { phys_bits: 40 });
+        let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid), &plan)
+            .join(" ");
         assert!(
             line.contains(
                 "-device vfio-pci,sysfsdev=/sys/bus/mdev/devices/\
-                 c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d -device vfio-pci,host=0000:3b:00.4"
+                 c9e2d4a0-3f7e-4c89-9a43-0d2f5a6b7c8d,bus=rp0,addr=0.0 \
+                 -device pcie-root-port,id=rp1,bus=pcie.0,addr=0x10.1,chassis=2 \
+                 -device vfio-pci,host=0000:3b:00.4,bus=rp1,addr=0.0"
+            ),
+            "{line}"
+        );
+    }
+
+    /// Huge pages: a memfd backend of that page size, preallocated, as the machine's RAM;
+    /// bound to the devices' host node when the plan binds.
+    #[test]
+    fn hugepage_backed_ram() {
+        let spec = VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 2,
+            memory_mib: 4096,
+            devices: vec!["/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0".parse().unwrap()],
+            disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
+            bootrom: None,
+        };
+        let mut plan = bare_plan(&spec, Bootrom::Uefi, CpuModel::Host);
+        plan.backing = Backing::Hugepages { page_kib: 1024 * 1024 };
+        plan.functions[0].numa_node = Some(1);
+        plan.bind_numa = true;
+        let line = qemu_argv(&cfg("kvm"), &spec, &VmFiles::new(Path::new("/st"), spec.uuid), &plan)
+            .join(" ");
+        assert!(
+            line.contains("-machine q35,accel=kvm,memory-backend=ram0 "),
+            "{line}"
+        );
+        assert!(
+            line.contains(
+                "-m 4096M -smp 2 -object memory-backend-memfd,id=ram0,size=4096M,hugetlb=on,\
+                 hugetlbsize=1G,prealloc=on,host-nodes=1,policy=bind -nographic"
             ),
             "{line}"
         );

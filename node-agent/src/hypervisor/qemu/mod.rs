@@ -24,7 +24,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod command;
-pub use command::qemu_argv;
+pub mod layout;
+mod pinning;
+mod plan;
+pub use plan::{HugepagePolicy, launch_plan};
+pub use command::{
+    Backing, CpuModel, LaunchPlan, OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, StandIn, qemu_argv,
+    vars_path,
+};
 
 pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 /// `sun_path` is 108 bytes on Linux, the terminating NUL included.
@@ -47,6 +54,32 @@ pub struct QemuConfig {
     /// instead of passing the function through: a generated sysfs tree has no real
     /// device behind it, and this lets a guest still see how many it got.
     pub stand_in_devices: bool,
+    /// With stand-ins: give each the size of its function's largest BAR
+    /// ([`StandIn::SizedBars`]) rather than an `edu` device.
+    pub stand_in_bars: bool,
+    /// OVMF's code (read-only, shared) and the template of its variables (copied per VM).
+    pub ovmf_code: PathBuf,
+    pub ovmf_vars: PathBuf,
+    /// Whether guest RAM comes from huge pages.
+    pub hugepages: HugepagePolicy,
+    /// The sysfs of the host QEMU runs on (its NUMA nodes and huge pages), whatever tree
+    /// devices come from.
+    pub host_sysfs: PathBuf,
+}
+
+/// Debian's `ovmf` package: 4 MiB flash images, without Secure Boot's enrolled keys.
+pub const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
+pub const OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+
+impl QemuConfig {
+    /// How passed functions appear in the guest.
+    pub fn stand_in(&self) -> StandIn {
+        match (self.stand_in_devices, self.stand_in_bars) {
+            (false, _) => StandIn::None,
+            (true, false) => StandIn::Edu,
+            (true, true) => StandIn::SizedBars,
+        }
+    }
 }
 
 impl QemuConfig {
@@ -61,9 +94,18 @@ impl QemuConfig {
             sysfs_root: sysfs_root.map(Path::to_path_buf),
             // The fake-sysfs generator's marker: the tree is generated, not a kernel's.
             stand_in_devices: sysfs_root.is_some_and(|r| r.join(crate::host::FAKE_MARKER).exists()),
+            stand_in_bars: std::env::var(STAND_IN_ENV).is_ok_and(|v| v.trim() == "sized"),
+            ovmf_code: PathBuf::from(OVMF_CODE),
+            ovmf_vars: PathBuf::from(OVMF_VARS),
+            hugepages: HugepagePolicy::default(),
+            host_sysfs: PathBuf::from(net::HOST_SYSFS),
         })
     }
 }
+
+/// `sized`: stand-ins over a generated tree are `ivshmem-plain` devices with the real
+/// BAR sizes of the functions they stand for ([`StandIn::SizedBars`]), not `edu`.
+pub const STAND_IN_ENV: &str = "PASSAGE_QEMU_STAND_IN";
 
 /// Overrides the accelerator (`-machine accel=`): `tcg` on a host whose `/dev/kvm` is
 /// there but does not work (a VM without nested virtualisation: QEMU then hangs at
@@ -282,9 +324,13 @@ impl QemuHypervisor {
                 }
             })?;
         }
+        let plan = launch_plan(&self.cfg, spec).map_err(|reason| HypervisorError::Launch { vm, reason })?;
+        if plan.bootrom == passage_model::images::Bootrom::Uefi {
+            self.ensure_vars(vm, &files)?;
+        }
         let log = fs::File::create(&files.log).map_err(state_err(&files.log))?;
         let log2 = log.try_clone().map_err(state_err(&files.log))?;
-        let argv = qemu_argv(&self.cfg, spec, &files);
+        let argv = qemu_argv(&self.cfg, spec, &files, &plan);
         tracing::info!(vm = %vm, command = %argv.join(" "), "starting QEMU");
         let mut child = Command::new(&argv[0])
             .args(&argv[1..])
@@ -331,6 +377,29 @@ impl QemuHypervisor {
             child: Some(child),
             pid,
         })
+    }
+
+    /// The VM's own copy of OVMF's variables, made from the template at its first UEFI
+    /// start (through a temporary file, so a copy cut short is never taken for one).
+    fn ensure_vars(&self, vm: VmId, files: &VmFiles) -> Result<(), HypervisorError> {
+        let vars = vars_path(files);
+        if vars.is_file() {
+            return Ok(());
+        }
+        if !self.cfg.ovmf_code.is_file() || !self.cfg.ovmf_vars.is_file() {
+            return Err(HypervisorError::Launch {
+                vm,
+                reason: format!(
+                    "it boots UEFI and OVMF is not at {} and {}: install Debian's ovmf package",
+                    self.cfg.ovmf_code.display(),
+                    self.cfg.ovmf_vars.display()
+                ),
+            });
+        }
+        let tmp = files.dir.join(OVMF_VARS_TMP_FILE);
+        fs::copy(&self.cfg.ovmf_vars, &tmp)
+            .and_then(|_| fs::rename(&tmp, &vars))
+            .map_err(|source| HypervisorError::State { path: vars, source })
     }
 
     fn shut_down(&self, vm: VmId, mut r: Running) -> Result<(), HypervisorError> {
