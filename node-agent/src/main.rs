@@ -65,6 +65,12 @@ enum Command {
             value_delimiter = ','
         )]
         bridges: Option<Vec<String>>,
+        /// 2 MiB huge pages reserved (all free) on each NUMA node. Default 0.
+        #[arg(long, default_value_t = 0)]
+        hugepages_2m: u64,
+        /// 1 GiB huge pages reserved (all free) on each NUMA node. Default 0.
+        #[arg(long, default_value_t = 0)]
+        hugepages_1g: u64,
     },
     /// Times discovery in-process: min, median and p95 over N warm runs.
     #[command(hide = true)]
@@ -157,6 +163,8 @@ fn main() -> ExitCode {
             vgpu,
             mig,
             bridges,
+            hugepages_2m,
+            hugepages_1g,
         } => {
             let spec = FakeSpec {
                 gpus,
@@ -176,7 +184,7 @@ fn main() -> ExitCode {
                         Some(b) => b.into_iter().filter(|b| !b.is_empty()).collect(),
                         None => vec![fake::FAKE_BRIDGE.to_string()],
                     },
-                    hugepages_per_node: (0, 0),
+                    hugepages_per_node: (hugepages_2m, hugepages_1g),
                 },
             ) {
                 Ok(tree) => {
@@ -297,9 +305,19 @@ fn lspci(root: &std::path::Path, verbose: bool) -> ExitCode {
     for d in &found.devices {
         let mut text = format!("{}\n", d.lister_line());
         if verbose {
-            // Indented `key: value` lines under each function, as pciutils' -v does.
+            // The regions first, in the words of pciutils' `lspci -vv` (which names each
+            // region's index, as `-v` does not); no `[disabled]` or `[virtual]`, which
+            // come from config space, never read here.
+            for b in d.details.iter().flat_map(|x| &x.bars) {
+                if b.index < passage_model::pci::ROM_BAR_INDEX {
+                    text.push_str(&format!("\tRegion {}: {}\n", b.index, b.pciutils_text()));
+                }
+            }
+            // Then indented `key: value` lines, as pciutils' -v does.
             for (k, v) in d.details.iter().flat_map(|x| x.lines()) {
-                text.push_str(&format!("\t{k}: {v}\n"));
+                if k != "bars" {
+                    text.push_str(&format!("\t{k}: {v}\n"));
+                }
             }
             text.push('\n');
         }

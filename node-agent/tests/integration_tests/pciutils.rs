@@ -65,6 +65,146 @@ fn agent_lspci(root: &Path) -> (String, String) {
     )
 }
 
+/// BDF → the `Region N: …` lines of pciutils' `lspci -vv -D` (blocks that start with the
+/// BDF, indented lines below), tabs and spaces around them trimmed.
+fn parse_lspci_regions(out: &str) -> BTreeMap<String, Vec<String>> {
+    let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut bdf = None;
+    for line in out.lines() {
+        if !line.starts_with(char::is_whitespace) && !line.is_empty() {
+            let b = line.split_whitespace().next().unwrap().to_string();
+            m.entry(b.clone()).or_default();
+            bdf = Some(b);
+        } else if let (Some(b), Some(r)) = (&bdf, line.trim().strip_prefix("Region ")) {
+            m.get_mut(b).unwrap().push(format!("Region {r}"));
+        }
+    }
+    m
+}
+
+/// The same from `node-agent lspci -v`, whose blocks start with the lister line.
+fn parse_agent_regions(out: &str) -> BTreeMap<String, Vec<String>> {
+    let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut bdf = None;
+    for line in out.lines() {
+        if !line.starts_with(char::is_whitespace) && !line.is_empty() {
+            let id = line.split_whitespace().nth(5).unwrap();
+            let b = id.rsplit('/').next().unwrap().to_string();
+            m.entry(b.clone()).or_default();
+            bdf = Some(b);
+        } else if let (Some(b), Some(r)) = (&bdf, line.trim().strip_prefix("Region ")) {
+            m.get_mut(b).unwrap().push(format!("Region {r}"));
+        }
+    }
+    m
+}
+
+fn agent_lspci_verbose(root: Option<&Path>) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_node-agent"));
+    cmd.args(["lspci", "-v"]);
+    if let Some(root) = root {
+        cmd.arg("--sysfs-root").arg(root);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "node-agent lspci -v failed: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn regions_agree_with_pciutils_on_every_generated_model() {
+    let lspci = lspci_bin();
+    let dir = tempfile::tempdir().unwrap();
+    for (i, model) in [
+        GpuModel::H100,
+        GpuModel::A100,
+        GpuModel::L40s,
+        GpuModel::V100,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let root = dir.path().join(format!("sys{i}"));
+        let spec = FakeSpec {
+            gpus: 4,
+            model,
+            numa_nodes: 2,
+        };
+        let opts = node_agent::fake::FakeOptions {
+            gpu_audio: model == GpuModel::L40s,
+            ..node_agent::fake::FakeOptions::default()
+        };
+        let tree = node_agent::fake::generate_with(&root, &spec, &opts).unwrap();
+        let sysfs_path = format!("sysfs.path={}", root.join("bus/pci").display());
+        let out = Command::new(lspci)
+            .args(["-A", "linux-sysfs", "-O", &sysfs_path, "-vv", "-D"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "lspci failed: {out:?}");
+        let theirs = parse_lspci_regions(&String::from_utf8(out.stdout).unwrap());
+        let ours = parse_agent_regions(&agent_lspci_verbose(Some(&root)));
+        assert_eq!(ours.len(), tree.functions.len());
+        assert_eq!(ours, theirs, "{model:?}");
+
+        // The GPUs' layout, as the datasheets give it.
+        let framebuffer = match model {
+            GpuModel::V100 => "32G",
+            GpuModel::L40s => "64G",
+            _ => "128G",
+        };
+        for g in &tree.gpus {
+            let r = &ours[&g.address().to_string()];
+            assert_eq!(r.len(), 3, "{g}: {r:?}");
+            assert!(
+                r[0].starts_with("Region 0: Memory at ")
+                    && r[0].ends_with("(32-bit, non-prefetchable) [size=16M]")
+            );
+            assert!(
+                r[1].ends_with(&format!("(64-bit, prefetchable) [size={framebuffer}]")),
+                "{r:?}"
+            );
+            assert!(
+                r[2].starts_with("Region 3: ")
+                    && r[2].ends_with("(64-bit, prefetchable) [size=32M]")
+            );
+        }
+        // I/O ports and 64-bit non-prefetchable registers appear too (NIC, NVMe, SMBus).
+        let all: Vec<&String> = ours.values().flatten().collect();
+        assert!(all.iter().any(|l| l.contains("I/O ports at ")));
+        assert!(all.iter().any(|l| l.contains("(64-bit, non-prefetchable)")));
+    }
+}
+
+#[test]
+fn regions_agree_with_pciutils_on_this_machine() {
+    let lspci = lspci_bin();
+    let empty = std::fs::read_dir("/sys/bus/pci/devices")
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(true);
+    if empty {
+        eprintln!("note: /sys/bus/pci/devices is empty here; nothing to compare");
+        return;
+    }
+    let out = Command::new(lspci).args(["-vv", "-D"]).output().unwrap();
+    assert!(out.status.success(), "lspci failed: {out:?}");
+    let theirs = parse_lspci_regions(&String::from_utf8(out.stdout).unwrap());
+    let ours = parse_agent_regions(&agent_lspci_verbose(None));
+    let mut compared = 0;
+    for (bdf, regions) in &ours {
+        let Some(t) = theirs.get(bdf) else { continue };
+        // Config space says what `resource` cannot: a region the function has turned
+        // off, or one only the kernel knows of. Those lines are not compared.
+        if t.iter()
+            .any(|l| l.ends_with("[disabled]") || l.contains("[virtual]"))
+        {
+            eprintln!("note: {bdf} has disabled or virtual regions: {t:?}");
+            continue;
+        }
+        assert_eq!(regions, t, "regions of {bdf}");
+        compared += regions.len();
+    }
+    eprintln!("compared {compared} regions of {} functions", ours.len());
+}
+
 #[test]
 fn pciutils_reads_the_fake_tree_like_node_agent() {
     let lspci = lspci_bin();

@@ -137,6 +137,7 @@ fn assemble(
         assignable_devices: Some(assignable_devices),
         vms: Some(vms),
         resources,
+        host: rec.host,
     }
 }
 
@@ -159,6 +160,7 @@ fn brief(
         assignable_devices: None,
         vms: None,
         resources,
+        host: rec.host,
     }
 }
 

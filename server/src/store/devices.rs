@@ -617,18 +617,27 @@ macro_rules! impl_inventory_tx {
                 let reported: HashSet<String> = report.iter().map(|d| d.id.to_string()).collect();
                 let cpus = host.map(|h| i64::from(h.cpus));
                 let memory = host.map(|h| i64::try_from(h.memory_mib).unwrap_or(i64::MAX));
+                // An agent that reads no facts (an older one) keeps what a newer one said.
+                let facts = host
+                    .map(passage_model::protocol::HostResources::facts)
+                    .filter(|f| !f.is_empty())
+                    .map(|f| serde_json::to_string(&f))
+                    .transpose()
+                    .map_err(super::corrupt)?;
                 // A task's changed functions come with its result, which is no heartbeat: the
                 // agent's own heartbeats say it is alive.
                 let server_locked = coverage == Coverage::Whole || host.is_some();
                 if server_locked {
                     sqlx::query(
                         "UPDATE servers SET last_heartbeat = $2, cpus = COALESCE($3, cpus), \
-                         memory_mib = COALESCE($4, memory_mib) WHERE uuid = $1",
+                         memory_mib = COALESCE($4, memory_mib), \
+                         host_facts = COALESCE($5, host_facts) WHERE uuid = $1",
                     )
                     .bind(&server_s)
                     .bind(now)
                     .bind(cpus)
                     .bind(memory)
+                    .bind(facts)
                     .execute(&mut **self)
                     .await?;
                 }

@@ -14,6 +14,8 @@ pub struct ServerRecord {
     pub created_at: DateTime<Utc>,
     /// Drained: no new placements.
     pub disabled: bool,
+    /// What its agent last reported of the machine beyond CPU and memory totals.
+    pub host: Option<passage_model::protocol::HostFacts>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -23,6 +25,7 @@ struct ServerRow {
     last_heartbeat: Option<i64>,
     created_at: i64,
     disabled: i64,
+    host_facts: Option<String>,
 }
 
 impl ServerRow {
@@ -33,6 +36,12 @@ impl ServerRow {
             last_heartbeat: self.last_heartbeat.map(to_time),
             created_at: to_time(self.created_at),
             disabled: self.disabled != 0,
+            host: self
+                .host_facts
+                .as_deref()
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(super::corrupt)?,
         })
     }
 }
@@ -172,7 +181,7 @@ pub async fn heartbeat_many(db: &Db, servers: &[ServerId]) -> StoreResult<()> {
 pub async fn get(db: &Db, uuid: ServerId) -> StoreResult<ServerRecord> {
     let row: Option<ServerRow> = on_read!(db, |p| {
         sqlx::query_as(
-        "SELECT uuid, hostname, last_heartbeat, created_at, disabled FROM servers WHERE uuid = $1"
+        "SELECT uuid, hostname, last_heartbeat, created_at, disabled, host_facts FROM servers WHERE uuid = $1"
     )
     .bind(uuid.to_string())
     .fetch_optional(p)
@@ -183,7 +192,7 @@ pub async fn get(db: &Db, uuid: ServerId) -> StoreResult<ServerRecord> {
 
 pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRecord>, i64)> {
     let rows: Vec<ServerRow> = on_read!(db, |p| sqlx::query_as(
-        "SELECT uuid, hostname, last_heartbeat, created_at, disabled FROM servers \
+        "SELECT uuid, hostname, last_heartbeat, created_at, disabled, host_facts FROM servers \
          ORDER BY created_at DESC, uuid DESC LIMIT $1 OFFSET $2"
     )
     .bind(limit)
@@ -203,7 +212,7 @@ pub async fn list(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<ServerRe
 
 pub use crate::listing::ServerFilter;
 
-const SERVER_COLS: &str = "uuid, hostname, last_heartbeat, created_at, disabled";
+const SERVER_COLS: &str = "uuid, hostname, last_heartbeat, created_at, disabled, host_facts";
 
 /// One page of servers, newest first.
 pub async fn page(

@@ -173,3 +173,86 @@ both!(
     cpus_and_memory_bound_placement,
     cpus_and_memory_bound_placement
 );
+
+/// What a node reports of the machine beyond its totals (address width, NUMA nodes and
+/// their huge pages) and of each function (regions, reset methods) shows in
+/// `GET /v1/servers/{uuid}`; an agent that reports none of it keeps what was said.
+async fn host_facts_show_in_the_api(b: Backend) {
+    let mut s = TestServer::start(b, fast_config()).await;
+    let facts = json!({
+        "address_bits": 52,
+        "numa": [
+            {"node": 0, "cpus": "0-7", "memory_mib": 4096,
+             "hugepages": [{"size_kib": 2048, "total": 64, "free": 60}]},
+            {"node": 1, "cpus": "", "memory_mib": 4096}
+        ]
+    });
+    let mut host = json!({"cpus": 8, "memory_mib": 8192});
+    for (k, v) in facts.as_object().unwrap() {
+        host[k] = v.clone();
+    }
+    let (uuid, cred, devices) = s.manual_node_with(1, Some(host)).await;
+    let srv = s.server(uuid).await;
+    assert_eq!(
+        serde_json::to_value(srv.host.as_ref().unwrap()).unwrap(),
+        facts
+    );
+    let raw: serde_json::Value = s.get(&format!("/v1/servers/{uuid}")).await.ok(200);
+    assert_eq!(raw["host"]["numa"][0]["hugepages"][0]["free"], 60);
+
+    // An older agent's report (totals only) keeps the facts.
+    s.with(&cred)
+        .put::<()>(
+            "/agent/v1/inventory",
+            &json!({"devices": devices, "host": {"cpus": 8, "memory_mib": 8192}}),
+        )
+        .await
+        .ok(204);
+    assert_eq!(
+        serde_json::to_value(s.server(uuid).await.host.unwrap()).unwrap(),
+        facts
+    );
+
+    // Facts out of bounds are refused like the totals.
+    for bad in [
+        json!({"cpus": 8, "memory_mib": 8192, "address_bits": 80}),
+        json!({"cpus": 8, "memory_mib": 8192,
+               "numa": [{"node": 0, "cpus": "0-", "memory_mib": 1}]}),
+        json!({"cpus": 8, "memory_mib": 8192,
+               "numa": [{"node": 0, "cpus": "0", "memory_mib": 1,
+                         "hugepages": [{"size_kib": 2048, "total": 1, "free": 2}]}]}),
+    ] {
+        s.with(&cred)
+            .put::<()>(
+                "/agent/v1/inventory",
+                &json!({"devices": devices, "host": bad}),
+            )
+            .await
+            .fails(400, ErrorCode::InvalidArgument);
+    }
+
+    // The real agent reads its generated tree: 46 address bits, two nodes of 32 CPUs,
+    // and each GPU's regions and resets.
+    let node = s.add_node(2).await;
+    let srv = s.server(node.uuid).await;
+    let host = srv.host.clone().expect("the agent reported its host facts");
+    assert_eq!(host.address_bits, Some(46));
+    let cpus: Vec<&str> = host.numa.iter().map(|n| n.cpus.as_str()).collect();
+    assert_eq!(cpus, ["0-31", "32-63"]);
+    assert!(host.numa.iter().all(|n| n.hugepages.len() == 2));
+    let gpus: Vec<_> = srv
+        .sysinfo
+        .unwrap()
+        .pci_devices
+        .into_iter()
+        .filter(|d| d.device.to_string() == "2330")
+        .collect();
+    assert_eq!(gpus.len(), 2);
+    for g in gpus {
+        let d = g.details.unwrap();
+        let sizes: Vec<u64> = d.bars.iter().map(|b| b.size).collect();
+        assert_eq!(sizes, [16 << 20, 128 << 30, 32 << 20]);
+        assert_eq!(d.reset_methods, ["flr", "bus"]);
+    }
+}
+both!(host_facts_show_in_the_api, host_facts_show_in_the_api);

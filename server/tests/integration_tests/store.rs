@@ -495,6 +495,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         Some(passage_model::protocol::HostResources {
             cpus: 4,
             memory_mib: 1 << 20,
+            ..Default::default()
         }),
     )
     .await
@@ -651,6 +652,7 @@ async fn full_servers_are_not_suggested(b: Backend) {
         Some(passage_model::protocol::HostResources {
             cpus: 4,
             memory_mib: 9 * 1024,
+            ..Default::default()
         }),
     )
     .await
@@ -785,6 +787,7 @@ async fn a_batch_reads_servers_in_order_until_it_has_enough(b: Backend) {
         Some(passage_model::protocol::HostResources {
             cpus: 1,
             memory_mib: 1 << 20,
+            ..Default::default()
         }),
     )
     .await
@@ -885,6 +888,7 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
             Some(passage_model::protocol::HostResources {
                 cpus: 4,
                 memory_mib: 1 << 20,
+                ..Default::default()
             }),
         )
         .await
