@@ -20,6 +20,7 @@ pub use facts::{
 pub use resources::{
     ResourcesError, address_bits, count_cpu_list, cpuinfo_path, host_resources, mem_total_kib,
 };
+pub(crate) use resources::read_cpuinfo;
 pub use sriov::set_numvfs;
 pub use vgpu::NvidiaSmi;
 pub use vgpu_slots::{VgpuRecord, VgpuSlots, VgpuState};

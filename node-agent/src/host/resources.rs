@@ -60,7 +60,7 @@ pub fn cpuinfo_path(root: &Path) -> PathBuf {
     }
 }
 
-fn read_cpuinfo(path: &Path) -> std::io::Result<String> {
+pub(crate) fn read_cpuinfo(path: &Path) -> std::io::Result<String> {
     use std::io::Read;
     let mut text = String::new();
     fs::File::open(path)?

@@ -597,4 +597,104 @@ mod tests {
             "{line}"
         );
     }
+
+    /// The whole command line for GPUs of an HGX-like generated tree (two NUMA nodes, two
+    /// GPUs behind each PCIe switch, 1 GiB huge pages free on each node), as the agent
+    /// builds it on a KVM host from what the tree says: compared with the files under
+    /// `golden/`, one argument a line. `PASSAGE_UPDATE_GOLDEN=1` writes them afresh.
+    fn golden(name: &str, gpus: usize, audio: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("sys");
+        let tree = crate::fake::generate_with(
+            &root,
+            &crate::fake::FakeSpec {
+                gpus: 8,
+                model: crate::fake::GpuModel::H100,
+                numa_nodes: 2,
+            },
+            &crate::fake::FakeOptions {
+                gpu_audio: audio,
+                hugepages_per_node: (0, 512),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        // One GPU per node first, so two GPUs span both nodes; then the rest in order.
+        let mut order: Vec<usize> = vec![0, 4];
+        order.extend((0..8).filter(|i| *i != 0 && *i != 4));
+        let mut devices = Vec::new();
+        for &i in order.iter().take(gpus) {
+            let g = &tree.gpus[i];
+            devices.push(g.clone());
+            if audio {
+                let a = g.address();
+                let f = tree
+                    .functions
+                    .iter()
+                    .find(|f| {
+                        let b = f.address();
+                        (b.domain, b.bus, b.device, b.function) == (a.domain, a.bus, a.device, 1)
+                    })
+                    .expect("the GPU's audio function");
+                devices.push(f.clone());
+            }
+        }
+        let cfg = QemuConfig {
+            sysfs_root: Some(root.clone()),
+            host_sysfs: root.clone(),
+            ..cfg("kvm")
+        };
+        let spec = VmSpec {
+            uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
+            vcpus: 8 * gpus as u32,
+            memory_mib: 128 * 1024 * gpus as u64,
+            devices,
+            disk: None,
+            nics: Vec::new(),
+            cloud_init: None,
+            bootrom: None,
+        };
+        let plan = super::super::launch_plan(&cfg, &spec).unwrap();
+        let files = VmFiles::new(Path::new("/var/lib/passage-agent"), spec.uuid);
+        let text = qemu_argv(&cfg, &spec, &files, &plan).join("\n") + "\n";
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("src/hypervisor/qemu/golden")
+            .join(format!("{name}.txt"));
+        if std::env::var("PASSAGE_UPDATE_GOLDEN").as_deref() == Ok("1") {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &text).unwrap();
+        }
+        let want = std::fs::read_to_string(&path).unwrap_or_default();
+        assert_eq!(
+            text,
+            want,
+            "{} differs (PASSAGE_UPDATE_GOLDEN=1 rewrites it)",
+            path.display()
+        );
+    }
+
+    #[test]
+    fn golden_one_h100() {
+        golden("h100x1", 1, false);
+    }
+
+    #[test]
+    fn golden_two_h100s_on_two_nodes() {
+        golden("h100x2", 2, false);
+    }
+
+    #[test]
+    fn golden_four_h100s() {
+        golden("h100x4", 4, false);
+    }
+
+    #[test]
+    fn golden_eight_h100s() {
+        golden("h100x8", 8, false);
+    }
+
+    #[test]
+    fn golden_gpus_with_audio_functions() {
+        golden("h100x2-audio", 2, true);
+    }
 }

@@ -60,7 +60,7 @@ pub fn launch_plan(cfg: &QemuConfig, spec: &VmSpec) -> Result<LaunchPlan, String
 
     let (layout, backing) = choose_backing(cfg, spec, &functions, bind_numa)?;
     let cpu = if cfg.accel.starts_with("kvm") {
-        if let Some(host_bits) = host_address_bits() {
+        if let Some(host_bits) = host_address_bits(&cfg.host_sysfs) {
             layout::check_width(&layout, spec.memory_mib, host_bits).map_err(|e| e.to_string())?;
         }
         CpuModel::Host
@@ -110,9 +110,10 @@ fn node_dir(host_sysfs: &Path, node: u32) -> std::path::PathBuf {
     host_sysfs.join(format!("devices/system/node/node{node}"))
 }
 
-/// This host's physical address width, from `/proc/cpuinfo`.
-fn host_address_bits() -> Option<u8> {
-    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+/// The physical address width of the host behind `host_sysfs` (its `/proc/cpuinfo`, or a
+/// generated tree's stand-in).
+fn host_address_bits(host_sysfs: &Path) -> Option<u8> {
+    let text = crate::host::read_cpuinfo(&crate::host::cpuinfo_path(host_sysfs)).ok()?;
     crate::host::address_bits(&text)
 }
 
