@@ -12,6 +12,7 @@ mod pciutils;
 mod qemu;
 mod robustness;
 mod scrub;
+mod slow_start;
 mod sriov;
 mod taps;
 mod vgpu_slots;

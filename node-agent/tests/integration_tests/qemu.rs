@@ -18,6 +18,9 @@ pub(super) fn qemu() -> Option<QemuConfig> {
             accel: "tcg".into(),
             sysfs_root: None,
             stand_in_devices: false,
+            ovmf_code: node_agent::hypervisor::DEFAULT_OVMF_CODE.into(),
+            ovmf_vars: node_agent::hypervisor::DEFAULT_OVMF_VARS.into(),
+            start: Default::default(),
         }),
         None if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {
             eprintln!("note: SKIPPED: {QEMU_BINARY} is not installed and PASSAGE_ALLOW_NO_QEMU=1");
