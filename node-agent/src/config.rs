@@ -347,6 +347,34 @@ mod tests {
     }
 
     #[test]
+    fn qemu_settings() {
+        let c = FileConfig::parse(
+            Path::new("a.toml"),
+            "qemu_start_base_secs = 120\novmf_vars = \"/opt/ovmf/VARS.fd\"\n",
+        )
+        .unwrap();
+        let o = c.qemu_options();
+        // The per-GiB part keeps its default when only the base is set.
+        assert_eq!(
+            o.start,
+            Some(StartLimit {
+                base_secs: 120,
+                secs_per_gib: StartLimit::DEFAULT_SECS_PER_GIB
+            })
+        );
+        assert_eq!(o.ovmf_vars, Some(PathBuf::from("/opt/ovmf/VARS.fd")));
+        assert_eq!(o.ovmf_code, None);
+        assert_eq!(FileConfig::default().qemu_options(), QemuOptions::default());
+        let e = FileConfig::parse(Path::new("a.toml"), "qemu_start_secs_per_gib = 100")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("qemu_start_secs_per_gib must be between 0 and 60, not 100"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn refuses_bad_files() {
         for bad in [
             "server = 1",
@@ -364,6 +392,10 @@ mod tests {
             "gpu_zero_helper = 3",
             "image_cache_gib = 0",
             "image_cache_gib = -5",
+            "qemu_start_base_secs = 0",
+            "qemu_start_base_secs = 3601",
+            "qemu_start_secs_per_gib = 61",
+            "ovmf_code = \"OVMF_CODE.fd\"",
         ] {
             let e = FileConfig::parse(Path::new("x.toml"), bad);
             assert!(e.is_err(), "{bad:?} accepted");

@@ -687,6 +687,29 @@ impl Hypervisor for QemuHypervisor {
 }
 
 #[cfg(test)]
+mod start_limit_tests {
+    use super::StartLimit;
+    use std::time::Duration;
+
+    #[test]
+    fn the_wait_grows_with_the_guests_ram() {
+        let l = StartLimit::default();
+        assert_eq!(l.for_memory(64), Duration::from_secs(62));
+        assert_eq!(l.for_memory(80 * 1024), Duration::from_secs(60 + 160));
+        // 1.5 GiB counts as 2.
+        assert_eq!(l.for_memory(1536), Duration::from_secs(64));
+        let huge = StartLimit {
+            base_secs: 3600,
+            secs_per_gib: 60,
+        };
+        assert_eq!(
+            huge.for_memory(u64::MAX),
+            Duration::from_secs(StartLimit::MAX_SECS)
+        );
+    }
+}
+
+#[cfg(test)]
 mod accel_tests {
     #[test]
     fn the_accelerator_is_kvm_then_tcg_unless_named() {
