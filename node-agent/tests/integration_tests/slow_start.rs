@@ -295,3 +295,66 @@ async fn a_start_that_pins_for_minutes_blocks_neither_heartbeats_nor_other_vms()
         beats.len()
     );
 }
+
+/// The backend alone, with the stand-in as its binary: while a VM starts, a second start
+/// of it with the same spec joins (and succeeds with it), one with another spec is
+/// refused, the map answers, and a stop cancels a start under way.
+#[test]
+fn a_second_start_joins_and_a_stop_cancels() {
+    use node_agent::hypervisor::{Hypervisor, QemuConfig, QemuHypervisor, StartLimit};
+    let dir = tempfile::tempdir().unwrap();
+    let qemu = dir.path().join("qemu-system-x86_64");
+    // Every VM slow, by 3 s: the environment is shared with the tests beside this one.
+    std::fs::write(
+        &qemu,
+        STAND_IN
+            .replace("os.environ.get(\"STANDIN_SLOW_UUID\")", "arg(\"-uuid\")")
+            .replace("os.environ[\"STANDIN_DELAY\"]", "\"3\""),
+    )
+    .unwrap();
+    std::fs::set_permissions(&qemu, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = QemuConfig {
+        binary: qemu,
+        accel: "tcg".into(),
+        sysfs_root: None,
+        stand_in_devices: false,
+        ovmf_code: node_agent::hypervisor::DEFAULT_OVMF_CODE.into(),
+        ovmf_vars: node_agent::hypervisor::DEFAULT_OVMF_VARS.into(),
+        start: StartLimit {
+            base_secs: 30,
+            secs_per_gib: 0,
+        },
+    };
+    let h = Arc::new(QemuHypervisor::open(cfg, &dir.path().join("st")).unwrap());
+    let s = vm(64);
+    let first = {
+        let (h, s) = (h.clone(), s.clone());
+        std::thread::spawn(move || h.start(&s))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    assert!(h.running().is_empty(), "not running while it starts");
+    assert!(h.console(s.uuid).unwrap().is_empty());
+    assert!(t.elapsed() < Duration::from_millis(500), "the map was held");
+    let mut other = s.clone();
+    other.vcpus = 2;
+    assert!(h.start(&other).is_err(), "another spec while starting");
+    h.start(&s).unwrap();
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
+    first.join().unwrap().unwrap();
+    assert_eq!(h.running(), vec![s.uuid]);
+    h.stop(s.uuid).unwrap();
+
+    // A stop while it starts: the start fails at once, saying so.
+    let first = {
+        let (h, s) = (h.clone(), s.clone());
+        std::thread::spawn(move || h.start(&s))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    h.stop(s.uuid).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let e = first.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("stopped while starting"), "{e}");
+    assert!(h.running().is_empty());
+}

@@ -32,6 +32,10 @@ pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 /// `sun_path` is 108 bytes on Linux, the terminating NUL included.
 const MAX_SOCKET_PATH: usize = 107;
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long each try of a start waits for QEMU's greeting: QEMU listens on its socket
+/// long before it answers (while vfio pins the guest's memory), and a stop meanwhile
+/// waits up to this for the start to notice it is cancelled.
+const START_QMP_TIMEOUT: Duration = Duration::from_secs(1);
 /// Debian's `ovmf` package: the 4 MiB builds (the 2 MiB ones are gone since bookworm).
 pub const DEFAULT_OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
 pub const DEFAULT_OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
@@ -424,7 +428,8 @@ impl QemuHypervisor {
                 });
             }
             if files.qmp.exists()
-                && let Ok(s) = Qmp::connect(&files.qmp, QMP_TIMEOUT).and_then(|mut q| q.status())
+                && let Ok(s) =
+                    Qmp::connect(&files.qmp, START_QMP_TIMEOUT).and_then(|mut q| q.status())
             {
                 break s;
             }
