@@ -57,17 +57,10 @@ pub enum BindError {
         /// `BDF (driver X)` or `BDF (no driver)` for each blocking function.
         others: Vec<String>,
     },
-    #[error(
-        "device {device}: unbinding it from {driver} did not finish within {secs} s, the \
-         device is busy: {holders}"
-    )]
-    UnbindStuck {
-        device: DevicePath,
-        driver: String,
-        secs: u64,
-        /// Who holds the driver's device nodes open, and what to do.
-        holders: String,
-    },
+    /// An unbind that did not return within its bound: `why` names the driver, the
+    /// bound, who holds the driver's device nodes open and what to do.
+    #[error("device {device}: {why}")]
+    UnbindStuck { device: DevicePath, why: String },
     #[error("device {device}: reading its IOMMU group: {reason}")]
     Group { device: DevicePath, reason: String },
 }
@@ -163,9 +156,11 @@ impl Binder {
                 };
                 Err(BindError::UnbindStuck {
                     device: dev.clone(),
-                    driver: driver.to_string(),
-                    secs: self.unbind_timeout.as_secs_f64().ceil() as u64,
-                    holders,
+                    why: format!(
+                        "unbinding it from {driver} did not finish within {} s, the device \
+                         is busy: {holders}",
+                        self.unbind_timeout.as_secs_f64().ceil() as u64
+                    ),
                 })
             }
         }
