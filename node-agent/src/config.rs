@@ -17,9 +17,15 @@
 //! dev_dir = "/dev"
 //! # Bytes of image files the node keeps (GiB, default 50); see `FileConfig`.
 //! image_cache_gib = 50
+//! # How long a VM's start may wait for QEMU: base plus so much per GiB of RAM (vfio
+//! # pins all of it first); defaults 60 and 2. OVMF for UEFI guests (Debian's `ovmf`).
+//! qemu_start_base_secs = 60
+//! qemu_start_secs_per_gib = 2
+//! ovmf_code = "/usr/share/OVMF/OVMF_CODE_4M.fd"
+//! ovmf_vars = "/usr/share/OVMF/OVMF_VARS_4M.fd"
 //! ```
 
-use crate::hypervisor::HypervisorKind;
+use crate::hypervisor::{HypervisorKind, QemuOptions, StartLimit};
 use crate::scrub::ScrubOverrides;
 use serde::Deserialize;
 use std::fs;
@@ -68,6 +74,16 @@ pub struct FileConfig {
     /// least recently used images no VM on this node is built on are deleted before a new
     /// one is downloaded. Images VMs use are never deleted, even over budget.
     pub image_cache_gib: Option<u64>,
+    /// Seconds any VM's start may wait for QEMU to answer, besides
+    /// `qemu_start_secs_per_gib` (default 60, 5 to 3600).
+    pub qemu_start_base_secs: Option<u64>,
+    /// Seconds more per GiB of the VM's RAM, which vfio pins before QEMU answers
+    /// (default 2, 0 to 60).
+    pub qemu_start_secs_per_gib: Option<u64>,
+    /// OVMF's code for UEFI guests (default `/usr/share/OVMF/OVMF_CODE_4M.fd`).
+    pub ovmf_code: Option<PathBuf>,
+    /// OVMF's variable-store template (default `/usr/share/OVMF/OVMF_VARS_4M.fd`).
+    pub ovmf_vars: Option<PathBuf>,
 }
 
 fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(
@@ -103,6 +119,14 @@ pub enum ConfigError {
     },
     #[error("config file {path}: image_cache_gib must be between 1 and 1048576, not {value}")]
     ImageCache { path: PathBuf, value: u64 },
+    #[error("config file {path}: {key} must be between {min} and {max}, not {value}")]
+    OutOfRange {
+        path: PathBuf,
+        key: &'static str,
+        min: u64,
+        max: u64,
+        value: u64,
+    },
     #[error("join token file {path}: {reason}")]
     Token { path: PathBuf, reason: String },
 }
@@ -155,10 +179,36 @@ impl FileConfig {
                 value: v,
             });
         }
+        for (key, value, range) in [
+            (
+                "qemu_start_base_secs",
+                cfg.qemu_start_base_secs,
+                StartLimit::BASE_SECS,
+            ),
+            (
+                "qemu_start_secs_per_gib",
+                cfg.qemu_start_secs_per_gib,
+                StartLimit::SECS_PER_GIB,
+            ),
+        ] {
+            if let Some(v) = value
+                && !range.contains(&v)
+            {
+                return Err(ConfigError::OutOfRange {
+                    path: path.to_path_buf(),
+                    key,
+                    min: *range.start(),
+                    max: *range.end(),
+                    value: v,
+                });
+            }
+        }
         for (key, value) in [
             ("nvidia_smi", &cfg.nvidia_smi),
             ("gpu_zero_helper", &cfg.gpu_zero_helper),
             ("dev_dir", &cfg.dev_dir),
+            ("ovmf_code", &cfg.ovmf_code),
+            ("ovmf_vars", &cfg.ovmf_vars),
         ] {
             // Relative to whatever directory the service manager started the agent in
             // would be a different program on another node.
@@ -173,6 +223,24 @@ impl FileConfig {
             }
         }
         Ok(cfg)
+    }
+
+    /// The QEMU settings, for [`crate::hypervisor::QemuConfig::with_options`].
+    pub fn qemu_options(&self) -> QemuOptions {
+        let start = (self.qemu_start_base_secs.is_some() || self.qemu_start_secs_per_gib.is_some())
+            .then(|| StartLimit {
+                base_secs: self
+                    .qemu_start_base_secs
+                    .unwrap_or(StartLimit::DEFAULT_BASE_SECS),
+                secs_per_gib: self
+                    .qemu_start_secs_per_gib
+                    .unwrap_or(StartLimit::DEFAULT_SECS_PER_GIB),
+            });
+        QemuOptions {
+            start,
+            ovmf_code: self.ovmf_code.clone(),
+            ovmf_vars: self.ovmf_vars.clone(),
+        }
     }
 
     /// The scrub settings, for [`crate::scrub::ScrubEnv::with_overrides`].
@@ -279,6 +347,34 @@ mod tests {
     }
 
     #[test]
+    fn qemu_settings() {
+        let c = FileConfig::parse(
+            Path::new("a.toml"),
+            "qemu_start_base_secs = 120\novmf_vars = \"/opt/ovmf/VARS.fd\"\n",
+        )
+        .unwrap();
+        let o = c.qemu_options();
+        // The per-GiB part keeps its default when only the base is set.
+        assert_eq!(
+            o.start,
+            Some(StartLimit {
+                base_secs: 120,
+                secs_per_gib: StartLimit::DEFAULT_SECS_PER_GIB
+            })
+        );
+        assert_eq!(o.ovmf_vars, Some(PathBuf::from("/opt/ovmf/VARS.fd")));
+        assert_eq!(o.ovmf_code, None);
+        assert_eq!(FileConfig::default().qemu_options(), QemuOptions::default());
+        let e = FileConfig::parse(Path::new("a.toml"), "qemu_start_secs_per_gib = 100")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("qemu_start_secs_per_gib must be between 0 and 60, not 100"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn refuses_bad_files() {
         for bad in [
             "server = 1",
@@ -296,6 +392,10 @@ mod tests {
             "gpu_zero_helper = 3",
             "image_cache_gib = 0",
             "image_cache_gib = -5",
+            "qemu_start_base_secs = 0",
+            "qemu_start_base_secs = 3601",
+            "qemu_start_secs_per_gib = 61",
+            "ovmf_code = \"OVMF_CODE.fd\"",
         ] {
             let e = FileConfig::parse(Path::new("x.toml"), bad);
             assert!(e.is_err(), "{bad:?} accepted");

@@ -223,6 +223,7 @@ fn main() -> ExitCode {
                 Err(e) => return fail(&e),
             };
             let scrub = file.scrub_overrides();
+            let qemu = file.qemu_options();
             let Some(server_url) = server.or(file.server) else {
                 return fail(
                     &"no server URL: give --server, PASSAGE_SERVER or `server` in --config",
@@ -285,6 +286,7 @@ fn main() -> ExitCode {
                 image_cache_gib: image_cache_gib
                     .or(file.image_cache_gib)
                     .unwrap_or(node_agent::images::DEFAULT_CACHE_GIB),
+                qemu,
             };
             match rt.block_on(agent::run_with(cfg, opts)) {
                 Ok(()) => ExitCode::SUCCESS,

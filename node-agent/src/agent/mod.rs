@@ -516,9 +516,10 @@ impl Agent {
                     debug!(task = %env.id, "task already running");
                     continue;
                 }
-                // A download can take minutes: it runs beside the other tasks, so one
-                // VM's image does not hold up another VM's stop or scrub. The rest run in
-                // turn, as the server sends them.
+                // A download or a QEMU start can take minutes: it runs beside the other
+                // tasks, so one VM's image or pinned memory does not hold up another VM's
+                // stop or scrub. A stop of the VM itself meanwhile cancels its start (see
+                // the QEMU backend). The rest run in turn, as the server sends them.
                 if self.executor.runs_long(&env.task) {
                     let id = env.id;
                     self.in_flight().insert(id);
@@ -909,6 +910,9 @@ pub struct RunOptions {
     pub scrub: ScrubOverrides,
     /// The image cache's budget (`image_cache_gib`).
     pub image_cache_gib: u64,
+    /// How QEMU runs here (`qemu_start_base_secs`, `qemu_start_secs_per_gib`,
+    /// `ovmf_code`, `ovmf_vars`).
+    pub qemu: crate::hypervisor::QemuOptions,
 }
 
 impl Default for RunOptions {
@@ -916,6 +920,7 @@ impl Default for RunOptions {
         RunOptions {
             scrub: ScrubOverrides::default(),
             image_cache_gib: crate::images::DEFAULT_CACHE_GIB,
+            qemu: crate::hypervisor::QemuOptions::default(),
         }
     }
 }
@@ -930,10 +935,16 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
     let scrub = opts.scrub.clone();
     let setup = {
         let cfg = cfg.clone();
+        let opts = opts.clone();
         tokio::task::spawn_blocking(move || -> Result<tasks::Executor, AgentError> {
             prepare_state_dir(&cfg.state_dir)?;
-            let hv = hypervisor::open(cfg.hypervisor, &cfg.state_dir, Some(&cfg.sysfs_root))
-                .map_err(|e| AgentError::Setup(e.to_string()))?;
+            let hv = hypervisor::open(
+                cfg.hypervisor,
+                &cfg.state_dir,
+                Some(&cfg.sysfs_root),
+                &opts.qemu,
+            )
+            .map_err(|e| AgentError::Setup(e.to_string()))?;
             let ops = open_sysfs(&cfg.sysfs_root).map_err(|e| {
                 AgentError::Setup(format!("sysfs root {}: {e}", cfg.sysfs_root.display()))
             })?;

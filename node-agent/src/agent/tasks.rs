@@ -106,9 +106,15 @@ impl Executor {
     }
 
     /// Whether `task` may take minutes: a `FetchImage` whose image is not in the cache
-    /// yet (one that is makes the VM's disk on it and is done). Without an image service
-    /// (the sim hypervisor) nothing is fetched at all.
+    /// yet (one that is makes the VM's disk on it and is done), or a VM's start where the
+    /// hypervisor's starts are slow (QEMU pinning a large guest's memory). Without an
+    /// image service (the sim hypervisor) nothing is fetched at all.
     pub fn runs_long(&self, task: &Task) -> bool {
+        if matches!(task, Task::StartVm { .. } | Task::BootVm { .. })
+            && self.hypervisor.starts_slowly()
+        {
+            return true;
+        }
         let disk = match task {
             Task::FetchImage { disk, .. } => disk,
             Task::BootVm { vm, .. } => match &vm.disk {

@@ -10,6 +10,26 @@ use std::path::{Component, Path, PathBuf};
 
 /// Where the fake records each function reset, one address a line.
 pub const RESET_LOG: &str = ".passage-fake-resets.log";
+/// A file per busy function (`DIR/BDF`): while it is there, unbinding that function
+/// from `nvidia` blocks, as the kernel's write does while a process holds the GPU open;
+/// removing it lets the unbind finish. A file, so a test can switch it from outside the
+/// agent's process.
+pub const BUSY_DIR: &str = ".passage-fake-busy";
+
+/// Makes the function `bdf` of the generated tree at `root` busy (see [`BUSY_DIR`]) or
+/// not.
+pub fn set_busy(root: &Path, bdf: &str, busy: bool) -> io::Result<()> {
+    let f = root.join(BUSY_DIR).join(bdf);
+    if busy {
+        fs::create_dir_all(root.join(BUSY_DIR))?;
+        fs::write(f, b"")
+    } else {
+        match fs::remove_file(f) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
 
 /// The driver a kernel would pick for a function with no override: the module alias
 /// table of this fake world. The generator binds the same drivers.
@@ -587,6 +607,12 @@ impl SysfsOps for FakeKernel {
         match parts.as_slice() {
             ["bus", "pci", "drivers", drv, "unbind"] => {
                 let dir = self.function_dir(value)?;
+                if *drv == "nvidia" {
+                    let busy = self.root.join(BUSY_DIR).join(file_name(&dir));
+                    while busy.exists() {
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    }
+                }
                 write_existing(path, value)?;
                 self.detach(&dir, drv)
             }

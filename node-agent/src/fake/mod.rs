@@ -5,7 +5,7 @@ mod kernel;
 mod tree;
 mod vgpu;
 
-pub use kernel::{FakeKernel, RESET_LOG, native_driver};
+pub use kernel::{BUSY_DIR, FakeKernel, RESET_LOG, native_driver, set_busy};
 pub use tree::{
     FAKE_BRIDGE, FAKE_CPUINFO_ADDRESS_SIZES, FAKE_DEV_DIR, FAKE_NVME_BYTES, FAKE_PROC_DIR,
     FakeError, FakeOptions, FakeSpec, FakeTree, GpuModel, generate, generate_with,

@@ -12,8 +12,13 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 pub const VFIO_DRIVER: &str = "vfio-pci";
+/// How long an unbind may block before the bind gives up on it: the kernel's write does
+/// not return while a process holds the device (nvidia's driver waits for its last
+/// user), and a task must not hang the agent.
+pub const DEFAULT_UNBIND_TIMEOUT: Duration = Duration::from_secs(30);
 const STATE_FILE: &str = "bindings.json";
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +57,10 @@ pub enum BindError {
         /// `BDF (driver X)` or `BDF (no driver)` for each blocking function.
         others: Vec<String>,
     },
+    /// An unbind that did not return within its bound: `why` names the driver, the
+    /// bound, who holds the driver's device nodes open and what to do.
+    #[error("device {device}: {why}")]
+    UnbindStuck { device: DevicePath, why: String },
     #[error("device {device}: reading its IOMMU group: {reason}")]
     Group { device: DevicePath, reason: String },
 }
@@ -76,6 +85,11 @@ pub struct Binder {
     state_path: PathBuf,
     // Serialises read-modify-write of the state file between concurrent tasks.
     lock: Mutex<()>,
+    unbind_timeout: Duration,
+    /// Where processes' open files (`PID/fd/N` links) and the device nodes they point
+    /// at are, to name who keeps a device busy.
+    proc_root: PathBuf,
+    dev_root: PathBuf,
 }
 
 impl Binder {
@@ -84,6 +98,71 @@ impl Binder {
             ops,
             state_path: state_dir.join(STATE_FILE),
             lock: Mutex::new(()),
+            unbind_timeout: DEFAULT_UNBIND_TIMEOUT,
+            proc_root: PathBuf::from("/proc"),
+            dev_root: PathBuf::from("/dev"),
+        }
+    }
+
+    pub fn with_unbind_timeout(mut self, timeout: Duration) -> Self {
+        self.unbind_timeout = timeout;
+        self
+    }
+
+    /// Other roots than `/proc` and `/dev` for naming a busy device's holders.
+    pub fn with_holder_roots(mut self, proc_root: &Path, dev_root: &Path) -> Self {
+        self.proc_root = proc_root.to_path_buf();
+        self.dev_root = dev_root.to_path_buf();
+        self
+    }
+
+    /// Unbinds `dev` from `driver`, giving up after the bound with the processes that
+    /// hold the driver's device nodes open. The write runs on a thread of its own that
+    /// is left behind when it blocks: the kernel finishes it once the holders let go.
+    fn unbind_bounded(&self, dev: &DevicePath, driver: &str, bdf: &str) -> Result<(), BindError> {
+        let path = self.drivers().join(driver).join("unbind");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (ops, p, v) = (self.ops.clone(), path.clone(), bdf.to_string());
+        std::thread::Builder::new()
+            .name(format!("unbind {bdf}"))
+            .spawn(move || {
+                let _ = tx.send(ops.write_attr(&p, &v));
+            })
+            .map_err(|source| BindError::Write {
+                device: dev.clone(),
+                path: path.clone(),
+                source,
+            })?;
+        match rx.recv_timeout(self.unbind_timeout) {
+            Ok(r) => r.map_err(|source| BindError::Write {
+                device: dev.clone(),
+                path,
+                source,
+            }),
+            Err(_) => {
+                let holders = device_holders(&self.proc_root, &self.dev_root, driver);
+                let holders = if holders.is_empty() {
+                    format!(
+                        "no process holds {} open; the driver itself is busy with it \
+                         (see the kernel log)",
+                        node_glob(&self.dev_root, driver)
+                    )
+                } else {
+                    format!(
+                        "{} open by {}; stop them and try again",
+                        node_glob(&self.dev_root, driver),
+                        holders.join(", ")
+                    )
+                };
+                Err(BindError::UnbindStuck {
+                    device: dev.clone(),
+                    why: format!(
+                        "unbinding it from {driver} did not finish within {} s, the device \
+                         is busy: {holders}",
+                        self.unbind_timeout.as_secs_f64().ceil() as u64
+                    ),
+                })
+            }
         }
     }
 
@@ -260,7 +339,7 @@ impl Binder {
             return Ok(());
         }
         if let Some(d) = &current {
-            self.write(dev, self.drivers().join(d).join("unbind"), &bdf)?;
+            self.unbind_bounded(dev, d, &bdf)?;
         }
         self.write(dev, self.ops.root().join("bus/pci/drivers_probe"), &bdf)?;
         match self.driver_of(dev, &dir)? {
@@ -287,7 +366,7 @@ impl Binder {
             self.write(dev, dir.join("driver_override"), "\n")?;
         }
         if current.as_deref() == Some(VFIO_DRIVER) {
-            self.write(dev, self.drivers().join(VFIO_DRIVER).join("unbind"), &bdf)?;
+            self.unbind_bounded(dev, VFIO_DRIVER, &bdf)?;
             let original = record.as_ref().and_then(|r| r.original_driver.clone());
             match &original {
                 Some(o) if self.drivers().join(o).is_dir() => {
@@ -329,4 +408,58 @@ impl Binder {
         }
         Ok(failures)
     }
+}
+
+/// The device nodes a driver's users hold open: `/dev/nvidia*` (the GPUs, `nvidiactl`,
+/// `nvidia-uvm`) for nvidia, `/dev/vfio/*` for vfio-pci (a VM's QEMU); none for others.
+fn node_glob(dev_root: &Path, driver: &str) -> String {
+    match driver {
+        VFIO_DRIVER => format!("{}/*", dev_root.join("vfio").display()),
+        d => format!("{}*", dev_root.join(d).display()),
+    }
+}
+
+fn holds_node(target: &Path, dev_root: &Path, driver: &str) -> bool {
+    match driver {
+        VFIO_DRIVER => target.parent() == Some(dev_root.join("vfio").as_path()),
+        d => {
+            target.parent() == Some(dev_root)
+                && target
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(d))
+        }
+    }
+}
+
+/// `pid N (COMMAND)` for each process under `proc_root` with a file descriptor on one of
+/// `driver`'s device nodes under `dev_root`, by pid. Processes that go away or that the
+/// agent may not look into are skipped.
+pub fn device_holders(proc_root: &Path, dev_root: &Path, driver: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(proc_root) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(u32, String)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let fds = std::fs::read_dir(e.path().join("fd")).ok()?;
+            let holds = fds
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|t| holds_node(&t, dev_root, driver));
+            if !holds {
+                return None;
+            }
+            let comm = crate::host::read_attr(&e.path().join("comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_else(|_| "?".to_string());
+            Some((pid, comm))
+        })
+        .collect();
+    found.sort();
+    found
+        .into_iter()
+        .map(|(pid, comm)| format!("pid {pid} ({comm})"))
+        .collect()
 }

@@ -11,9 +11,10 @@ mod sim;
 pub use bhyve::{BHYVE_BINARY, PassthruRef, TooManyDevices, bhyve_argv};
 pub use cloud_hypervisor::{CLOUD_HYPERVISOR_BINARY, cloud_hypervisor_argv};
 pub use qemu::{
-    Backing, CpuModel, HugepagePolicy, LaunchPlan, OVMF_CODE, OVMF_VARS, OVMF_VARS_FILE,
-    OVMF_VARS_TMP_FILE, QEMU_BINARY, QemuConfig, QemuHypervisor, STAND_IN_ENV, StandIn, VmFiles,
-    launch_plan, layout, qemu_argv, vars_path,
+    Backing, CpuModel, DEFAULT_OVMF_CODE, DEFAULT_OVMF_VARS, HugepagePolicy, LaunchPlan,
+    OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, QEMU_BINARY, QemuConfig, QemuHypervisor, QemuOptions,
+    STAND_IN_ENV, StandIn, StartLimit, VmFiles, checks, launch_plan, layout, qemu_argv,
+    vars_path,
 };
 pub use sim::SimHypervisor;
 
@@ -99,19 +100,26 @@ pub trait Hypervisor: Send + Sync {
     /// Keeps what running VMs write on this node bounded (their consoles); the agent
     /// calls it with each heartbeat.
     fn trim(&self) {}
+    /// Whether a start may take minutes (QEMU pinning a large guest's memory): the agent
+    /// then runs starts beside its other tasks rather than in turn.
+    fn starts_slowly(&self) -> bool {
+        false
+    }
 }
 
 /// The backend for `kind`. `sysfs_root`, when given, lets the simulator refuse devices
 /// that are not bound to vfio-pci, as a real launch would fail.
+/// `qemu` applies to the QEMU backend only.
 pub fn open(
     kind: HypervisorKind,
     state_dir: &Path,
     sysfs_root: Option<&Path>,
+    qemu: &QemuOptions,
 ) -> Result<Arc<dyn Hypervisor>, HypervisorError> {
     match kind {
         HypervisorKind::Sim => Ok(Arc::new(SimHypervisor::open(state_dir, sysfs_root)?)),
         HypervisorKind::Qemu => Ok(Arc::new(QemuHypervisor::open(
-            QemuConfig::from_path(sysfs_root)?,
+            QemuConfig::from_path(sysfs_root)?.with_options(qemu),
             state_dir,
         )?)),
         // Builders only: say first whether the binary is even here, as that is the

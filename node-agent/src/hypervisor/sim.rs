@@ -204,7 +204,9 @@ mod tests {
             super::super::HypervisorKind::CloudHypervisor,
             super::super::HypervisorKind::Bhyve,
         ] {
-            let e = super::super::open(kind, dir.path(), None).err().unwrap();
+            let e = super::super::open(kind, dir.path(), None, &Default::default())
+                .err()
+                .unwrap();
             let text = e.to_string();
             assert!(
                 text.contains("not installed here") || text.contains("not supported yet"),

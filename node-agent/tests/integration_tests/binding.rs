@@ -518,3 +518,48 @@ fn bridges_in_the_group_do_not_block() {
     binder(&w).bind_passthrough(gpu).unwrap();
     assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
 }
+
+/// A GPU held open by a process: the kernel's unbind from nvidia blocks (the fake's busy
+/// switch), and the bind gives up after its bound naming the holder, instead of hanging
+/// the agent. Once the holder lets go the device is free to bind again.
+#[test]
+fn a_busy_gpu_fails_to_bind_within_the_bound_naming_its_holder() {
+    let w = world(2);
+    let gpu = &w.gpus[0];
+    let bdf = gpu.address().to_string();
+    // A staged /proc: pid 4242 (nvidia-smi) holds /dev/nvidia0, pid 7 holds a tty.
+    let (proc_root, dev_root) = (w.state.join("proc"), w.state.join("dev"));
+    for (pid, comm, node) in [(4242, "nvidia-smi", "nvidia0"), (7, "bash", "tty1")] {
+        let fd = proc_root.join(pid.to_string()).join("fd");
+        std::fs::create_dir_all(&fd).unwrap();
+        std::fs::write(fd.parent().unwrap().join("comm"), format!("{comm}\n")).unwrap();
+        std::os::unix::fs::symlink(dev_root.join(node), fd.join("3")).unwrap();
+    }
+    node_agent::fake::set_busy(&w.root, &bdf, true).unwrap();
+    let b = binder(&w)
+        .with_unbind_timeout(std::time::Duration::from_millis(500))
+        .with_holder_roots(&proc_root, &dev_root);
+    let t = std::time::Instant::now();
+    let e = b.bind_passthrough(gpu).unwrap_err();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(3),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(matches!(e, BindError::UnbindStuck { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("unbinding it from nvidia did not finish within 1 s")
+            && msg.contains("pid 4242 (nvidia-smi)")
+            && !msg.contains("bash"),
+        "{msg}"
+    );
+    // The holder goes: the abandoned write finishes, and a bind now succeeds.
+    node_agent::fake::set_busy(&w.root, &bdf, false).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while driver_via_cli(&w.root, gpu) == "nvidia" && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    b.bind_passthrough(gpu).unwrap();
+    assert_eq!(driver_via_cli(&w.root, gpu), "vfio-pci");
+}

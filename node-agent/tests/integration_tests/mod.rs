@@ -13,6 +13,7 @@ mod pciutils;
 mod qemu;
 mod robustness;
 mod scrub;
+mod slow_start;
 mod sriov;
 mod taps;
 mod vgpu_slots;

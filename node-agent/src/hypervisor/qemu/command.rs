@@ -356,6 +356,7 @@ mod tests {
             stand_in_bars: false,
             ovmf_code: PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"),
             ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
+            start: Default::default(),
             hugepages: super::super::HugepagePolicy::Prefer,
             host_sysfs: PathBuf::from("/sys"),
         }

@@ -20,9 +20,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+pub mod checks;
 mod command;
 pub mod layout;
 mod pinning;
@@ -37,8 +39,52 @@ pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 /// `sun_path` is 108 bytes on Linux, the terminating NUL included.
 const MAX_SOCKET_PATH: usize = 107;
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long QEMU may take to open its QMP socket after being spawned.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long each try of a start waits for QEMU's greeting: QEMU listens on its socket
+/// long before it answers (while vfio pins the guest's memory), and a stop meanwhile
+/// waits up to this for the start to notice it is cancelled.
+const START_QMP_TIMEOUT: Duration = Duration::from_secs(1);
+/// Debian's `ovmf` package: the 4 MiB builds (the 2 MiB ones are gone since bookworm).
+pub const DEFAULT_OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
+pub const DEFAULT_OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+
+/// How long QEMU may take to answer QMP after being spawned: with devices passed
+/// through it pins all of the guest's RAM first (vfio), which takes time in proportion
+/// to it, so a base plus so much per GiB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StartLimit {
+    pub base_secs: u64,
+    pub secs_per_gib: u64,
+}
+
+impl StartLimit {
+    pub const DEFAULT_BASE_SECS: u64 = 60;
+    pub const DEFAULT_SECS_PER_GIB: u64 = 2;
+    /// The range a config file may set the base in.
+    pub const BASE_SECS: std::ops::RangeInclusive<u64> = 5..=3600;
+    /// The range a config file may set the seconds per GiB in.
+    pub const SECS_PER_GIB: std::ops::RangeInclusive<u64> = 0..=60;
+    /// No start waits longer than this, whatever the VM's size: a day.
+    pub const MAX_SECS: u64 = 24 * 3600;
+
+    /// The wait for a VM of `memory_mib`, each started GiB counted whole.
+    pub fn for_memory(self, memory_mib: u64) -> Duration {
+        let gib = memory_mib.div_ceil(1024);
+        let secs = self
+            .base_secs
+            .saturating_add(gib.saturating_mul(self.secs_per_gib))
+            .min(Self::MAX_SECS);
+        Duration::from_secs(secs)
+    }
+}
+
+impl Default for StartLimit {
+    fn default() -> Self {
+        StartLimit {
+            base_secs: Self::DEFAULT_BASE_SECS,
+            secs_per_gib: Self::DEFAULT_SECS_PER_GIB,
+        }
+    }
+}
 /// How long a VM may take to exit after `quit` before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -57,19 +103,18 @@ pub struct QemuConfig {
     /// With stand-ins: give each the size of its function's largest BAR
     /// ([`StandIn::SizedBars`]) rather than an `edu` device.
     pub stand_in_bars: bool,
-    /// OVMF's code (read-only, shared) and the template of its variables (copied per VM).
+    /// OVMF's code (read-only, shared) and the template of its variables (copied per VM),
+    /// for VMs that boot UEFI.
     pub ovmf_code: PathBuf,
     pub ovmf_vars: PathBuf,
+    /// How long a start may wait for QEMU.
+    pub start: StartLimit,
     /// Whether guest RAM comes from huge pages.
     pub hugepages: HugepagePolicy,
     /// The sysfs of the host QEMU runs on (its NUMA nodes and huge pages), whatever tree
     /// devices come from.
     pub host_sysfs: PathBuf,
 }
-
-/// Debian's `ovmf` package: 4 MiB flash images, without Secure Boot's enrolled keys.
-pub const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
-pub const OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
 
 impl QemuConfig {
     /// How passed functions appear in the guest.
@@ -83,24 +128,48 @@ impl QemuConfig {
 }
 
 impl QemuConfig {
-    /// `qemu-system-x86_64` from PATH with `kvm:tcg`.
+    /// `qemu-system-x86_64` from PATH with `kvm:tcg`, or `tcg` where `/dev/kvm` is
+    /// there but KVM does not work (see [`checks::probe_accel`]); Debian's OVMF.
     pub fn from_path(sysfs_root: Option<&Path>) -> Result<Self, HypervisorError> {
         let binary = find_on_path(QEMU_BINARY).ok_or(HypervisorError::NotInstalled {
             binary: QEMU_BINARY,
         })?;
         Ok(QemuConfig {
+            accel: checks::probe_accel(&binary),
             binary,
-            accel: accel_from_env(std::env::var(ACCEL_ENV).ok()),
             sysfs_root: sysfs_root.map(Path::to_path_buf),
             // The fake-sysfs generator's marker: the tree is generated, not a kernel's.
             stand_in_devices: sysfs_root.is_some_and(|r| r.join(crate::host::FAKE_MARKER).exists()),
             stand_in_bars: std::env::var(STAND_IN_ENV).is_ok_and(|v| v.trim() == "sized"),
-            ovmf_code: PathBuf::from(OVMF_CODE),
-            ovmf_vars: PathBuf::from(OVMF_VARS),
+            ovmf_code: PathBuf::from(DEFAULT_OVMF_CODE),
+            ovmf_vars: PathBuf::from(DEFAULT_OVMF_VARS),
+            start: StartLimit::default(),
             hugepages: HugepagePolicy::default(),
             host_sysfs: PathBuf::from(net::HOST_SYSFS),
         })
     }
+
+    /// [`Self::from_path`] with the node's settings applied over the defaults.
+    pub fn with_options(mut self, opts: &QemuOptions) -> Self {
+        if let Some(s) = opts.start {
+            self.start = s;
+        }
+        if let Some(p) = &opts.ovmf_code {
+            self.ovmf_code = p.clone();
+        }
+        if let Some(p) = &opts.ovmf_vars {
+            self.ovmf_vars = p.clone();
+        }
+        self
+    }
+}
+
+/// The node's QEMU settings from its config file; each `None` keeps the default.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QemuOptions {
+    pub start: Option<StartLimit>,
+    pub ovmf_code: Option<PathBuf>,
+    pub ovmf_vars: Option<PathBuf>,
 }
 
 /// `sized`: stand-ins over a generated tree are `ivshmem-plain` devices with the real
@@ -159,12 +228,34 @@ struct Running {
     pid: u32,
 }
 
+/// A VM this backend knows: one whose QEMU is still coming up (pinning its memory can
+/// take minutes, and the map must not stay locked meanwhile), or one running.
+enum Slot {
+    /// Holds the VM's id, so a second start joins this one and a stop cancels it.
+    Starting {
+        spec: VmSpec,
+        cancel: Arc<AtomicBool>,
+    },
+    Up(Running),
+}
+
+impl Slot {
+    fn spec(&self) -> &VmSpec {
+        match self {
+            Slot::Starting { spec, .. } => spec,
+            Slot::Up(r) => &r.spec,
+        }
+    }
+}
+
 pub struct QemuHypervisor {
     cfg: QemuConfig,
     state_dir: PathBuf,
     /// Where taps and bridges are: the host's own sysfs, whatever tree devices come from.
     net_root: PathBuf,
-    vms: Mutex<BTreeMap<VmId, Running>>,
+    vms: Mutex<BTreeMap<VmId, Slot>>,
+    /// Signalled whenever a start ends, for the starts and stops waiting on it.
+    started: Condvar,
 }
 
 fn taps_of(spec: &VmSpec) -> impl Iterator<Item = String> + '_ {
@@ -194,6 +285,7 @@ impl QemuHypervisor {
             state_dir: state_dir.to_path_buf(),
             net_root: PathBuf::from(net::HOST_SYSFS),
             vms: Mutex::new(BTreeMap::new()),
+            started: Condvar::new(),
         };
         h.adopt()?;
         h.remove_orphan_taps();
@@ -206,7 +298,7 @@ impl QemuHypervisor {
         let keep: BTreeSet<String> = self
             .lock()
             .values()
-            .flat_map(|r| taps_of(&r.spec))
+            .flat_map(|s| taps_of(s.spec()))
             .collect();
         let taps = match net::our_taps(&self.net_root) {
             Ok(t) => t,
@@ -247,11 +339,11 @@ impl QemuHypervisor {
                     tracing::info!(vm = %vm, pid, "adopted a running QEMU");
                     vms.insert(
                         vm,
-                        Running {
+                        Slot::Up(Running {
                             spec,
                             child: None,
                             pid,
-                        },
+                        }),
                     );
                 }
                 // Gone while the agent was away: nothing to keep but the log.
@@ -265,8 +357,20 @@ impl QemuHypervisor {
         Ok(())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<VmId, Running>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<VmId, Slot>> {
         self.vms.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for a start under way to end (`guard` is the map, released meanwhile).
+    fn wait_for_start<'a>(
+        &self,
+        guard: std::sync::MutexGuard<'a, BTreeMap<VmId, Slot>>,
+    ) -> std::sync::MutexGuard<'a, BTreeMap<VmId, Slot>> {
+        // Timed, so a missed signal costs a second, not a hang.
+        self.started
+            .wait_timeout(guard, Duration::from_secs(1))
+            .map(|(g, _)| g)
+            .unwrap_or_else(|p| p.into_inner().0)
     }
 
     /// The QMP socket of a running VM, for callers that want to ask QEMU themselves.
@@ -293,7 +397,7 @@ impl QemuHypervisor {
         }
     }
 
-    fn launch(&self, spec: &VmSpec) -> Result<Running, HypervisorError> {
+    fn launch(&self, spec: &VmSpec, cancel: &AtomicBool) -> Result<Running, HypervisorError> {
         let vm = spec.uuid;
         let files = VmFiles::new(&self.state_dir, vm);
         let state_err = |path: &Path| {
@@ -326,7 +430,7 @@ impl QemuHypervisor {
         }
         let plan = launch_plan(&self.cfg, spec).map_err(|reason| HypervisorError::Launch { vm, reason })?;
         if plan.bootrom == passage_model::images::Bootrom::Uefi {
-            self.ensure_vars(vm, &files)?;
+            self.ensure_vars(&files)?;
         }
         let log = fs::File::create(&files.log).map_err(state_err(&files.log))?;
         let log2 = log.try_clone().map_err(state_err(&files.log))?;
@@ -344,8 +448,17 @@ impl QemuHypervisor {
             })?;
         let pid = child.id();
         let started = Instant::now();
+        let limit = self.cfg.start.for_memory(spec.memory_mib);
         // QEMU opens the QMP socket before the guest runs; once it answers, the VM is up.
         let status = loop {
+            if cancel.load(Ordering::Relaxed) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(HypervisorError::Launch {
+                    vm,
+                    reason: "stopped while starting".to_string(),
+                });
+            }
             if let Ok(Some(exit)) = child.try_wait() {
                 return Err(HypervisorError::Launch {
                     vm,
@@ -353,18 +466,21 @@ impl QemuHypervisor {
                 });
             }
             if files.qmp.exists()
-                && let Ok(s) = Qmp::connect(&files.qmp, QMP_TIMEOUT).and_then(|mut q| q.status())
+                && let Ok(s) =
+                    Qmp::connect(&files.qmp, START_QMP_TIMEOUT).and_then(|mut q| q.status())
             {
                 break s;
             }
-            if started.elapsed() > START_TIMEOUT {
+            if started.elapsed() > limit {
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(HypervisorError::Launch {
                     vm,
                     reason: format!(
-                        "no QMP answer within {}s: {}",
-                        START_TIMEOUT.as_secs(),
+                        "no QMP answer within {}s (the limit for {} MiB of RAM: \
+                         qemu_start_base_secs plus qemu_start_secs_per_gib per GiB): {}",
+                        limit.as_secs(),
+                        spec.memory_mib,
                         log_tail(&files.log)
                     ),
                 });
@@ -379,22 +495,52 @@ impl QemuHypervisor {
         })
     }
 
-    /// The VM's own copy of OVMF's variables, made from the template at its first UEFI
-    /// start (through a temporary file, so a copy cut short is never taken for one).
-    fn ensure_vars(&self, vm: VmId, files: &VmFiles) -> Result<(), HypervisorError> {
-        let vars = vars_path(files);
-        if vars.is_file() {
-            return Ok(());
+    /// What a start does once the VM's id is reserved: the checks, the taps and QEMU,
+    /// with the taps removed again when it fails.
+    fn prepare_and_launch(
+        &self,
+        spec: &VmSpec,
+        cancel: &AtomicBool,
+    ) -> Result<Running, HypervisorError> {
+        let vm = spec.uuid;
+        if let Some(root) = &self.cfg.sysfs_root {
+            check_devices_ready(root, spec)?;
         }
-        if !self.cfg.ovmf_code.is_file() || !self.cfg.ovmf_vars.is_file() {
+        checks::before_launch(&self.cfg, spec, checks::agent_memlock_limit())
+            .map_err(|reason| HypervisorError::Launch { vm, reason })?;
+        let net_err = |source| HypervisorError::Network { vm, source };
+        net::check_nics(&self.net_root, &spec.nics, true).map_err(net_err)?;
+        let disk = VmFiles::new(&self.state_dir, vm).disk;
+        if spec.disk.is_some() && !disk.exists() {
             return Err(HypervisorError::Launch {
                 vm,
                 reason: format!(
-                    "it boots UEFI and OVMF is not at {} and {}: install Debian's ovmf package",
-                    self.cfg.ovmf_code.display(),
-                    self.cfg.ovmf_vars.display()
+                    "its boot disk {} does not exist (the image was not fetched to this node)",
+                    disk.display()
                 ),
             });
+        }
+        let launched = spec
+            .nics
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, nic)| {
+                net::create_tap(&self.net_root, &net::tap_name(vm, i), nic).map_err(net_err)
+            })
+            .and_then(|()| self.launch(spec, cancel));
+        if launched.is_err() {
+            net::remove_vm_taps(&self.net_root, vm);
+        }
+        launched
+    }
+
+    /// The VM's own copy of OVMF's variables, made from the template at its first UEFI
+    /// start (through a temporary file, so a copy cut short is never taken for one).
+    /// The checks before launch found the template.
+    fn ensure_vars(&self, files: &VmFiles) -> Result<(), HypervisorError> {
+        let vars = vars_path(files);
+        if vars.is_file() {
+            return Ok(());
         }
         let tmp = files.dir.join(OVMF_VARS_TMP_FILE);
         fs::copy(&self.cfg.ovmf_vars, &tmp)
@@ -449,70 +595,102 @@ fn log_tail(path: &Path) -> String {
 }
 
 impl Hypervisor for QemuHypervisor {
+    /// The map is locked only to look and to reserve the VM's id: QEMU's start (minutes
+    /// where vfio pins a large guest's memory) runs without it, so heartbeats and the
+    /// other VMs' starts and stops go on meanwhile.
     fn start(&self, spec: &VmSpec) -> Result<(), HypervisorError> {
-        let mut vms = self.lock();
-        if let Some(r) = vms.get_mut(&spec.uuid) {
-            if Self::is_live(r, spec.uuid) {
-                return if &r.spec == spec {
-                    Ok(())
-                } else {
-                    Err(HypervisorError::Conflict { vm: spec.uuid })
-                };
+        let vm = spec.uuid;
+        let cancel = {
+            let mut vms = self.lock();
+            let mut joined = false;
+            loop {
+                match vms.get_mut(&vm) {
+                    Some(Slot::Up(r)) => {
+                        if Self::is_live(r, vm) {
+                            return if &r.spec == spec {
+                                Ok(())
+                            } else {
+                                Err(HypervisorError::Conflict { vm })
+                            };
+                        }
+                        vms.remove(&vm);
+                        net::remove_vm_taps(&self.net_root, vm);
+                        break;
+                    }
+                    Some(Slot::Starting { spec: s, .. }) => {
+                        if s != spec {
+                            return Err(HypervisorError::Conflict { vm });
+                        }
+                        joined = true;
+                        vms = self.wait_for_start(vms);
+                    }
+                    None if joined => {
+                        return Err(HypervisorError::Launch {
+                            vm,
+                            reason: "the start already under way failed (its task says why)"
+                                .to_string(),
+                        });
+                    }
+                    None => break,
+                }
             }
-            vms.remove(&spec.uuid);
-            net::remove_vm_taps(&self.net_root, spec.uuid);
-        }
-        if let Some(root) = &self.cfg.sysfs_root {
-            check_devices_ready(root, spec)?;
-        }
-        let net_err = |source| HypervisorError::Network {
-            vm: spec.uuid,
-            source,
+            // A clash of names (two uuids alike in their last 44 bits) would take another
+            // VM's tap away from it.
+            let in_use: BTreeMap<String, VmId> = vms
+                .iter()
+                .flat_map(|(vm, s)| taps_of(s.spec()).map(|t| (t, *vm)))
+                .collect();
+            if let Some((tap, other)) = taps_of(spec).find_map(|t| in_use.get(&t).map(|o| (t, *o)))
+            {
+                return Err(HypervisorError::Network {
+                    vm,
+                    source: net::NetError::TapInUse { tap, other },
+                });
+            }
+            let cancel = Arc::new(AtomicBool::new(false));
+            vms.insert(
+                vm,
+                Slot::Starting {
+                    spec: spec.clone(),
+                    cancel: cancel.clone(),
+                },
+            );
+            cancel
         };
-        net::check_nics(&self.net_root, &spec.nics, true).map_err(net_err)?;
-        // A clash of names (two uuids alike in their last 44 bits) would take another
-        // VM's tap away from it.
-        let in_use: BTreeMap<String, VmId> = vms
-            .iter()
-            .flat_map(|(vm, r)| taps_of(&r.spec).map(|t| (t, *vm)))
-            .collect();
-        if let Some((tap, other)) = taps_of(spec).find_map(|t| in_use.get(&t).map(|o| (t, *o))) {
-            return Err(net_err(net::NetError::TapInUse { tap, other }));
-        }
-        let disk = VmFiles::new(&self.state_dir, spec.uuid).disk;
-        if spec.disk.is_some() && !disk.exists() {
-            return Err(HypervisorError::Launch {
-                vm: spec.uuid,
-                reason: format!(
-                    "its boot disk {} does not exist (the image was not fetched to this node)",
-                    disk.display()
-                ),
-            });
-        }
-        let launched = spec
-            .nics
-            .iter()
-            .enumerate()
-            .try_for_each(|(i, nic)| {
-                net::create_tap(&self.net_root, &net::tap_name(spec.uuid, i), nic).map_err(net_err)
-            })
-            .and_then(|()| self.launch(spec));
-        match launched {
+        let launched = self.prepare_and_launch(spec, &cancel);
+        let mut vms = self.lock();
+        vms.remove(&vm);
+        let result = match launched {
             Ok(r) => {
-                vms.insert(spec.uuid, r);
+                vms.insert(vm, Slot::Up(r));
                 Ok(())
             }
-            Err(e) => {
-                net::remove_vm_taps(&self.net_root, spec.uuid);
-                Err(e)
-            }
-        }
+            Err(e) => Err(e),
+        };
+        drop(vms);
+        self.started.notify_all();
+        result
     }
 
     /// Also removes the VM's taps, even when it was not running (a VM that died, or
     /// an agent that stopped half way through a launch).
+    /// A VM still starting is cancelled (its QEMU killed) first.
     fn stop(&self, vm: VmId) -> Result<(), HypervisorError> {
-        let r = self.lock().remove(&vm);
+        let r = {
+            let mut vms = self.lock();
+            while let Some(Slot::Starting { cancel, .. }) = vms.get(&vm) {
+                cancel.store(true, Ordering::Relaxed);
+                vms = self.wait_for_start(vms);
+            }
+            match vms.remove(&vm) {
+                Some(Slot::Up(r)) => Some(r),
+                Some(other) => {
+                    vms.insert(vm, other);
+                    None
+                }
+                None => None,
+            }
+        };
         if let Some(r) = r {
             // QEMU still holds its taps when it does not exit: they stay with it.
             self.shut_down(vm, r)?;
@@ -531,6 +709,10 @@ impl Hypervisor for QemuHypervisor {
         console::tail(&path).map_err(state_err)
     }
 
+    fn starts_slowly(&self) -> bool {
+        true
+    }
+
     fn trim(&self) {
         let vms: Vec<VmId> = self.lock().keys().copied().collect();
         for vm in vms {
@@ -543,14 +725,44 @@ impl Hypervisor for QemuHypervisor {
 
     fn running(&self) -> Vec<VmId> {
         let mut vms = self.lock();
-        vms.retain(|vm, r| {
-            let live = Self::is_live(r, *vm);
-            if !live {
-                net::remove_vm_taps(&self.net_root, *vm);
+        vms.retain(|vm, s| match s {
+            // Not running yet; its start owns its taps.
+            Slot::Starting { .. } => true,
+            Slot::Up(r) => {
+                let live = Self::is_live(r, *vm);
+                if !live {
+                    net::remove_vm_taps(&self.net_root, *vm);
+                }
+                live
             }
-            live
         });
-        vms.keys().copied().collect()
+        vms.iter()
+            .filter(|(_, s)| matches!(s, Slot::Up(_)))
+            .map(|(vm, _)| *vm)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod start_limit_tests {
+    use super::StartLimit;
+    use std::time::Duration;
+
+    #[test]
+    fn the_wait_grows_with_the_guests_ram() {
+        let l = StartLimit::default();
+        assert_eq!(l.for_memory(64), Duration::from_secs(62));
+        assert_eq!(l.for_memory(80 * 1024), Duration::from_secs(60 + 160));
+        // 1.5 GiB counts as 2.
+        assert_eq!(l.for_memory(1536), Duration::from_secs(64));
+        let huge = StartLimit {
+            base_secs: 3600,
+            secs_per_gib: 60,
+        };
+        assert_eq!(
+            huge.for_memory(u64::MAX),
+            Duration::from_secs(StartLimit::MAX_SECS)
+        );
     }
 }
 

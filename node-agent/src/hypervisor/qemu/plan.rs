@@ -5,7 +5,6 @@
 use super::command::{Backing, CpuModel, LaunchPlan, StandIn};
 use super::layout::{self, MAX_PHYS_BITS, PassedFunction};
 use super::QemuConfig;
-use passage_model::images::Bootrom;
 use passage_model::protocol::VmSpec;
 use std::path::Path;
 
@@ -48,9 +47,7 @@ pub fn launch_plan(cfg: &QemuConfig, spec: &VmSpec) -> Result<LaunchPlan, String
         }
         functions.push(f);
     }
-    let bootrom = spec
-        .bootrom
-        .unwrap_or_else(|| Bootrom::for_vm(None, !spec.devices.is_empty()));
+    let bootrom = super::checks::bootrom_of(spec);
     // A generated tree's NUMA nodes are not this host's: only real devices bind.
     let bind_numa = stand_in == StandIn::None
         && functions
