@@ -151,9 +151,7 @@ pub struct ImageRequirements {
 }
 
 /// A VM's firmware: OVMF's UEFI, or SeaBIOS.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Bootrom {
     Uefi,
