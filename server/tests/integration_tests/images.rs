@@ -871,11 +871,13 @@ async fn bootrom_reaches_the_node(b: Backend) {
     }
     for (vm, bootrom) in want {
         let stopped: Vm = s
+            .as_admin()
             .post_empty(&format!("/v1/vms/{}/stop", vm.uuid))
             .await
             .ok(202);
         start_specs(&s, &node, stopped.job_uuid.unwrap()).await;
         let started: Vm = s
+            .as_admin()
             .post_empty(&format!("/v1/vms/{}/start", vm.uuid))
             .await
             .ok(202);

@@ -236,7 +236,7 @@ fn ImageDetailView(
     let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     // (term, test id, value), drawn by one loop.
     // (term, test id, value, a digest or id in monospace), drawn by one loop.
-    let facts: [(&str, &str, String, bool); 11] = [
+    let facts: [(&str, &str, String, bool); 12] = [
         ("UUID", "image-uuid", uuid.clone(), true),
         ("OS", "image-os", img.os.clone(), false),
         (
