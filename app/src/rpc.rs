@@ -554,8 +554,10 @@ pub async fn create_image(
     public: Option<String>,
     default_user: String,
     min_disk_gib: String,
+    // Empty: the default for the VM (UEFI with devices, BIOS without).
+    #[server(default)] bootrom: String,
 ) -> Result<(), PortalError> {
-    use passage_model::images::{CreateImage, Image, ImageRequirements};
+    use passage_model::images::{Bootrom, CreateImage, Image, ImageRequirements};
     be::check_csrf(&csrf)?;
     let mut tags = BTreeMap::new();
     if let Some(u) = optional(&default_user) {
@@ -577,7 +579,12 @@ pub async fn create_image(
             min_disk_gib: optional(&min_disk_gib)
                 .map(|g| number("min_disk_gib", g))
                 .transpose()?,
-            bootrom: None,
+            bootrom: optional(&bootrom)
+                .map(|b| {
+                    Bootrom::parse(b)
+                        .ok_or_else(|| invalid("bootrom", "choose uefi, bios or the default"))
+                })
+                .transpose()?,
         },
     };
     // The API's field names, where the form's differ.
@@ -591,6 +598,10 @@ pub async fn create_image(
                 },
                 Some("requirements.min_disk_gib") => PortalError {
                     field: Some("min_disk_gib".into()),
+                    ..e
+                },
+                Some("requirements.bootrom") => PortalError {
+                    field: Some("bootrom".into()),
                     ..e
                 },
                 _ => e,

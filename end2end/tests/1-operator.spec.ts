@@ -199,6 +199,7 @@ test('operator: create an image, upload its file with progress, see its VMs, dis
   const e2e = page.locator('tr[data-image="e2e"]');
   await expect(e2e.getByTestId('state')).toHaveText('active');
   await expect(e2e.getByTestId('size')).toHaveText('1.0 MiB');
+  await expect(e2e.getByTestId('bootrom')).toHaveText('default');
 
   // A bad name is said next to its field.
   await page.locator('#i-name').fill('no spaces');
@@ -213,12 +214,16 @@ test('operator: create an image, upload its file with progress, see its VMs, dis
   await page.locator('#i-description').fill('made in the portal');
   await page.locator('#i-user').fill('debian');
   await page.locator('#i-disk').fill('1');
+  await page.locator('#i-bootrom').selectOption('bios');
   await page.getByRole('button', { name: 'Create image' }).click();
   await expect(page).toHaveURL(/\/admin\/images\/[0-9a-f-]{36}$/);
   const uuid = page.url().split('/').pop() as string;
   await expect(page.getByRole('heading', { name: 'Image uploaded@1' })).toBeVisible();
   await expect(page.getByTestId('image-state')).toHaveText('unactivated');
   await expect(page.getByTestId('image-size')).toHaveText('-');
+  await expect(page.getByTestId('image-bootrom')).toHaveText('bios');
+  const made = await api(admin, 'GET', `/images/${uuid}`);
+  expect(made.body.requirements).toEqual({ min_disk_gib: 1, bootrom: 'bios' });
   await hydrated(page);
 
   // Upload through the page: the bar reaches 100 % and the image turns active.
@@ -263,6 +268,7 @@ test('operator: create an image, upload its file with progress, see its VMs, dis
   await expect(row.getByTestId('state')).toHaveText('active');
   await expect(row.getByTestId('size')).toHaveText('3.0 MiB');
   await expect(row.getByTestId('vm-count')).toHaveText('1');
+  await expect(row.getByTestId('bootrom')).toHaveText('bios');
   await expect(row).toContainText('private to admin');
   await screenshot(page, 'images-list');
 

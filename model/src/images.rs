@@ -455,6 +455,26 @@ mod tests {
     }
 
     #[test]
+    fn bootrom_is_uefi_or_bios_named_by_its_path() {
+        let body = br#"{"name":"d","version":"1","os":"linux","type":"raw",
+                        "requirements":{"bootrom":"uefi"}}"#;
+        let ok: CreateImage = crate::decode::json_object(body).unwrap();
+        assert_eq!(ok.requirements.bootrom, Some(Bootrom::Uefi));
+        for bad in [r#""efi""#, r#""BIOS""#, "1", "[]"] {
+            let body = format!(r#"{{"requirements":{{"bootrom":{bad}}}}}"#);
+            let e = crate::decode::json_object::<UpdateImage>(body.as_bytes()).unwrap_err();
+            assert_eq!(e.field, "requirements.bootrom", "{bad}: {e}");
+        }
+        for b in [Bootrom::Uefi, Bootrom::Bios] {
+            assert_eq!(Bootrom::parse(b.as_str()), Some(b));
+        }
+        assert_eq!(Bootrom::for_vm(None, true), Bootrom::Uefi);
+        assert_eq!(Bootrom::for_vm(None, false), Bootrom::Bios);
+        assert_eq!(Bootrom::for_vm(Some(Bootrom::Bios), true), Bootrom::Bios);
+        assert_eq!(Bootrom::for_vm(Some(Bootrom::Uefi), false), Bootrom::Uefi);
+    }
+
+    #[test]
     fn image_types_are_qemu_img_names() {
         assert_eq!(
             serde_json::to_string(&ImageType::Qcow2).unwrap(),

@@ -130,6 +130,9 @@ impl From<&Image> for CloudImage {
         if let Some(min) = i.requirements.min_disk_gib {
             requirements.insert("min_disk".into(), (min * MIB_PER_GIB).into());
         }
+        if let Some(bootrom) = i.requirements.bootrom {
+            requirements.insert("bootrom".into(), bootrom.as_str().into());
+        }
         CloudImage {
             id: i.uuid.to_string(),
             name: i.name.clone(),

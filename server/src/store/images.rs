@@ -3,7 +3,7 @@
 
 use super::{Db, StoreError, StoreResult, now_ms, parse_uuid, to_time, unique_as_conflict};
 use crate::{on_read, on_write};
-use passage_model::images::{Image, ImageRequirements, ImageState, ImageType, Sha256};
+use passage_model::images::{Bootrom, Image, ImageRequirements, ImageState, ImageType, Sha256};
 use passage_model::{AccountId, ImageId};
 use std::collections::{BTreeMap, HashMap};
 
@@ -23,6 +23,7 @@ struct ImageRow {
     sha256: Option<String>,
     tags: String,
     min_disk_gib: Option<i64>,
+    bootrom: Option<String>,
     created_at: i64,
 }
 
@@ -37,6 +38,11 @@ impl ImageRow {
             .sha256
             .as_deref()
             .map(|s| s.parse::<Sha256>().map_err(|_| corrupt("sha256")))
+            .transpose()?;
+        let bootrom = self
+            .bootrom
+            .as_deref()
+            .map(|b| Bootrom::parse(b).ok_or_else(|| corrupt("bootrom")))
             .transpose()?;
         Ok(Image {
             uuid: parse_uuid(&self.uuid, "image")?,
@@ -54,7 +60,7 @@ impl ImageRow {
             tags,
             requirements: ImageRequirements {
                 min_disk_gib: self.min_disk_gib.and_then(|g| u64::try_from(g).ok()),
-                bootrom: None,
+                bootrom,
             },
             created_at: to_time(self.created_at),
             vm_count: None,
@@ -63,7 +69,7 @@ impl ImageRow {
 }
 
 const COLS: &str = "uuid, name, version, os, image_type, description, state, public, \
-    owner_uuid, published_at, size, sha256, tags, min_disk_gib, created_at";
+    owner_uuid, published_at, size, sha256, tags, min_disk_gib, bootrom, created_at";
 
 fn tags_text(tags: &BTreeMap<String, String>) -> StoreResult<String> {
     serde_json::to_string(tags).map_err(|e| StoreError::Corrupt(format!("image tags: {e}")))
@@ -90,7 +96,7 @@ pub async fn insert(db: &Db, i: NewImage<'_>) -> StoreResult<Image> {
     let tags = tags_text(i.tags)?;
     on_write!(db, |c| sqlx::query(&format!(
         "INSERT INTO images ({COLS}) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, NULL, NULL, $10, $11, $12)"
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, NULL, NULL, NULL, $10, $11, $12, $13)"
     ))
     .bind(uuid.to_string())
     .bind(i.name)
@@ -103,6 +109,7 @@ pub async fn insert(db: &Db, i: NewImage<'_>) -> StoreResult<Image> {
     .bind(i.owner.to_string())
     .bind(&tags)
     .bind(gib(i.requirements.min_disk_gib))
+    .bind(i.requirements.bootrom.map(Bootrom::as_str))
     .bind(now_ms())
     .execute(c)
     .await
@@ -264,12 +271,13 @@ pub struct Changes<'a> {
 
 pub async fn update(db: &Db, uuid: ImageId, ch: Changes<'_>) -> StoreResult<Image> {
     let tags = ch.tags.map(tags_text).transpose()?;
-    // COALESCE keeps what is not being changed; min_disk_gib is set as a whole with
-    // `requirements` (a flag says whether it is), since NULL is a value there.
+    // COALESCE keeps what is not being changed; min_disk_gib and bootrom are set as a
+    // whole with `requirements` (a flag says whether it is), since NULL is a value there.
     let n = on_write!(db, |c| sqlx::query(
         "UPDATE images SET description = COALESCE($2, description), \
          public = COALESCE($3, public), tags = COALESCE($4, tags), \
-         min_disk_gib = CASE WHEN $5 = 1 THEN $6 ELSE min_disk_gib END \
+         min_disk_gib = CASE WHEN $5 = 1 THEN $6 ELSE min_disk_gib END, \
+         bootrom = CASE WHEN $5 = 1 THEN $7 ELSE bootrom END \
          WHERE uuid = $1"
     )
     .bind(uuid.to_string())
@@ -278,6 +286,7 @@ pub async fn update(db: &Db, uuid: ImageId, ch: Changes<'_>) -> StoreResult<Imag
     .bind(tags)
     .bind(i64::from(ch.requirements.is_some()))
     .bind(gib(ch.requirements.and_then(|r| r.min_disk_gib)))
+    .bind(ch.requirements.and_then(|r| r.bootrom).map(Bootrom::as_str))
     .execute(c)
     .await
     .map(|r| r.rows_affected()))?;

@@ -7,9 +7,9 @@ use super::error::StepError;
 use crate::services::Ctx;
 use crate::store::images;
 use passage_model::api::Vm;
-use passage_model::images::ImageState;
+use passage_model::images::{Image, ImageState};
 use passage_model::protocol::{DiskSpec, ImageRef, Task};
-use passage_model::{JobId, ServerId};
+use passage_model::{ImageId, JobId, ServerId};
 
 /// The disk a node makes for `vm`: its image, and its package's `disk_gib` (the image's
 /// `min_disk_gib` when the VM has no package, or 0 when neither says: the image's own
@@ -18,10 +18,7 @@ pub async fn spec(ctx: &Ctx, vm: &Vm) -> Result<Option<DiskSpec>, StepError> {
     let Some(image) = vm.image_uuid else {
         return Ok(None);
     };
-    let img = ctx
-        .images
-        .get_or_load(&image.to_string(), || images::get(&ctx.jobs_db, image))
-        .await?;
+    let img = read_image(ctx, image).await?;
     let (Some(sha256), Some(size)) = (img.sha256.clone(), img.size) else {
         return Err(StepError::Refused(format!(
             "image {image} has no file ({})",
@@ -54,6 +51,15 @@ pub async fn spec(ctx: &Ctx, vm: &Vm) -> Result<Option<DiskSpec>, StepError> {
         },
         size_gib,
     }))
+}
+
+/// An image's record, through the cache creations read images by (every image write
+/// clears it).
+pub async fn read_image(ctx: &Ctx, image: ImageId) -> Result<Image, StepError> {
+    Ok(ctx
+        .images
+        .get_or_load(&image.to_string(), || images::get(&ctx.jobs_db, image))
+        .await?)
 }
 
 /// The node has the image and the VM's disk (idempotent on the node).

@@ -5,6 +5,7 @@ use crate::services::Ctx;
 use crate::store::device_moves::DeviceWrite;
 use crate::store::{devices, vms};
 use passage_model::api::{Vm, VmState};
+use passage_model::images::Bootrom;
 use passage_model::jobs::{JobKind, ProvisionStep};
 use passage_model::protocol::{CloudInitSpec, NicSpec, Task, VmSpec};
 use passage_model::{DeviceEvent, ServerId};
@@ -60,8 +61,12 @@ pub(super) async fn vgpu_types(
 }
 
 /// The spec a node starts the VM from: its NICs as its networks are now (MTU and
-/// resolvers may have changed since it was created), and, for a VM with a disk, what its
-/// guest's cloud-init reads: the owner's keys as they are now and the VM's metadata.
+/// resolvers may have changed since it was created), its firmware (its image's
+/// `requirements.bootrom`, else the default for a VM with or without devices), and, for a
+/// VM with a disk, what its guest's cloud-init reads: the owner's keys as they are now and
+/// the VM's metadata. Every start (provision, start, resize, migration) builds its spec
+/// here, so all agree on the firmware while the image's requirement and the VM's devices
+/// stay as they are.
 pub(super) async fn spec(
     ctx: &Ctx,
     vm: &Vm,
@@ -101,6 +106,16 @@ pub(super) async fn spec(
             })
         }
     };
+    let required = match vm.image_uuid {
+        Some(image) => {
+            super::disk::read_image(ctx, image)
+                .await?
+                .requirements
+                .bootrom
+        }
+        None => None,
+    };
+    let bootrom = Bootrom::for_vm(required, !vm.assigned_devices.is_empty());
     Ok(VmSpec {
         uuid: vm.uuid,
         vcpus: vm.vcpus,
@@ -109,7 +124,7 @@ pub(super) async fn spec(
         disk,
         nics,
         cloud_init,
-        bootrom: None,
+        bootrom: Some(bootrom),
     })
 }
 

@@ -266,10 +266,23 @@ async fn cloudapi_by_hand(backend: Backend) {
         .await;
     assert_eq!(code_of(r).await, (404, "ResourceNotFound".into()));
 
-    // An image carol's VMs were built from stays readable to her once disabled (`triton
-    // ssh` reads it), though no longer listed; to others it is gone.
+    // An image's firmware, as IMGAPI's `requirements.bootrom`.
     let images: Vec<Value> = carol_api.get("/v1/images").await.ok(200);
     let image = images[0]["uuid"].as_str().unwrap().to_string();
+    s.patch::<Value>(
+        &format!("/v1/images/{image}"),
+        &json!({"requirements": {"bootrom": "uefi"}}),
+    )
+    .await
+    .ok(200);
+    let r = carol
+        .send(&s, "GET", &format!("/carol/images/{image}"), None)
+        .await;
+    let shown: Value = r.json().await.unwrap();
+    assert_eq!(shown["requirements"]["bootrom"], "uefi", "{shown}");
+
+    // An image carol's VMs were built from stays readable to her once disabled (`triton
+    // ssh` reads it), though no longer listed; to others it is gone.
     s.delete::<Value>(&format!("/v1/images/{image}")).await;
     let r = carol
         .send(&s, "GET", &format!("/carol/images/{image}"), None)

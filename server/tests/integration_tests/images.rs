@@ -721,3 +721,169 @@ async fn fetch_progress_on_the_job(b: Backend) {
     assert!(fetched && done);
 }
 crate::both!(fetch_progress_on_the_job, fetch_progress_on_the_job);
+
+/// IMGAPI's `requirements.bootrom`: set on creation, changed by a PATCH (which sets the
+/// requirements as a whole), and nothing but `uefi` or `bios` taken.
+async fn bootrom_requirement(b: Backend) {
+    use passage_model::images::Bootrom;
+    let s = TestServer::start(b, fast_config()).await;
+    let img: Image = s
+        .post(
+            "/v1/images",
+            &json!({"name": "fw", "version": "1", "os": "linux", "type": "raw",
+                    "requirements": {"bootrom": "uefi", "min_disk_gib": 3}}),
+        )
+        .await
+        .ok(201);
+    assert_eq!(img.requirements.bootrom, Some(Bootrom::Uefi));
+    let raw: serde_json::Value = s.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
+    assert_eq!(raw["requirements"]["bootrom"], "uefi", "{raw}");
+    assert_eq!(raw["requirements"]["min_disk_gib"], 3, "{raw}");
+    let p: Image = s
+        .patch(
+            &format!("/v1/images/{}", img.uuid),
+            &json!({"requirements": {"bootrom": "bios", "min_disk_gib": 3}}),
+        )
+        .await
+        .ok(200);
+    assert_eq!(p.requirements.bootrom, Some(Bootrom::Bios));
+    assert_eq!(p.requirements.min_disk_gib, Some(3));
+    // A PATCH without `requirements` leaves them; one with them replaces them all.
+    let p: Image = s
+        .patch(
+            &format!("/v1/images/{}", img.uuid),
+            &json!({"description": "firmware"}),
+        )
+        .await
+        .ok(200);
+    assert_eq!(p.requirements.bootrom, Some(Bootrom::Bios));
+    let p: Image = s
+        .patch(
+            &format!("/v1/images/{}", img.uuid),
+            &json!({"requirements": {"min_disk_gib": 3}}),
+        )
+        .await
+        .ok(200);
+    assert_eq!(p.requirements.bootrom, None);
+    let listed: Vec<serde_json::Value> = s.get("/v1/images?name=fw").await.ok(200);
+    assert!(
+        listed[0]["requirements"].get("bootrom").is_none(),
+        "{listed:?}"
+    );
+    // Anything else: 400 naming the field, on creation and on a PATCH.
+    for bad in [json!("efi"), json!("UEFI"), json!(1), json!({})] {
+        s.post::<Image>(
+            "/v1/images",
+            &json!({"name": "fw", "version": "2", "os": "linux", "type": "raw",
+                    "requirements": {"bootrom": bad}}),
+        )
+        .await
+        .invalid("requirements.bootrom");
+        s.patch::<Image>(
+            &format!("/v1/images/{}", img.uuid),
+            &json!({"requirements": {"bootrom": bad}}),
+        )
+        .await
+        .invalid("requirements.bootrom");
+    }
+    let still: Image = s.get(&format!("/v1/images/{}", img.uuid)).await.ok(200);
+    assert_eq!(still.requirements.bootrom, None);
+    // `null` is the default, as absent.
+    let p: Image = s
+        .patch(
+            &format!("/v1/images/{}", img.uuid),
+            &json!({"requirements": {"bootrom": null}}),
+        )
+        .await
+        .ok(200);
+    assert_eq!(p.requirements.bootrom, None);
+}
+crate::both!(bootrom_requirement, bootrom_requirement);
+
+/// Answers every task `node` is given with success until `job` ends; the specs of the VMs
+/// it was asked to start.
+async fn start_specs(
+    s: &TestServer,
+    node: &crate::common::Client,
+    job: passage_model::JobId,
+) -> Vec<passage_model::protocol::VmSpec> {
+    use passage_model::api::{Job, JobState};
+    use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+    let mut specs = Vec::new();
+    for _ in 0..30 {
+        let tasks: Vec<TaskEnvelope> = node.get("/agent/v1/tasks?wait=2").await.ok(200);
+        for t in tasks {
+            if let Task::StartVm { vm } | Task::BootVm { vm, .. } = &t.task {
+                specs.push(vm.clone());
+            }
+            let _: () = node
+                .post(
+                    &format!("/agent/v1/tasks/{}/result", t.id),
+                    &TaskResult::success(),
+                )
+                .await
+                .ok(204);
+        }
+        let j: Job = s.get(&format!("/v1/jobs/{job}")).await.ok(200);
+        if j.state != JobState::Queued && j.state != JobState::Running {
+            assert_eq!(j.state, JobState::Succeeded, "{j:?}");
+            return specs;
+        }
+    }
+    panic!("job {job} did not end");
+}
+
+/// The node starts each VM with its image's firmware, or without one the default for a VM
+/// with devices (UEFI); a start after a stop boots the same.
+async fn bootrom_reaches_the_node(b: Backend) {
+    use passage_model::api::Vm;
+    use passage_model::images::Bootrom;
+    let s = TestServer::start(b, fast_config()).await;
+    let (_, cred, _) = s.manual_node(2).await;
+    let node = s.client(Some(&cred));
+    s.h100_catalog(1).await;
+    let bios: Image = s
+        .post(
+            "/v1/images",
+            &json!({"name": "old-fw", "version": "1", "os": "linux", "type": "raw",
+                    "public": true, "requirements": {"bootrom": "bios"}}),
+        )
+        .await
+        .ok(201);
+    upload(&s, &bios, vec![0x11u8; 4096]).await;
+    let mut want = Vec::new();
+    for (alias, image, bootrom) in [
+        ("legacy", "old-fw", Bootrom::Bios),
+        ("modern", "test-image", Bootrom::Uefi),
+    ] {
+        let vm: Vm = s
+            .post(
+                "/v1/vms",
+                &json!({"alias": alias, "package": "gpu-1x", "image": image}),
+            )
+            .await
+            .ok(202);
+        let specs = start_specs(&s, &node, vm.job_uuid.unwrap()).await;
+        assert_eq!(specs.len(), 1, "{specs:?}");
+        assert_eq!(specs[0].uuid, vm.uuid);
+        assert_eq!(specs[0].bootrom, Some(bootrom), "{alias}");
+        want.push((vm, bootrom));
+    }
+    for (vm, bootrom) in want {
+        let stopped: Vm = s
+            .as_admin()
+            .post_empty(&format!("/v1/vms/{}/stop", vm.uuid))
+            .await
+            .ok(202);
+        start_specs(&s, &node, stopped.job_uuid.unwrap()).await;
+        let started: Vm = s
+            .as_admin()
+            .post_empty(&format!("/v1/vms/{}/start", vm.uuid))
+            .await
+            .ok(202);
+        let specs = start_specs(&s, &node, started.job_uuid.unwrap()).await;
+        assert_eq!(specs.len(), 1, "{specs:?}");
+        assert_eq!(specs[0].bootrom, Some(bootrom), "{}", vm.alias);
+    }
+}
+crate::both!(bootrom_reaches_the_node, bootrom_reaches_the_node);

@@ -102,6 +102,16 @@ async fn every_route_is_documented_and_served() {
     assert!(
         schemas["CreatePackage"]["properties"]["devices"]["propertyNames"]["pattern"].is_string()
     );
+    // An image's firmware is one of IMGAPI's two names, nothing else.
+    assert_eq!(
+        schemas["Bootrom"]["enum"],
+        serde_json::json!(["uefi", "bios"])
+    );
+    assert!(
+        schemas["ImageRequirements"]["properties"]["bootrom"].is_object(),
+        "{}",
+        schemas["ImageRequirements"]
+    );
     let paths = doc["paths"].as_object().unwrap();
     for (method, path) in ROUTES {
         assert!(

@@ -282,3 +282,69 @@ async fn package_availability_follows_capacity_and_quota() {
         .await
         .err(404);
 }
+
+/// The admin images page's form sets an image's firmware (`bootrom`), refuses a name it
+/// does not know, and the list shows what was set.
+#[tokio::test]
+async fn the_image_form_sets_the_firmware() {
+    use passage_model::images::{Bootrom, Image};
+    let s = TestServer::start(Backend::Sqlite, fast_config()).await;
+    let (st, _, html) = page(&s, "/admin/images", Some(&s.admin)).await;
+    assert_eq!(st, 200);
+    assert!(html.contains("id=\"i-bootrom\""), "{html}");
+    let csrf = passage_app::backend::csrf_for(&s.admin);
+    let action = html
+        .split("action=\"/portal/fn/create_image")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .map(|r| format!("/portal/fn/create_image{r}"))
+        .unwrap();
+    let create = |name: &'static str, bootrom: &'static str| {
+        let form = [
+            ("csrf", csrf.as_str()),
+            ("name", name),
+            ("version", "1"),
+            ("os", "linux"),
+            ("image_type", "raw"),
+            ("description", ""),
+            ("default_user", ""),
+            ("min_disk_gib", ""),
+            ("bootrom", bootrom),
+        ];
+        let rb = browser()
+            .post(s.url(&action))
+            .header("accept", "text/html")
+            .header("referer", s.url("/admin/images"))
+            .header("origin", s.url(""))
+            .header("cookie", format!("passage_session={}", s.admin))
+            .form(&form);
+        async move { rb.send().await.unwrap() }
+    };
+    let r = create("fw-form", "uefi").await;
+    assert_eq!(r.status().as_u16(), 302);
+    let to = r.headers()["location"].to_str().unwrap().to_string();
+    assert!(to.starts_with("/admin/images/"), "{to}");
+    let made: Vec<Image> = s.get("/v1/images?name=fw-form").await.ok(200);
+    assert_eq!(made[0].requirements.bootrom, Some(Bootrom::Uefi));
+    // The default sends nothing.
+    create("fw-default", "").await;
+    let made: Vec<Image> = s.get("/v1/images?name=fw-default").await.ok(200);
+    assert_eq!(made[0].requirements.bootrom, None);
+    let r = create("fw-bad", "efi").await;
+    assert!(
+        r.headers()["location"].to_str().unwrap().contains("__err="),
+        "{r:?}"
+    );
+    let none: Vec<Image> = s.get("/v1/images?name=fw-bad").await.ok(200);
+    assert!(none.is_empty());
+    let (_, _, html) = page(&s, "/admin/images", Some(&s.admin)).await;
+    assert!(html.contains("data-testid=\"bootrom\">uefi"), "{html}");
+    assert!(html.contains("data-testid=\"bootrom\">default"), "{html}");
+    let (_, _, html) = page(&s, &to, Some(&s.admin)).await;
+    let fact = html
+        .split("data-testid=\"image-bootrom\"")
+        .nth(1)
+        .and_then(|r| r.split_once('>'))
+        .map(|(_, text)| text);
+    assert!(fact.is_some_and(|t| t.starts_with("uefi")), "{html}");
+}

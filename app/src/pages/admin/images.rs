@@ -52,6 +52,15 @@ pub fn ImagesPage() -> impl IntoView {
                         <FieldError result=result field="image_type"/>
                     </div>
                     {TEXT_FIELDS.iter().skip(3).map(|f| view! { <TextField f=*f result=result/> }).collect_view()}
+                    <div class="field">
+                        <label for="i-bootrom">"Firmware (bootrom)"</label>
+                        <select id="i-bootrom" name="bootrom" aria-describedby="bootrom-error">
+                            <option value="" selected>"default: UEFI with devices, BIOS without"</option>
+                            <option value="uefi">"uefi"</option>
+                            <option value="bios">"bios"</option>
+                        </select>
+                        <FieldError result=result field="bootrom"/>
+                    </div>
                     <div class="field check">
                         <input id="i-public" name="public" type="checkbox"/>
                         <label for="i-public">"Public: offered to every tenant"</label>
@@ -110,6 +119,12 @@ fn size(img: &Image) -> String {
     img.size.map(fmt::bytes).unwrap_or_else(|| "-".into())
 }
 
+/// The firmware the image asks for, or `default` (the VM's: UEFI with devices, BIOS
+/// without).
+fn bootrom(img: &Image) -> &'static str {
+    img.requirements.bootrom.map_or("default", |b| b.as_str())
+}
+
 /// "public", or the owner's login for a private image.
 fn audience(row: &ImageRow) -> String {
     if row.image.public {
@@ -133,6 +148,7 @@ fn ImageTable(rows: Vec<ImageRow>) -> impl IntoView {
                     <th scope="col">"State"</th>
                     <th scope="col">"Size"</th>
                     <th scope="col">"SHA-256"</th>
+                    <th scope="col">"Firmware"</th>
                     <th scope="col">"Who sees it"</th>
                     <th scope="col">"VMs"</th>
                     <th scope="col">"Published"</th>
@@ -152,6 +168,7 @@ fn ImageTable(rows: Vec<ImageRow>) -> impl IntoView {
                             <td data-testid="state"><Badge state=img.state.as_str()/></td>
                             <td data-testid="size">{size(img)}</td>
                             <td><code title=sha>{short_sha(img)}</code></td>
+                            <td data-testid="bootrom">{bootrom(img)}</td>
                             <td>{audience(&r)}</td>
                             <td data-testid="vm-count">{img.vm_count.unwrap_or(0)}</td>
                             <td>{img.published_at.as_ref().map(fmt::time).unwrap_or_else(|| "-".into())}</td>
@@ -219,7 +236,7 @@ fn ImageDetailView(
     let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     // (term, test id, value), drawn by one loop.
     // (term, test id, value, a digest or id in monospace), drawn by one loop.
-    let facts: [(&str, &str, String, bool); 11] = [
+    let facts: [(&str, &str, String, bool); 12] = [
         ("UUID", "image-uuid", uuid.clone(), true),
         ("OS", "image-os", img.os.clone(), false),
         (
@@ -252,6 +269,12 @@ fn ImageDetailView(
             "Smallest disk",
             "image-min-disk",
             or_dash(img.requirements.min_disk_gib.map(|g| format!("{g} GiB"))),
+            false,
+        ),
+        (
+            "Firmware",
+            "image-bootrom",
+            bootrom(&img).to_string(),
             false,
         ),
         (
