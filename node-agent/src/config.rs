@@ -23,6 +23,13 @@
 //! qemu_start_secs_per_gib = 2
 //! ovmf_code = "/usr/share/OVMF/OVMF_CODE_4M.fd"
 //! ovmf_vars = "/usr/share/OVMF/OVMF_VARS_4M.fd"
+//! # Guest RAM from huge pages: "require", "prefer" (default: 1 GiB pages, else 2 MiB,
+//! # else ordinary ones) or "off".
+//! hugepages = "prefer"
+//! # vCPUs on host CPUs of their own: "devices" (default: VMs given real devices),
+//! # "always" or "never"; the host's reserve runs QEMU's other threads and no vCPU.
+//! pin_vcpus = "devices"
+//! host_reserved_cpus = "0,64"
 //! ```
 
 use crate::hypervisor::{HypervisorKind, QemuOptions, StartLimit};
@@ -84,6 +91,12 @@ pub struct FileConfig {
     pub ovmf_code: Option<PathBuf>,
     /// OVMF's variable-store template (default `/usr/share/OVMF/OVMF_VARS_4M.fd`).
     pub ovmf_vars: Option<PathBuf>,
+    /// Whether guest RAM comes from huge pages (default `prefer`).
+    pub hugepages: Option<crate::hypervisor::HugepagePolicy>,
+    /// Which VMs' vCPUs are pinned (default `devices`).
+    pub pin_vcpus: Option<crate::hypervisor::PinPolicy>,
+    /// A kernel CPU list the host keeps for itself and QEMU's own threads.
+    pub host_reserved_cpus: Option<String>,
 }
 
 fn hypervisor_kind<'de, D: serde::Deserializer<'de>>(
@@ -203,6 +216,17 @@ impl FileConfig {
                 });
             }
         }
+        if let Some(list) = &cfg.host_reserved_cpus
+            && crate::hypervisor::parse_cpu_list(list).is_none()
+        {
+            return Err(ConfigError::OutOfRange {
+                path: path.to_path_buf(),
+                key: "host_reserved_cpus (a CPU list such as \"0,64\")",
+                min: 0,
+                max: u64::from(passage_model::protocol::MAX_HOST_CPUS - 1),
+                value: 0,
+            });
+        }
         for (key, value) in [
             ("nvidia_smi", &cfg.nvidia_smi),
             ("gpu_zero_helper", &cfg.gpu_zero_helper),
@@ -238,6 +262,12 @@ impl FileConfig {
             });
         QemuOptions {
             start,
+            hugepages: self.hugepages,
+            pin_vcpus: self.pin_vcpus,
+            host_reserved_cpus: self
+                .host_reserved_cpus
+                .as_deref()
+                .and_then(crate::hypervisor::parse_cpu_list),
             ovmf_code: self.ovmf_code.clone(),
             ovmf_vars: self.ovmf_vars.clone(),
         }

@@ -17,10 +17,10 @@ pub use discover::{Discoverer, Discovery, DiscoveryError, discover, merge_reread
 pub use facts::{
     FactsError, FunctionFacts, device_path_of, function_facts, function_facts_by_address,
 };
+pub(crate) use resources::read_cpuinfo;
 pub use resources::{
     ResourcesError, address_bits, count_cpu_list, cpuinfo_path, host_resources, mem_total_kib,
 };
-pub(crate) use resources::read_cpuinfo;
 pub use sriov::set_numvfs;
 pub use vgpu::NvidiaSmi;
 pub use vgpu_slots::{VgpuRecord, VgpuSlots, VgpuState};

@@ -29,6 +29,7 @@ const VM_FILES: &[&str] = &[
     // A UEFI VM's variables live as long as its disk.
     crate::hypervisor::OVMF_VARS_FILE,
     crate::hypervisor::OVMF_VARS_TMP_FILE,
+    crate::hypervisor::PINNING_FILE,
 ];
 
 /// `STATE/qemu/<vm>`: the VM's directory (shared with the QEMU backend's files).

@@ -14,7 +14,7 @@ use node_agent::agent::Executor;
 use node_agent::fake::{FakeSpec, GpuModel, generate};
 use node_agent::host::{Binder, open_sysfs};
 use node_agent::hypervisor::{
-    CpuModel, HugepagePolicy, QemuConfig, QemuHypervisor, VmFiles, launch_plan, qmp::Qmp,
+    CpuModel, HugepagePolicy, PINNING_FILE, PinPolicy, Pinning, QemuConfig, QemuHypervisor, VmFiles, launch_plan, qmp::Qmp,
 };
 use node_agent::images::{DirSource, ImageService, cache::hash_file};
 use passage_model::VmId;
@@ -63,8 +63,8 @@ fn hugetlb_kib(pid: u32) -> u64 {
 async fn wait_console(console: &Path, line: &str, log: &Path) -> String {
     let started = Instant::now();
     loop {
-        let text = String::from_utf8_lossy(&std::fs::read(console).unwrap_or_default())
-            .into_owned();
+        let text =
+            String::from_utf8_lossy(&std::fs::read(console).unwrap_or_default()).into_owned();
         if text.lines().any(|l| l.trim_end().ends_with(line)) {
             return text;
         }
@@ -103,6 +103,8 @@ async fn eight_h100_sized_stand_ins_boot_through_ovmf_on_two_numa_nodes_from_hug
     cfg.accel = "tcg".into();
     cfg.stand_in_bars = true;
     cfg.hugepages = HugepagePolicy::Require;
+    // Stand-ins are not pinned unless asked: this VM stands for a GPU VM, which is.
+    cfg.pin_vcpus = PinPolicy::Always;
     let hv = Arc::new(QemuHypervisor::open(cfg.clone(), &state).unwrap());
     let _stop = super::StopOnDrop(hv.as_ref());
     let images = ImageService::new(&state, 10, Arc::new(DirSource::new(&src)));
@@ -178,6 +180,37 @@ async fn eight_h100_sized_stand_ins_boot_through_ovmf_on_two_numa_nodes_from_hug
         1024 * 1024,
         "the guest's RAM is all huge pages"
     );
+    // Each vCPU thread (named by `debug-threads=on`) may run only on the CPU the agent
+    // chose for it and recorded.
+    let chosen: Pinning = serde_json::from_slice(
+        &std::fs::read(files.dir.join(PINNING_FILE)).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(chosen.vcpus.len(), 2);
+    let mut seen = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        let Some(i) = comm
+            .trim()
+            .strip_prefix("CPU ")
+            .and_then(|r| r.split('/').next())
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        let allowed = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_string();
+        assert_eq!(allowed, chosen.vcpus[i].to_string(), "vCPU {i} ({comm:?})");
+        seen.push(i);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [0, 1], "both vCPU threads found");
     let free_after = read_u64(FREE_2M);
     assert!(
         free_before - free_after >= need,

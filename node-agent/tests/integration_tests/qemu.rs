@@ -23,6 +23,8 @@ pub(super) fn qemu() -> Option<QemuConfig> {
             ovmf_vars: node_agent::hypervisor::DEFAULT_OVMF_VARS.into(),
             start: Default::default(),
             hugepages: node_agent::hypervisor::HugepagePolicy::Off,
+            pin_vcpus: node_agent::hypervisor::PinPolicy::Never,
+            host_reserved_cpus: Default::default(),
             host_sysfs: "/sys".into(),
         }),
         None if std::env::var("PASSAGE_ALLOW_NO_QEMU").as_deref() == Ok("1") => {

@@ -324,6 +324,11 @@ fn a_second_start_joins_and_a_stop_cancels() {
             base_secs: 30,
             secs_per_gib: 0,
         },
+        stand_in_bars: false,
+        hugepages: node_agent::hypervisor::HugepagePolicy::Off,
+        pin_vcpus: node_agent::hypervisor::PinPolicy::Never,
+        host_reserved_cpus: Default::default(),
+        host_sysfs: "/sys".into(),
     };
     let h = Arc::new(QemuHypervisor::open(cfg, &dir.path().join("st")).unwrap());
     let s = vm(64);

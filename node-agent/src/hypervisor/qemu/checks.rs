@@ -236,6 +236,8 @@ mod tests {
             ovmf_vars: root.join("OVMF_VARS_4M.fd"),
             stand_in_bars: false,
             hugepages: Default::default(),
+            pin_vcpus: Default::default(),
+            host_reserved_cpus: Default::default(),
             host_sysfs: root.to_path_buf(),
             start: super::super::StartLimit::default(),
         }

@@ -102,7 +102,12 @@ fn range_arg(r: &std::ops::Range<u32>) -> String {
 /// `pxb-pcie` expander per guest NUMA node when it has several), one virtio-net device
 /// per NIC on its tap (the primary first, so the guest names it first), QMP on a unix
 /// socket.
-pub fn qemu_argv(cfg: &QemuConfig, spec: &VmSpec, files: &VmFiles, plan: &LaunchPlan) -> Vec<String> {
+pub fn qemu_argv(
+    cfg: &QemuConfig,
+    spec: &VmSpec,
+    files: &VmFiles,
+    plan: &LaunchPlan,
+) -> Vec<String> {
     let layout = &plan.layout;
     let mut argv = vec![
         cfg.binary.display().to_string(),
@@ -299,7 +304,11 @@ fn devices(cfg: &QemuConfig, spec: &VmSpec, plan: &LaunchPlan, argv: &mut Vec<St
             let d = &spec.devices[fi];
             let at = format!(
                 "bus=rp{i},addr=0.{gf}{}",
-                if gf == 0 && several { ",multifunction=on" } else { "" }
+                if gf == 0 && several {
+                    ",multifunction=on"
+                } else {
+                    ""
+                }
             );
             let line = match stand_in {
                 StandIn::Edu => format!("edu,{at}"),
@@ -358,6 +367,8 @@ mod tests {
             ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
             start: Default::default(),
             hugepages: super::super::HugepagePolicy::Prefer,
+            pin_vcpus: super::super::PinPolicy::Never,
+            host_reserved_cpus: Default::default(),
             host_sysfs: PathBuf::from("/sys"),
         }
     }
@@ -511,8 +522,13 @@ mod tests {
         };
         let cfg = cfg("tcg");
         let plan = bare_plan(&spec, Bootrom::Bios, CpuModel::Max { phys_bits: 40 });
-        let line = qemu_argv(&cfg, &spec, &VmFiles::new(Path::new("/st"), spec.uuid), &plan)
-            .join(" ");
+        let line = qemu_argv(
+            &cfg,
+            &spec,
+            &VmFiles::new(Path::new("/st"), spec.uuid),
+            &plan,
+        )
+        .join(" ");
         assert!(
             line.contains(
                 "-netdev tap,id=net1,ifname=psg1b2c3d4e5f61,script=no,downscript=no \
@@ -553,8 +569,7 @@ mod tests {
             bootrom: None,
         };
         let plan = bare_plan(&spec, Bootrom::Uefi, CpuModel::Max { phys_bits: 40 });
-        let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid), &plan)
-            .join(" ");
+        let line = qemu_argv(&cfg, &spec, &VmFiles::new(root.path(), spec.uuid), &plan).join(" ");
         assert!(
             line.contains(
                 "-device vfio-pci,sysfsdev=/sys/bus/mdev/devices/\
@@ -574,18 +589,29 @@ mod tests {
             uuid: "6f1c1f5e-3c1a-4a8e-9d55-4c2d1b7c9a10".parse().unwrap(),
             vcpus: 2,
             memory_mib: 4096,
-            devices: vec!["/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0".parse().unwrap()],
+            devices: vec![
+                "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"
+                    .parse()
+                    .unwrap(),
+            ],
             disk: None,
             nics: Vec::new(),
             cloud_init: None,
             bootrom: None,
         };
         let mut plan = bare_plan(&spec, Bootrom::Uefi, CpuModel::Host);
-        plan.backing = Backing::Hugepages { page_kib: 1024 * 1024 };
+        plan.backing = Backing::Hugepages {
+            page_kib: 1024 * 1024,
+        };
         plan.functions[0].numa_node = Some(1);
         plan.bind_numa = true;
-        let line = qemu_argv(&cfg("kvm"), &spec, &VmFiles::new(Path::new("/st"), spec.uuid), &plan)
-            .join(" ");
+        let line = qemu_argv(
+            &cfg("kvm"),
+            &spec,
+            &VmFiles::new(Path::new("/st"), spec.uuid),
+            &plan,
+        )
+        .join(" ");
         assert!(
             line.contains("-machine q35,accel=kvm,memory-backend=ram0 "),
             "{line}"

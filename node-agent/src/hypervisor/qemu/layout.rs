@@ -101,7 +101,6 @@ pub struct Layout {
     pub phys_bits_needed: u8,
 }
 
-
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {
     #[error(
@@ -278,9 +277,9 @@ fn window(slots: &[Slot], functions: &[PassedFunction]) -> u64 {
     if buses.is_empty() {
         return 0;
     }
-    let sum = buses
-        .values()
-        .fold(0u64, |acc, (total, align)| acc.saturating_add(round_up(*total, *align)));
+    let sum = buses.values().fold(0u64, |acc, (total, align)| {
+        acc.saturating_add(round_up(*total, *align))
+    });
     round_up(sum.saturating_add(WINDOW_SLACK), GIB)
 }
 
@@ -344,7 +343,11 @@ mod tests {
     }
 
     fn h100_bars() -> Vec<PciBar> {
-        vec![bar(0, 16 * MIB, false), bar(1, 128 * GIB, true), bar(3, 32 * MIB, true)]
+        vec![
+            bar(0, 16 * MIB, false),
+            bar(1, 128 * GIB, true),
+            bar(3, 32 * MIB, true),
+        ]
     }
 
     fn path_switch(p: &DevicePath) -> Option<PciAddress> {
@@ -391,7 +394,12 @@ mod tests {
                 let node = u32::from(i / 4);
                 let root = if node == 0 { 0x15 } else { 0x95 };
                 // Two GPUs behind each switch.
-                gpu(root, root + 1 + (i % 4 / 2) * 8, root + 3 + (i % 4 / 2) * 8 + i % 2, node)
+                gpu(
+                    root,
+                    root + 1 + (i % 4 / 2) * 8,
+                    root + 3 + (i % 4 / 2) * 8 + i % 2,
+                    node,
+                )
             })
             .collect();
         let l = plan(32, 1024 * 1024, &gpus, 4).unwrap();
@@ -400,11 +408,32 @@ mod tests {
         assert_eq!(l.nodes[1].vcpus, 16..32);
         assert_eq!(l.nodes[0].memory_mib, 512 * 1024);
         let on: Vec<_> = l.slots.iter().map(|s| s.guest_node).collect();
-        assert_eq!(on, [Some(0), Some(0), Some(0), Some(0), Some(1), Some(1), Some(1), Some(1)]);
+        assert_eq!(
+            on,
+            [
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(1),
+                Some(1),
+                Some(1),
+                Some(1)
+            ]
+        );
         let cliques: Vec<_> = l.slots.iter().map(|s| s.clique).collect();
         assert_eq!(
             cliques,
-            [Some(0), Some(0), Some(1), Some(1), Some(2), Some(2), Some(3), Some(3)]
+            [
+                Some(0),
+                Some(0),
+                Some(1),
+                Some(1),
+                Some(2),
+                Some(2),
+                Some(3),
+                Some(3)
+            ]
         );
         // Eight 256 GiB root-port windows and a GiB.
         assert_eq!(l.hole64, 2049 * GIB);

@@ -29,11 +29,12 @@ mod command;
 pub mod layout;
 mod pinning;
 mod plan;
-pub use plan::{HugepagePolicy, launch_plan};
 pub use command::{
     Backing, CpuModel, LaunchPlan, OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, StandIn, qemu_argv,
     vars_path,
 };
+pub use pinning::{PINNING_FILE, PinPolicy, Pinning, cpu_list, parse_cpu_list};
+pub use plan::{HugepagePolicy, launch_plan};
 
 pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 /// `sun_path` is 108 bytes on Linux, the terminating NUL included.
@@ -111,6 +112,10 @@ pub struct QemuConfig {
     pub start: StartLimit,
     /// Whether guest RAM comes from huge pages.
     pub hugepages: HugepagePolicy,
+    /// Which VMs' vCPUs get host CPUs of their own.
+    pub pin_vcpus: PinPolicy,
+    /// The host's own CPUs: no vCPU is pinned there, and QEMU's other threads run there.
+    pub host_reserved_cpus: BTreeSet<u32>,
     /// The sysfs of the host QEMU runs on (its NUMA nodes and huge pages), whatever tree
     /// devices come from.
     pub host_sysfs: PathBuf,
@@ -145,6 +150,8 @@ impl QemuConfig {
             ovmf_vars: PathBuf::from(DEFAULT_OVMF_VARS),
             start: StartLimit::default(),
             hugepages: HugepagePolicy::default(),
+            pin_vcpus: PinPolicy::default(),
+            host_reserved_cpus: BTreeSet::new(),
             host_sysfs: PathBuf::from(net::HOST_SYSFS),
         })
     }
@@ -160,6 +167,15 @@ impl QemuConfig {
         if let Some(p) = &opts.ovmf_vars {
             self.ovmf_vars = p.clone();
         }
+        if let Some(h) = opts.hugepages {
+            self.hugepages = h;
+        }
+        if let Some(p) = opts.pin_vcpus {
+            self.pin_vcpus = p;
+        }
+        if let Some(r) = &opts.host_reserved_cpus {
+            self.host_reserved_cpus = r.iter().copied().collect();
+        }
         self
     }
 }
@@ -170,6 +186,9 @@ pub struct QemuOptions {
     pub start: Option<StartLimit>,
     pub ovmf_code: Option<PathBuf>,
     pub ovmf_vars: Option<PathBuf>,
+    pub hugepages: Option<HugepagePolicy>,
+    pub pin_vcpus: Option<PinPolicy>,
+    pub host_reserved_cpus: Option<Vec<u32>>,
 }
 
 /// `sized`: stand-ins over a generated tree are `ivshmem-plain` devices with the real
@@ -256,6 +275,9 @@ pub struct QemuHypervisor {
     vms: Mutex<BTreeMap<VmId, Slot>>,
     /// Signalled whenever a start ends, for the starts and stops waiting on it.
     started: Condvar,
+    /// Held while a start chooses and records its CPUs, so two starts never take the
+    /// same ones.
+    pinning: Mutex<()>,
 }
 
 fn taps_of(spec: &VmSpec) -> impl Iterator<Item = String> + '_ {
@@ -286,6 +308,7 @@ impl QemuHypervisor {
             net_root: PathBuf::from(net::HOST_SYSFS),
             vms: Mutex::new(BTreeMap::new()),
             started: Condvar::new(),
+            pinning: Mutex::new(()),
         };
         h.adopt()?;
         h.remove_orphan_taps();
@@ -350,6 +373,7 @@ impl QemuHypervisor {
                 _ => {
                     let _ = fs::remove_file(&files.qmp);
                     let _ = fs::remove_file(&files.pid);
+                    let _ = fs::remove_file(files.dir.join(PINNING_FILE));
                     let _ = crate::state::remove_json(&files.spec);
                 }
             }
@@ -428,10 +452,12 @@ impl QemuHypervisor {
                 }
             })?;
         }
-        let plan = launch_plan(&self.cfg, spec).map_err(|reason| HypervisorError::Launch { vm, reason })?;
+        let plan = launch_plan(&self.cfg, spec)
+            .map_err(|reason| HypervisorError::Launch { vm, reason })?;
         if plan.bootrom == passage_model::images::Bootrom::Uefi {
             self.ensure_vars(&files)?;
         }
+        let pinned = self.choose_cpus(spec, &plan, &files)?;
         let log = fs::File::create(&files.log).map_err(state_err(&files.log))?;
         let log2 = log.try_clone().map_err(state_err(&files.log))?;
         let argv = qemu_argv(&self.cfg, spec, &files, &plan);
@@ -487,12 +513,89 @@ impl QemuHypervisor {
             }
             std::thread::sleep(Duration::from_millis(50));
         };
+        if let Some(p) = &pinned
+            && let Err(reason) = self.pin(&files, pid, p)
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = fs::remove_file(files.dir.join(PINNING_FILE));
+            return Err(HypervisorError::Launch { vm, reason });
+        }
         tracing::info!(vm = %vm, pid, status = %status, "QEMU started");
         Ok(Running {
             spec: spec.clone(),
             child: Some(child),
             pid,
         })
+    }
+
+    /// The host CPUs the VM's vCPUs get, chosen and recorded (in its directory) under
+    /// the pinning lock; `None` when the policy pins nothing for it.
+    fn choose_cpus(
+        &self,
+        spec: &VmSpec,
+        plan: &LaunchPlan,
+        files: &VmFiles,
+    ) -> Result<Option<Pinning>, HypervisorError> {
+        let vm = spec.uuid;
+        let pin = match self.cfg.pin_vcpus {
+            PinPolicy::Never => false,
+            PinPolicy::Always => true,
+            PinPolicy::Devices => self.cfg.stand_in() == StandIn::None && !spec.devices.is_empty(),
+        };
+        let path = files.dir.join(PINNING_FILE);
+        if !pin {
+            let _ = fs::remove_file(&path);
+            return Ok(None);
+        }
+        let _held_lock = self.pinning.lock().unwrap_or_else(|p| p.into_inner());
+        let others: Vec<VmId> = self.lock().keys().copied().filter(|o| *o != vm).collect();
+        let held: BTreeSet<u32> = others
+            .iter()
+            .filter_map(|o| {
+                read_json::<Pinning>(&VmFiles::new(&self.state_dir, *o).dir.join(PINNING_FILE))
+                    .ok()
+                    .flatten()
+            })
+            .flat_map(|p| p.vcpus)
+            .collect();
+        let node = {
+            let mut n = plan.functions.iter().filter_map(|f| f.numa_node);
+            n.next().filter(|first| n.all(|x| x == *first))
+        };
+        let chosen = pinning::choose(
+            &pinning::host_cpus(&self.cfg.host_sysfs),
+            &self.cfg.host_reserved_cpus,
+            &held,
+            &plan.layout,
+            spec.vcpus,
+            node,
+        )
+        .map_err(|reason| HypervisorError::Launch { vm, reason })?;
+        write_json(&path, &chosen, 0o600)
+            .map_err(|source| HypervisorError::State { path, source })?;
+        Ok(Some(chosen))
+    }
+
+    /// Moves the running QEMU's vCPU threads (from QMP) onto their chosen CPUs.
+    fn pin(&self, files: &VmFiles, pid: u32, chosen: &Pinning) -> Result<(), String> {
+        let cpus = Qmp::connect(&files.qmp, START_QMP_TIMEOUT)
+            .and_then(|mut q| q.execute("query-cpus-fast", None))
+            .map_err(|e| format!("QMP query-cpus-fast: {e}"))?;
+        let mut threads: Vec<(u64, u64)> = cpus
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| {
+                        Some((c.get("cpu-index")?.as_u64()?, c.get("thread-id")?.as_u64()?))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        threads.sort_unstable();
+        let tids: Vec<u64> = threads.into_iter().map(|(_, t)| t).collect();
+        pinning::apply(pid, &tids, chosen, &self.cfg.host_reserved_cpus)
+            .map_err(|e| format!("pinning its vCPUs: {e}"))
     }
 
     /// What a start does once the VM's id is reserved: the checks, the taps and QEMU,
@@ -579,7 +682,7 @@ impl QemuHypervisor {
                 reason: format!("QEMU (pid {}) does not exit", r.pid),
             });
         }
-        for f in [&files.qmp, &files.pid] {
+        for f in [&files.qmp, &files.pid, &files.dir.join(PINNING_FILE)] {
             let _ = fs::remove_file(f);
         }
         let _ = crate::state::remove_json(&files.spec);

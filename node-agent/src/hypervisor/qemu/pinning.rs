@@ -169,7 +169,12 @@ pub fn choose(
 /// Moves QEMU's threads (`pid`'s, all of them) to `reserved` when there is one, then
 /// each vCPU thread (`vcpu_threads[i]`, from QMP `query-cpus-fast`) to its CPU, with
 /// util-linux's `taskset`.
-pub fn apply(pid: u32, vcpu_threads: &[u64], pinning: &Pinning, reserved: &BTreeSet<u32>) -> Result<(), String> {
+pub fn apply(
+    pid: u32,
+    vcpu_threads: &[u64],
+    pinning: &Pinning,
+    reserved: &BTreeSet<u32>,
+) -> Result<(), String> {
     let taskset = |args: &[String]| -> Result<(), String> {
         let out = Command::new("taskset")
             .args(args)
@@ -219,7 +224,10 @@ mod tests {
 
     #[test]
     fn cpu_lists_round_trip() {
-        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
         assert_eq!(cpu_list(&[11, 0, 1, 2, 3, 8, 10]), "0-3,8,10-11");
         assert_eq!(parse_cpu_list(""), Some(vec![]));
         assert_eq!(parse_cpu_list("3-1"), None);
@@ -249,6 +257,9 @@ mod tests {
         let p = choose(&by_node, &reserved, &held, &two, 4, None).unwrap();
         assert_eq!(p.vcpus, [3, 4, 9, 10]);
         let err = choose(&by_node, &reserved, &held, &layout(Vec::new()), 6, Some(0)).unwrap_err();
-        assert!(err.contains("needs 6 host CPUs of its own on NUMA node 0 and 5 are free"), "{err}");
+        assert!(
+            err.contains("needs 6 host CPUs of its own on NUMA node 0 and 5 are free"),
+            "{err}"
+        );
     }
 }

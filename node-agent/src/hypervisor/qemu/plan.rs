@@ -2,9 +2,9 @@
 //! function's regions, NUMA node and switch (from the tree devices come from), and from
 //! the host QEMU runs on, its CPUs' address width and the huge pages it has free.
 
+use super::QemuConfig;
 use super::command::{Backing, CpuModel, LaunchPlan, StandIn};
 use super::layout::{self, MAX_PHYS_BITS, PassedFunction};
-use super::QemuConfig;
 use passage_model::protocol::VmSpec;
 use std::path::Path;
 
@@ -171,7 +171,8 @@ fn choose_backing(
                     "{need} page{} of {} free{} ({free} are)",
                     if need == 1 { "" } else { "s" },
                     page_name(page_kib),
-                    node.map(|n| format!(" on NUMA node {n}")).unwrap_or_default()
+                    node.map(|n| format!(" on NUMA node {n}"))
+                        .unwrap_or_default()
                 ));
             }
         }
