@@ -121,8 +121,9 @@ pub fn choose_accel(
     cpu_virt: bool,
     kvm_works: impl FnOnce() -> bool,
 ) -> (String, Option<String>) {
-    if env.is_some() {
-        return (super::accel_from_env(env), None);
+    // Only a name QEMU knows overrides; anything else is ignored, as without it.
+    if let Some(a) = env.filter(|a| matches!(a.trim(), "kvm" | "tcg" | "kvm:tcg" | "tcg:kvm")) {
+        return (super::accel_from_env(Some(a)), None);
     }
     let default = super::accel_from_env(None);
     if !dev_kvm {
@@ -320,6 +321,10 @@ mod tests {
         assert_eq!(
             choose_accel(Some("kvm".into()), true, false, never).0,
             "kvm"
+        );
+        assert_eq!(
+            choose_accel(Some("whpx".into()), true, false, never).0,
+            "tcg"
         );
         assert_eq!(
             choose_accel(None, false, false, never),
