@@ -69,6 +69,19 @@ pub(crate) fn read_cpuinfo(path: &Path) -> std::io::Result<String> {
     Ok(text)
 }
 
+/// The address width from the cpuinfo at `path`. The kernel's is read once per process:
+/// the width cannot change while the machine runs, and reading `/proc/cpuinfo` asks
+/// every CPU for its frequency, on every inventory pass otherwise.
+fn read_address_bits(path: &Path) -> Option<u8> {
+    static MACHINE: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
+    let read = || read_cpuinfo(path).ok().and_then(|t| address_bits(&t));
+    if path == Path::new("/proc/cpuinfo") {
+        *MACHINE.get_or_init(read)
+    } else {
+        read()
+    }
+}
+
 /// `hugepages-<size>kB` → the size in KiB.
 fn hugepage_size_kib(name: &str) -> Option<u64> {
     let n = name.strip_prefix("hugepages-")?.strip_suffix("kB")?;
@@ -210,9 +223,7 @@ pub fn host_resources(root: &Path) -> Result<HostResources, ResourcesError> {
     let memory_mib = (kib / 1024).min(MAX_HOST_MEMORY_MIB);
     // The address width is a launch's concern, not the inventory's: a node whose
     // cpuinfo cannot be read still reports its CPUs and memory.
-    let address_bits = read_cpuinfo(&cpuinfo_path(root))
-        .ok()
-        .and_then(|t| address_bits(&t));
+    let address_bits = read_address_bits(&cpuinfo_path(root));
     let r = HostResources {
         cpus,
         memory_mib,
