@@ -14,7 +14,8 @@ use node_agent::agent::Executor;
 use node_agent::fake::{FakeSpec, GpuModel, generate};
 use node_agent::host::{Binder, open_sysfs};
 use node_agent::hypervisor::{
-    CpuModel, HugepagePolicy, PINNING_FILE, PinPolicy, Pinning, QemuConfig, QemuHypervisor, VmFiles, launch_plan, qmp::Qmp,
+    CpuModel, HugepagePolicy, PINNING_FILE, PinPolicy, Pinning, QemuConfig, QemuHypervisor,
+    VmFiles, launch_plan, qmp::Qmp,
 };
 use node_agent::images::{DirSource, ImageService, cache::hash_file};
 use passage_model::VmId;
@@ -182,10 +183,8 @@ async fn eight_h100_sized_stand_ins_boot_through_ovmf_on_two_numa_nodes_from_hug
     );
     // Each vCPU thread (named by `debug-threads=on`) may run only on the CPU the agent
     // chose for it and recorded.
-    let chosen: Pinning = serde_json::from_slice(
-        &std::fs::read(files.dir.join(PINNING_FILE)).unwrap(),
-    )
-    .unwrap();
+    let chosen: Pinning =
+        serde_json::from_slice(&std::fs::read(files.dir.join(PINNING_FILE)).unwrap()).unwrap();
     assert_eq!(chosen.vcpus.len(), 2);
     let mut seen = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {

@@ -79,7 +79,7 @@ fn stand_in_bar(f: &PassedFunction) -> u64 {
 
 /// `N` in MiB, or `NG` when whole GiB.
 fn size_arg(bytes: u64) -> String {
-    if bytes % (1 << 30) == 0 {
+    if bytes.is_multiple_of(1 << 30) {
         format!("{}G", bytes >> 30)
     } else {
         format!("{}M", bytes.div_ceil(1 << 20))

@@ -131,7 +131,7 @@ pub fn plan(
     page_kib: u64,
 ) -> Result<Layout, LayoutError> {
     let page_mib = (page_kib / 1024).max(1);
-    if page_kib >= 1024 && memory_mib % page_mib != 0 {
+    if page_kib >= 1024 && !memory_mib.is_multiple_of(page_mib) {
         return Err(LayoutError::PageSize {
             memory_mib,
             page_kib,
