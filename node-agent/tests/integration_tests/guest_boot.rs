@@ -48,7 +48,7 @@ pub(super) fn test_image() -> Option<PathBuf> {
     }
 }
 
-async fn run(exec: &Arc<Executor>, task: Task) -> TaskResult {
+pub(super) async fn run(exec: &Arc<Executor>, task: Task) -> TaskResult {
     let (tx, _rx) = tokio::sync::watch::channel(TaskProgress { done: 0, total: 0 });
     exec.clone().run(task, tx).await
 }
@@ -60,7 +60,7 @@ async fn ok(exec: &Arc<Executor>, task: Task) {
 }
 
 /// Waits until the console shows `line`; answers the console's text.
-async fn wait_console(console: &Path, line: &str, qemu_log: &Path) -> String {
+pub(super) async fn wait_console(console: &Path, line: &str, qemu_log: &Path) -> String {
     let started = Instant::now();
     loop {
         let text =

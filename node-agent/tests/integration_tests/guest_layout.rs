@@ -9,7 +9,7 @@
 //! What only a real host shows: vfio pinning the RAM, the GPUs' own option ROMs and
 //! drivers, and KVM's `host-phys-bits`.
 
-use super::guest_boot::test_image;
+use super::guest_boot::{run, test_image, wait_console};
 use node_agent::agent::Executor;
 use node_agent::fake::{FakeSpec, GpuModel, generate};
 use node_agent::host::{Binder, open_sysfs};
@@ -20,20 +20,13 @@ use node_agent::hypervisor::{
 use node_agent::images::{DirSource, ImageService, cache::hash_file};
 use passage_model::VmId;
 use passage_model::images::ImageType;
-use passage_model::protocol::{DiskSpec, ImageRef, Task, TaskProgress, TaskResult, VmSpec};
-use std::path::Path;
+use passage_model::protocol::{DiskSpec, ImageRef, Task, VmSpec};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 const HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 const FREE_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages";
 const GIB: u64 = 1 << 30;
-
-async fn run(exec: &Arc<Executor>, task: Task) -> TaskResult {
-    let (tx, _rx) = tokio::sync::watch::channel(TaskProgress { done: 0, total: 0 });
-    exec.clone().run(task, tx).await
-}
 
 fn read_u64(path: &str) -> u64 {
     std::fs::read_to_string(path)
@@ -59,24 +52,6 @@ fn hugetlb_kib(pid: u32) -> u64 {
         .filter(|l| l.starts_with("Shared_Hugetlb:") || l.starts_with("Private_Hugetlb:"))
         .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         .sum()
-}
-
-async fn wait_console(console: &Path, line: &str, log: &Path) -> String {
-    let started = Instant::now();
-    loop {
-        let text =
-            String::from_utf8_lossy(&std::fs::read(console).unwrap_or_default()).into_owned();
-        if text.lines().any(|l| l.trim_end().ends_with(line)) {
-            return text;
-        }
-        assert!(
-            started.elapsed() < BOOT_TIMEOUT,
-            "no {line:?} within {}s; console:\n{text}\nQEMU log:\n{}",
-            BOOT_TIMEOUT.as_secs(),
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
