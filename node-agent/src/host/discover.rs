@@ -641,6 +641,35 @@ mod tests {
         assert_eq!(c2.numa_node, None);
     }
 
+    #[test]
+    fn regions_and_resets_are_read_and_garbage_is_a_note() {
+        let (_dir, root, d) = tree();
+        let gpu = d.devices.iter().find(|x| x.class.is_gpu_like()).unwrap();
+        let details = gpu.details.as_ref().unwrap();
+        assert_eq!(details.bars.len(), 3);
+        assert_eq!(details.reset_methods, ["flr", "bus"]);
+        assert!(d.notes.is_empty(), "{:?}", d.notes);
+        // Every generated region is the function's own: none overlaps another.
+        let mut all: Vec<(u64, u64)> = d
+            .devices
+            .iter()
+            .flat_map(|x| x.details.iter().flat_map(|y| &y.bars))
+            .filter(|b| b.kind == passage_model::BarKind::Memory)
+            .map(|b| (b.start, b.end().unwrap()))
+            .collect();
+        all.sort();
+        assert!(all.windows(2).all(|w| w[0].1 < w[1].0), "{all:x?}");
+
+        fs::write(dev_dir(&root, gpu).join("resource"), "0x1 0x2\n").unwrap();
+        fs::write(dev_dir(&root, gpu).join("reset_method"), "FLR!\n").unwrap();
+        let again = discover(&root);
+        let g = again.devices.iter().find(|x| x.id == gpu.id).unwrap();
+        let details = g.details.as_ref().unwrap();
+        assert!(details.bars.is_empty() && details.reset_methods.is_empty());
+        assert_eq!(again.notes.len(), 2, "{:?}", again.notes);
+        assert!(again.skipped.is_empty());
+    }
+
     #[cfg(unix)]
     #[test]
     fn loops_and_escapes_are_refused() {
