@@ -182,6 +182,9 @@ pub fn qemu_argv(
         ]);
     }
     argv.extend(["-nographic".into(), "-nodefaults".into()]);
+    // Every device not behind a root port names `bus=pcie.0`: QEMU gives a device without
+    // a bus the last bus made, which is an expander's once there are any, and an
+    // expander takes only bridges.
     if spec.disk.is_some() {
         argv.extend([
             "-drive".into(),
@@ -192,16 +195,18 @@ pub fn qemu_argv(
                 files.disk.display()
             ),
             "-device".into(),
-            "virtio-blk-pci,drive=disk0,bootindex=0".into(),
+            "virtio-blk-pci,drive=disk0,bootindex=0,bus=pcie.0".into(),
         ]);
     }
     if spec.cloud_init.is_some() {
         argv.extend([
             "-drive".into(),
             format!(
-                "file={},if=virtio,format=raw,readonly=on",
+                "file={},if=none,id=seed0,format=raw,readonly=on",
                 files.seed.display()
             ),
+            "-device".into(),
+            "virtio-blk-pci,drive=seed0,bus=pcie.0".into(),
         ]);
     }
     argv.extend([
@@ -228,7 +233,7 @@ pub fn qemu_argv(
                 net::tap_name(spec.uuid, i)
             ),
             "-device".into(),
-            format!("virtio-net-pci,netdev=net{i},mac={}", nic.mac),
+            format!("virtio-net-pci,netdev=net{i},mac={},bus=pcie.0", nic.mac),
         ]);
     }
     argv.extend([
@@ -459,7 +464,7 @@ mod tests {
         assert!(
             line.contains(&format!(
                 "-drive file={dir}/disk.qcow2,if=none,id=disk0,format=qcow2,cache=writeback \
-                 -device virtio-blk-pci,drive=disk0,bootindex=0"
+                 -device virtio-blk-pci,drive=disk0,bootindex=0,bus=pcie.0"
             )),
             "{line}"
         );
@@ -485,8 +490,9 @@ mod tests {
         let line = qemu_argv(&cfg, &spec, &files, &plan).join(" ");
         assert!(
             line.contains(&format!(
-                "-device virtio-blk-pci,drive=disk0,bootindex=0 \
-                 -drive file={dir}/seed.img,if=virtio,format=raw,readonly=on -chardev"
+                "-device virtio-blk-pci,drive=disk0,bootindex=0,bus=pcie.0 \
+                 -drive file={dir}/seed.img,if=none,id=seed0,format=raw,readonly=on \
+                 -device virtio-blk-pci,drive=seed0,bus=pcie.0 -chardev"
             )),
             "{line}"
         );
@@ -532,9 +538,9 @@ mod tests {
         assert!(
             line.contains(
                 "-netdev tap,id=net1,ifname=psg1b2c3d4e5f61,script=no,downscript=no \
-                 -device virtio-net-pci,netdev=net1,mac=02:00:00:00:00:0b \
+                 -device virtio-net-pci,netdev=net1,mac=02:00:00:00:00:0b,bus=pcie.0 \
                  -netdev tap,id=net0,ifname=psg1b2c3d4e5f60,script=no,downscript=no \
-                 -device virtio-net-pci,netdev=net0,mac=02:00:00:00:00:0a -qmp"
+                 -device virtio-net-pci,netdev=net0,mac=02:00:00:00:00:0a,bus=pcie.0 -qmp"
             ),
             "{line}"
         );
@@ -626,7 +632,8 @@ mod tests {
     }
 
     /// The whole command line for GPUs of an HGX-like generated tree (two NUMA nodes, two
-    /// GPUs behind each PCIe switch, 1 GiB huge pages free on each node), as the agent
+    /// GPUs behind each PCIe switch, 1 GiB huge pages free on each node), with a boot disk,
+    /// a seed and a NIC, as the agent
     /// builds it on a KVM host from what the tree says: compared with the files under
     /// `golden/`, one argument a line. `PASSAGE_UPDATE_GOLDEN=1` writes them afresh.
     fn golden(name: &str, gpus: usize, audio: bool) {
@@ -676,9 +683,32 @@ mod tests {
             vcpus: 8 * gpus as u32,
             memory_mib: 128 * 1024 * gpus as u64,
             devices,
-            disk: None,
-            nics: Vec::new(),
-            cloud_init: None,
+            disk: Some(passage_model::protocol::DiskSpec {
+                image: passage_model::protocol::ImageRef {
+                    sha256: "ab".repeat(32).parse().unwrap(),
+                    size: 1,
+                    image_type: passage_model::images::ImageType::Qcow2,
+                },
+                size_gib: 100,
+            }),
+            nics: vec![passage_model::protocol::NicSpec {
+                mac: "02:00:00:00:00:0a".into(),
+                ip: "192.0.2.10".parse().unwrap(),
+                prefix_len: 24,
+                gateway: None,
+                resolvers: Vec::new(),
+                bridge: "br0".into(),
+                vlan_id: 0,
+                mtu: 1500,
+                primary: true,
+            }],
+            cloud_init: Some(passage_model::protocol::CloudInitSpec {
+                hostname: "gpu-1".into(),
+                ssh_authorized_keys: Vec::new(),
+                user_data: None,
+                user_script: None,
+                metadata: Default::default(),
+            }),
             bootrom: None,
         };
         let plan = super::super::launch_plan(&cfg, &spec).unwrap();
