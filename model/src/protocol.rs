@@ -138,14 +138,17 @@ impl HostFacts {
     }
 }
 
-/// Counts the CPUs of a kernel CPU list (`0-63`, `0,2-5,8`); `None` for anything else,
-/// including CPU numbers from [`MAX_HOST_CPUS`] on, and for an empty list.
-pub fn count_cpu_list(list: &str) -> Option<u32> {
+/// The CPUs of a kernel CPU list (`0-63`, `0,2-5,8`), sorted, each once; empty for an
+/// empty list; `None` for anything else, including CPU numbers from [`MAX_HOST_CPUS`] on.
+pub fn parse_cpu_list(list: &str) -> Option<Vec<u32>> {
     let list = list.trim();
     if list.len() > MAX_CPU_LIST_LEN {
         return None;
     }
-    let mut total: u32 = 0;
+    if list.is_empty() {
+        return Some(Vec::new());
+    }
+    let mut out = Vec::new();
     for part in list.split(',') {
         let (lo, hi) = match part.split_once('-') {
             Some((a, b)) => (a.parse::<u32>().ok()?, b.parse::<u32>().ok()?),
@@ -154,12 +157,25 @@ pub fn count_cpu_list(list: &str) -> Option<u32> {
                 (n, n)
             }
         };
-        if hi < lo || hi >= MAX_HOST_CPUS {
+        // Overlapping ranges could otherwise make a short list expand without bound.
+        if hi < lo
+            || hi >= MAX_HOST_CPUS
+            || out.len() + (hi - lo) as usize >= MAX_HOST_CPUS as usize
+        {
             return None;
         }
-        total = total.checked_add(hi - lo + 1)?;
+        out.extend(lo..=hi);
     }
-    (1..=MAX_HOST_CPUS).contains(&total).then_some(total)
+    out.sort_unstable();
+    out.dedup();
+    Some(out)
+}
+
+/// Counts the CPUs of a kernel CPU list; `None` for an empty or malformed one (see
+/// [`parse_cpu_list`]).
+pub fn count_cpu_list(list: &str) -> Option<u32> {
+    let n = u32::try_from(parse_cpu_list(list)?.len()).ok()?;
+    (1..=MAX_HOST_CPUS).contains(&n).then_some(n)
 }
 
 impl HostResources {
@@ -780,6 +796,7 @@ mod tests {
             assert_eq!(count_cpu_list(bad), None, "{bad:?}");
         }
         assert_eq!(count_cpu_list(&"1,".repeat(3000)), None);
+        assert_eq!(count_cpu_list(&"0-65535,".repeat(400)), None);
     }
 
     #[test]

@@ -217,7 +217,7 @@ impl FileConfig {
             }
         }
         if let Some(list) = &cfg.host_reserved_cpus
-            && crate::hypervisor::parse_cpu_list(list).is_none()
+            && passage_model::protocol::parse_cpu_list(list).is_none()
         {
             return Err(ConfigError::OutOfRange {
                 path: path.to_path_buf(),
@@ -267,7 +267,7 @@ impl FileConfig {
             host_reserved_cpus: self
                 .host_reserved_cpus
                 .as_deref()
-                .and_then(crate::hypervisor::parse_cpu_list),
+                .and_then(passage_model::protocol::parse_cpu_list),
             ovmf_code: self.ovmf_code.clone(),
             ovmf_vars: self.ovmf_vars.clone(),
         }

@@ -14,7 +14,7 @@ pub use qemu::{
     Backing, CpuModel, DEFAULT_OVMF_CODE, DEFAULT_OVMF_VARS, HugepagePolicy, LaunchPlan,
     OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, PINNING_FILE, PinPolicy, Pinning, QEMU_BINARY, QemuConfig,
     QemuHypervisor, QemuOptions, STAND_IN_ENV, StandIn, StartLimit, VmFiles, checks, cpu_list,
-    launch_plan, layout, parse_cpu_list, qemu_argv, vars_path,
+    launch_plan, layout, qemu_argv, vars_path,
 };
 pub use sim::SimHypervisor;
 

@@ -33,7 +33,7 @@ pub use command::{
     Backing, CpuModel, LaunchPlan, OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, StandIn, qemu_argv,
     vars_path,
 };
-pub use pinning::{PINNING_FILE, PinPolicy, Pinning, cpu_list, parse_cpu_list};
+pub use pinning::{PINNING_FILE, PinPolicy, Pinning, cpu_list};
 pub use plan::{HugepagePolicy, launch_plan};
 
 pub const QEMU_BINARY: &str = "qemu-system-x86_64";

@@ -5,6 +5,7 @@
 //! ([`PINNING_FILE`]), so an agent that restarts knows which CPUs its adopted VMs hold.
 
 use super::layout::Layout;
+use passage_model::protocol::parse_cpu_list;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
@@ -30,31 +31,6 @@ pub enum PinPolicy {
 #[serde(deny_unknown_fields)]
 pub struct Pinning {
     pub vcpus: Vec<u32>,
-}
-
-/// A kernel CPU list (`0-3,8,10-11`) as numbers; `None` when malformed or huge.
-pub fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
-    let text = text.trim();
-    if text.is_empty() {
-        return Some(Vec::new());
-    }
-    let mut out = Vec::new();
-    for part in text.split(',') {
-        let (lo, hi) = match part.split_once('-') {
-            Some((a, b)) => (a.trim().parse::<u32>().ok()?, b.trim().parse::<u32>().ok()?),
-            None => {
-                let n = part.trim().parse::<u32>().ok()?;
-                (n, n)
-            }
-        };
-        if hi < lo || hi >= passage_model::protocol::MAX_HOST_CPUS {
-            return None;
-        }
-        out.extend(lo..=hi);
-    }
-    out.sort_unstable();
-    out.dedup();
-    Some(out)
 }
 
 /// A compact kernel CPU list of `cpus`.
@@ -233,6 +209,7 @@ mod tests {
         assert_eq!(parse_cpu_list("3-1"), None);
         assert_eq!(parse_cpu_list("x"), None);
         assert_eq!(parse_cpu_list("0-99999999"), None);
+        assert_eq!(parse_cpu_list("0-3,2-5"), Some(vec![0, 1, 2, 3, 4, 5]));
     }
 
     #[test]
