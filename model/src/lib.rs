@@ -7,6 +7,7 @@ pub mod decode;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod guest_shape;
 pub mod ids;
 pub mod images;
 pub mod jobs;

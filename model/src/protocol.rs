@@ -94,6 +94,10 @@ pub struct HostResources {
     /// Each NUMA node's CPUs, memory and huge pages, by node number.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NumaNode>,
+    /// The CPUs the agent keeps for the host (a kernel CPU list): no vCPU is pinned to
+    /// them, so placement does not count them.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reserved_cpus: String,
 }
 
 /// One NUMA node as `devices/system/node/node<N>` shows it.
@@ -130,11 +134,13 @@ pub struct HostFacts {
     pub address_bits: Option<u8>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<NumaNode>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reserved_cpus: String,
 }
 
 impl HostFacts {
     pub fn is_empty(&self) -> bool {
-        self.address_bits.is_none() && self.numa.is_empty()
+        self.address_bits.is_none() && self.numa.is_empty() && self.reserved_cpus.is_empty()
     }
 }
 
@@ -197,6 +203,9 @@ impl HostResources {
         }
         if self.numa.len() > MAX_NUMA_NODES {
             return Err(("host.numa", format!("at most {MAX_NUMA_NODES} nodes")));
+        }
+        if !self.reserved_cpus.is_empty() && parse_cpu_list(&self.reserved_cpus).is_none() {
+            return Err(("host.reserved_cpus", "is not a CPU list".into()));
         }
         let mut nodes = std::collections::BTreeSet::new();
         for n in &self.numa {
@@ -261,6 +270,7 @@ impl HostResources {
         HostFacts {
             address_bits: self.address_bits,
             numa: self.numa.clone(),
+            reserved_cpus: self.reserved_cpus.clone(),
         }
     }
 }
@@ -723,6 +733,7 @@ mod tests {
                     ],
                 })
                 .collect(),
+            reserved_cpus: String::new(),
         }
     }
 

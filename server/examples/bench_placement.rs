@@ -282,6 +282,7 @@ async fn main() {
                 .unwrap(),
                 variant: "H100".into(),
                 numa_node: Some(u32::from(g >= 4)),
+                window: None,
             });
         }
     }

@@ -65,6 +65,31 @@ pub enum Bench {
     /// (server/examples/bench_ssh.rs). Needs root; builds the guest test image if
     /// missing.
     Ssh(Ssh),
+    /// `POST /v1/vms` to QEMU answering QMP for an 8-GPU VM, ordinary RAM and huge pages
+    ///
+    /// A release `server` and two real `node-agent run --hypervisor qemu` nodes (TCG,
+    /// generated trees of 8 H100s, stand-ins with the real 128 GiB BARs), one with
+    /// `hugepages = "off"`, one with `"require"`; rounds of one VM on each, from the POST
+    /// to the end of the `boot` step and to `running` (server/examples/bench_launch.rs).
+    /// Needs root: it reserves 2 MiB huge pages and allows overcommit, and puts both back.
+    Launch(Launch),
+}
+
+/// `cargo xtask bench launch`: flags given are passed on to the example, which holds the
+/// defaults.
+#[derive(clap::Args)]
+pub struct Launch {
+    /// Guest RAM in GiB of the ordinary-pages VM, and the most the huge-page VM gets
+    /// [default: 64]
+    #[arg(long, value_name = "GIB")]
+    memory_gib: Option<usize>,
+    /// Guest RAM in GiB of the huge-page VM [default: what the machine can reserve,
+    /// keeping 8 GiB]
+    #[arg(long, value_name = "GIB")]
+    hugepages_gib: Option<usize>,
+    /// Rounds, each one VM of each kind [default: 3]
+    #[arg(long, value_name = "N")]
+    rounds: Option<usize>,
 }
 
 /// `cargo xtask bench ssh`: flags given are passed on to the example, which holds the
@@ -265,6 +290,15 @@ pub fn run(bench: &Bench) -> Result<()> {
         }
         Bench::Images(p) => images(p),
         Bench::Ssh(p) => ssh(p),
+        Bench::Launch(p) => {
+            crate::test::ensure_tool("qemu-system-x86_64", "qemu-system-x86")?;
+            crate::test::ensure_tool("qemu-img", "qemu-utils")?;
+            let mut f = Flags::default();
+            f.number("--memory-gib", p.memory_gib)
+                .number("--hugepages-gib", p.hugepages_gib)
+                .number("--rounds", p.rounds);
+            example_with_agent("bench_launch", &f.0)
+        }
     }
 }
 

@@ -12,6 +12,8 @@
 //!   to `cp` on the same disk, and a second VM from the cached image.
 //! - `cargo xtask bench ssh`: create → `ssh` answers through Passage, next to the same
 //!   guest started by hand with `qemu-system-x86_64` (same image, seed and tap).
+//! - `cargo xtask bench launch`: `POST /v1/vms` to QEMU answering QMP for an 8-GPU VM,
+//!   with ordinary RAM and with 2 MiB huge pages, side by side.
 //! - `cargo xtask fuzz-api [--cases N] [--backend sqlite|postgres] [--max-minutes M]`: the
 //!   REST API fuzzed with Schemathesis against its own OpenAPI document.
 //! - `cargo xtask fuzz-parsers [--secs N] [--target T]`: the `cargo fuzz` targets (PCI

@@ -209,6 +209,9 @@ struct Agent {
     net_root: PathBuf,
     /// Kept for the agent's life, so each pass re-reads only what can change.
     discoverer: Arc<Discoverer>,
+    /// The CPUs kept for the host (`host_reserved_cpus`, a kernel CPU list), reported so
+    /// that placement counts only the CPUs vCPUs are pinned to.
+    reserved_cpus: String,
     credential_path: PathBuf,
     // Held across discovery and upload, so the two loops never report out of order.
     // Shared, not copied: a task's changes keep the reports they were read against and
@@ -263,7 +266,10 @@ impl Agent {
             }
         };
         let host = match host {
-            Ok(h) => Some(h),
+            Ok(mut h) => {
+                h.reserved_cpus.clone_from(&self.reserved_cpus);
+                Some(h)
+            }
             Err(e) => {
                 // Reported without: the control plane then leaves vCPUs and memory
                 // unchecked on this node rather than refusing every VM.
@@ -1004,6 +1010,12 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
                     .map_or(crate::host::NvidiaSmi::Auto, crate::host::NvidiaSmi::Path),
             ),
         ),
+        reserved_cpus: opts
+            .qemu
+            .host_reserved_cpus
+            .as_deref()
+            .map(crate::hypervisor::cpu_list)
+            .unwrap_or_default(),
         credential_path: credential::credential_path(&cfg.state_dir),
         last_inventory: Mutex::new(None),
         sending: std::sync::Mutex::new(None),

@@ -229,6 +229,7 @@ pub fn host_resources(root: &Path) -> Result<HostResources, ResourcesError> {
         memory_mib,
         address_bits,
         numa,
+        reserved_cpus: String::new(),
     };
     r.validate().map_err(|(field, why)| ResourcesError::Parse {
         path: nodes,

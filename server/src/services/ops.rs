@@ -168,8 +168,13 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
     let variants: Vec<String> = package.devices.keys().cloned().collect();
     // Every unassigned, untainted device of the variants, whatever its server's status:
     // the explanation names the server's status itself.
-    let cands = devices::candidates(&ctx.db, &variants, i64::MIN).await?;
+    let mut cands = devices::candidates(&ctx.db, &variants, i64::MIN).await?;
+    let windows = devices::candidate_windows(&ctx.db, &variants).await?;
+    for c in &mut cands {
+        c.window = windows.get(&(c.server_uuid, c.id.clone())).copied();
+    }
     let rooms = store::room::rooms(&ctx.db, None, ctx.cfg.alloc).await?;
+    let mut hosts = store::room::host_rooms(&ctx.db, None, ctx.cfg.alloc).await?;
     let infos: Vec<placement::ServerInfo> = all
         .iter()
         .map(|s| placement::ServerInfo {
@@ -180,6 +185,7 @@ pub async fn dry_run(ctx: &Ctx, caller: &Caller, package: &str) -> ApiResult<Pla
                 .is_some_and(|t| t.timestamp_millis() >= ctx.alive_after_ms()),
             disabled: s.disabled,
             room: rooms.get(&s.uuid).copied(),
+            host: hosts.remove(&s.uuid),
         })
         .collect();
     Ok(placement::explain(

@@ -442,7 +442,8 @@ fn pick(
             continue;
         }
         let cands: Vec<&Candidate> = slot.cands.iter().collect();
-        let Some((numa_local, devices)) = placement::pick_on_server(&cands, request, policy) else {
+        let Some((numa_local, devices)) = placement::pick_on_server(&cands, request, policy, None)
+        else {
             continue;
         };
         if numa_local {
@@ -495,6 +496,7 @@ mod tests {
                         .unwrap_or_else(|e| panic!("{e}")),
                     variant: "A".into(),
                     numa_node: Some(*numa),
+                    window: None,
                 })
                 .collect(),
             room: vcpus_free.map(|f| Room {

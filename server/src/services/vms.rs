@@ -156,6 +156,11 @@ pub(super) async fn place_and_reserve(
     let bridges = &extras.bridges;
     let variants: Vec<String> = package.devices.keys().cloned().collect();
     let mut opened_gpus = false;
+    // Servers whose reservation found no room for the VM (its NUMA nodes' cores or
+    // memory, its address width, or its vCPUs taken meanwhile): not tried again, and the
+    // last reason goes with the answer when nothing else fits.
+    let mut unfit: Vec<passage_model::ServerId> = Vec::new();
+    let mut refusal: Option<String> = None;
     for _ in 0..MAX_PLACEMENT_ATTEMPTS {
         let policy = package.placement.unwrap_or(ctx.cfg.placement);
         let choice = if package.devices.is_empty() {
@@ -171,9 +176,16 @@ pub(super) async fn place_and_reserve(
                 // The index is a hint: before saying no, look at every device.
                 None => {
                     let mut cands = full_scan(ctx, &variants).await?;
-                    cands.retain(|c| bridges.admits(c.server_uuid));
+                    cands.retain(|c| {
+                        bridges.admits(c.server_uuid) && !unfit.contains(&c.server_uuid)
+                    });
                     let cands = with_room(ctx, package, cands).await?;
-                    placement::choose(&cands, &package.devices, &avoid, policy)
+                    let (choice, why) =
+                        choose_fitting_why(ctx, package, &cands, &avoid, policy).await?;
+                    if refusal.is_none() {
+                        refusal = why;
+                    }
+                    choice
                 }
             }
         };
@@ -185,7 +197,10 @@ pub(super) async fn place_and_reserve(
                     continue;
                 }
             }
-            let err = insufficient(&package.devices, bridges);
+            let mut err = insufficient(&package.devices, bridges);
+            if let Some(why) = &refusal {
+                err.message = format!("{}; {why}", err.message);
+            }
             for (variant, count) in &package.devices {
                 let r = store::ops::alert(
                     &ctx.db,
@@ -223,8 +238,13 @@ pub(super) async fn place_and_reserve(
         .await;
         match r {
             Ok(vm) => return Ok(vm),
-            // Lost a device, or the vCPUs or memory, to a concurrent placement there.
-            Err(StoreError::Retry | StoreError::NoRoom(_)) => avoid.push(choice.server),
+            // Lost a device to a concurrent placement there.
+            Err(StoreError::Retry) => avoid.push(choice.server),
+            Err(StoreError::NoRoom(why)) => {
+                avoid.push(choice.server);
+                unfit.push(choice.server);
+                refusal = Some(why);
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -265,7 +285,9 @@ pub async fn availability(
             Some(_) => true,
             None => {
                 let cands = with_room(ctx, &package, full_scan(ctx, &variants).await?).await?;
-                placement::choose(&cands, &package.devices, &[], policy).is_some()
+                choose_fitting(ctx, &package, &cands, &[], policy)
+                    .await?
+                    .is_some()
                     || vgpus_would_open(ctx, &package).await?
             }
         }
@@ -342,11 +364,49 @@ async fn hinted_choice(
     }
     for server in order.into_iter().take(8) {
         let cands = devices::candidates_on(&ctx.db, server, variants).await?;
-        if let Some(p) = placement::choose(&cands, request, &[], policy) {
+        if let Some(p) = choose_fitting(ctx, package, &cands, &[], policy).await? {
             return Ok(Some(p));
         }
     }
     Ok(None)
+}
+
+/// `placement::choose` among `cands`, with their servers' NUMA rooms and address widths.
+async fn choose_fitting(
+    ctx: &Ctx,
+    package: &passage_model::api::Package,
+    cands: &[devices::Candidate],
+    avoid: &[passage_model::ServerId],
+    policy: placement::Policy,
+) -> ApiResult<Option<placement::Placement>> {
+    Ok(choose_fitting_why(ctx, package, cands, avoid, policy)
+        .await?
+        .0)
+}
+
+/// [`choose_fitting`], and when nothing fits, why a server with the devices does not.
+async fn choose_fitting_why(
+    ctx: &Ctx,
+    package: &passage_model::api::Package,
+    cands: &[devices::Candidate],
+    avoid: &[passage_model::ServerId],
+    policy: placement::Policy,
+) -> ApiResult<(Option<placement::Placement>, Option<String>)> {
+    let mut servers: Vec<passage_model::ServerId> = cands.iter().map(|c| c.server_uuid).collect();
+    servers.sort();
+    servers.dedup();
+    let hosts = room::host_rooms(&ctx.db, Some(&servers), ctx.cfg.alloc).await?;
+    let shape = placement::VmShape {
+        vcpus: package.vcpus,
+        memory_mib: package.memory_mib,
+        hosts: &hosts,
+    };
+    let choice = placement::choose_fitting(cands, &package.devices, avoid, policy, Some(&shape));
+    let why = match choice {
+        Some(_) => None,
+        None => placement::why_unfit(cands, &package.devices, policy, &shape),
+    };
+    Ok((choice, why))
 }
 
 /// Every placeable device of `variants` on running servers in service.

@@ -327,6 +327,9 @@ pub struct Candidate {
     pub id: DevicePath,
     pub variant: String,
     pub numa_node: Option<u32>,
+    /// What its BARs take of a guest's 64-bit window, where the read looked (the dry
+    /// run); `None` elsewhere, where the reservation checks the address width.
+    pub window: Option<passage_model::guest_shape::PortWindow>,
 }
 
 /// Unassigned, untainted devices of these variants on servers heard from since
@@ -361,9 +364,46 @@ pub async fn candidates(
                 id: id.parse().map_err(corrupt)?,
                 variant,
                 numa_node: numa.and_then(|n| u32::try_from(n).ok()),
+                window: None,
             })
         })
         .collect()
+}
+
+/// What the BARs of each placeable device of `variants` take of a guest's 64-bit
+/// window, by server and device (devices without a 64-bit BAR are absent): the dry run's
+/// read, as it reads every device's details.
+pub async fn candidate_windows(
+    db: &Db,
+    variants: &[String],
+) -> StoreResult<HashMap<(ServerId, DevicePath), passage_model::guest_shape::PortWindow>> {
+    #[derive(serde::Deserialize)]
+    struct Bars {
+        #[serde(default)]
+        bars: Vec<passage_model::PciBar>,
+    }
+    if variants.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let sql = format!(
+        "SELECT d.server_uuid, d.id, d.details FROM devices d WHERE {} AND d.variant IN ({}) \
+         AND d.details IS NOT NULL",
+        placeable("d."),
+        page::marks(1, variants.len())
+    );
+    let args: Vec<Arg> = variants.iter().map(|v| Arg::Text(v.clone())).collect();
+    let rows: Vec<(String, String, String)> = page::fetch(db, &sql, &args).await?;
+    let mut out = HashMap::new();
+    for (s, id, details) in rows {
+        let Some(w) = serde_json::from_str::<Bars>(&details)
+            .ok()
+            .and_then(|b| passage_model::guest_shape::port_window(&b.bars))
+        else {
+            continue;
+        };
+        out.insert((parse_uuid(&s, "server")?, id.parse().map_err(corrupt)?), w);
+    }
+    Ok(out)
 }
 
 pub use super::device_moves::{MoveReq, Moved};
@@ -1454,6 +1494,7 @@ pub async fn placement_view(
                         id: id.unwrap_or_default().parse().map_err(corrupt)?,
                         variant,
                         numa_node: n1.and_then(|n| u32::try_from(n).ok()),
+                        window: None,
                     });
                 }
             }
@@ -1491,6 +1532,7 @@ pub async fn candidates_on(
                 id: id.parse().map_err(corrupt)?,
                 variant,
                 numa_node: numa.and_then(|n| u32::try_from(n).ok()),
+                window: None,
             })
         })
         .collect()

@@ -8,8 +8,8 @@ use super::page::{self, Arg};
 use super::{Db, StoreResult, parse_uuid};
 use crate::on_write;
 use passage_model::ServerId;
-pub use passage_model::capacity::{Allocation, Room, fits};
-use passage_model::protocol::HostResources;
+pub use passage_model::capacity::{Allocation, HostRoom, Room, fits};
+use passage_model::protocol::{HostFacts, HostResources};
 use std::collections::HashMap;
 
 /// `servers s LEFT JOIN vms v ON {VMS_HOLDING}`: the VMs that hold a share of `s`.
@@ -118,4 +118,118 @@ pub async fn rooms(
             ))
         })
         .collect()
+}
+
+/// The facts each listed server reported (`('facts', server, facts JSON, …)` rows), and
+/// each device a VM other than `vms_not_in` holds there with its NUMA node and the VM's
+/// vCPUs and memory (`('held', server, vm, NULL, node, vcpus, memory, NULL)` rows): what
+/// [`HostRows`] makes each server's [`HostRoom`] of.
+pub(crate) fn host_read_sql(servers_in: &str, vms_not_in: &str) -> String {
+    format!(
+        "SELECT 'facts' AS kind, uuid AS k, host_facts AS id, CAST(NULL AS TEXT) AS variant, \
+         CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), \
+         CAST(NULL AS BIGINT) FROM servers WHERE uuid {servers_in} AND host_facts IS NOT NULL \
+         UNION ALL SELECT 'held', d.server_uuid, v.uuid, CAST(NULL AS TEXT), \
+         CAST(d.numa_node AS BIGINT), CAST(v.vcpus AS BIGINT), CAST(v.memory_mib AS BIGINT), \
+         CAST(NULL AS BIGINT) FROM devices d JOIN vms v ON v.uuid = d.used_by \
+         WHERE d.server_uuid {servers_in} AND d.numa_node IS NOT NULL \
+         AND v.state NOT IN ('destroyed', 'failed') AND v.uuid {vms_not_in}"
+    )
+}
+
+/// A VM holding devices on a server: its vCPUs, memory and devices' NUMA nodes.
+type HeldBy = (u32, u64, Vec<Option<u32>>);
+
+/// The rows of [`host_read_sql`], gathered into each server's [`HostRoom`].
+#[derive(Default)]
+pub(crate) struct HostRows {
+    facts: HashMap<ServerId, HostFacts>,
+    /// Each VM holding devices on a listed server, by (server, VM).
+    held: HashMap<(ServerId, String), HeldBy>,
+}
+
+impl HostRows {
+    /// Takes a row of [`host_read_sql`]; `false` for a row of any other kind.
+    pub(crate) fn take(
+        &mut self,
+        kind: &str,
+        server: &str,
+        id: Option<&str>,
+        [node, vcpus, memory]: [Option<i64>; 3],
+    ) -> StoreResult<bool> {
+        match kind {
+            "facts" => {
+                // Facts that do not parse (written by a newer server) check nothing.
+                if let Some(f) = id.and_then(|t| serde_json::from_str::<HostFacts>(t).ok()) {
+                    self.facts.insert(parse_uuid(server, "server")?, f);
+                }
+            }
+            "held" => {
+                let vm = id.unwrap_or_default().to_string();
+                let e = self
+                    .held
+                    .entry((parse_uuid(server, "server")?, vm))
+                    .or_insert_with(|| {
+                        (
+                            vcpus.and_then(|v| u32::try_from(v).ok()).unwrap_or(0),
+                            memory.and_then(|m| u64::try_from(m).ok()).unwrap_or(0),
+                            Vec::new(),
+                        )
+                    });
+                e.2.push(node.and_then(|n| u32::try_from(n).ok()));
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    pub(crate) fn rooms(self, alloc: Allocation) -> HashMap<ServerId, HostRoom> {
+        let mut rooms: HashMap<ServerId, HostRoom> = self
+            .facts
+            .iter()
+            .map(|(s, f)| (*s, HostRoom::new(f, alloc)))
+            .collect();
+        for ((server, _), (vcpus, memory_mib, numa)) in self.held {
+            if let Some(host) = rooms.get_mut(&server) {
+                host.hold(vcpus, memory_mib, &numa);
+            }
+        }
+        rooms
+    }
+}
+
+type HostRow = (
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// The NUMA rooms and address widths of `servers` that reported them (all with `None`).
+pub async fn host_rooms(
+    db: &Db,
+    servers: Option<&[ServerId]>,
+    alloc: Allocation,
+) -> StoreResult<HashMap<ServerId, HostRoom>> {
+    let (sql, args) = match servers {
+        Some([]) => return Ok(HashMap::new()),
+        Some(list) => (
+            host_read_sql(
+                &format!("IN ({})", page::marks(1, list.len())),
+                "IS NOT NULL",
+            ),
+            list.iter().map(|s| Arg::Text(s.to_string())).collect(),
+        ),
+        None => (host_read_sql("IS NOT NULL", "IS NOT NULL"), Vec::new()),
+    };
+    let rows: Vec<HostRow> = page::fetch(db, &sql, &args).await?;
+    let mut hosts = HostRows::default();
+    for (kind, key, id, _, n1, n2, n3, _) in rows {
+        hosts.take(&kind, &key, id.as_deref(), [n1, n2, n3])?;
+    }
+    Ok(hosts.rooms(alloc))
 }

@@ -472,3 +472,91 @@ async fn a_guest_boots_through_the_whole_system() {
     .expect("the VM was destroyed");
     assert!(!disk.exists(), "destroy deleted the disk");
 }
+
+/// A node that requires huge pages for guest RAM and has none free: the start fails
+/// before QEMU runs, with the reason and its fix in the job, and the provision unwinds
+/// (the VM failed, its GPUs scrubbed and free again, nothing left in the node's VM
+/// directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn required_hugepages_that_are_not_free_unwind_the_provision() {
+    let Some(image) = guest_image() else {
+        return;
+    };
+    let db = TestDb::new(Backend::Sqlite).await;
+    let (_server, base) = start_server(&db, &[]);
+    let token = login(&base, "admin", "e2e-admin-password").await;
+    let op = Client::at(&base, Some(&token));
+    upload_image(&base, &token, &image, "debian-test", "root").await;
+    two_gpu_package(&op, "hp-2x").await;
+
+    let jt: JoinToken = op.post_empty("/v1/servers/join-tokens").await.ok(201);
+    let sysfs = db.dir.path().join("sysfs");
+    let out = Command::new(node_agent_bin())
+        .args(["fake-sysfs", "--out"])
+        .arg(&sysfs)
+        .args(["--gpus", "2", "--model", "h100"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let config = db.dir.path().join("agent.toml");
+    std::fs::write(&config, "hugepages = \"require\"\n").unwrap();
+    let state = db.dir.path().join("agent-state");
+    let _agent = Proc(
+        agent_command(&base, &jt.token, &sysfs, &state)
+            .args(["--hypervisor", "qemu", "--config"])
+            .arg(&config)
+            .env("PASSAGE_QEMU_ACCEL", "tcg")
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
+    let _guests = Guests {
+        state: state.clone(),
+    };
+    let gpus_free = || async {
+        let list: Vec<Server> = op.get("/v1/servers").await.ok(200);
+        let devs = list.first()?.assignable_devices.clone()?;
+        (devs.len() == 2 && devs.iter().all(|d| d.state == DeviceState::Unassigned)).then_some(())
+    };
+    wait_for(Duration::from_secs(30), gpus_free)
+        .await
+        .expect("the node registered with two free GPUs");
+
+    let vm: Vm = op
+        .post(
+            "/v1/vms",
+            &json!({"image":"debian-test","alias":"hp-1","package":"hp-2x"}),
+        )
+        .await
+        .ok(202);
+    let job = provision_ended(&op, &vm).await;
+    assert_eq!(job.state, passage_model::api::JobState::Failed, "{job:?}");
+    let why = job
+        .steps
+        .iter()
+        .filter_map(|s| s.error.as_deref())
+        .collect::<Vec<_>>()
+        .join("; ");
+    assert!(
+        why.contains("huge pages are required on this node") && why.contains("nr_hugepages"),
+        "{job:?}"
+    );
+    let v: Vm = op.get(&format!("/v1/vms/{}", vm.uuid)).await.ok(200);
+    assert_eq!(v.state, VmState::Failed, "{v:?}");
+    wait_for(Duration::from_secs(60), gpus_free)
+        .await
+        .expect("the GPUs were scrubbed and are free again");
+    let left: Vec<_> = walkdir(&state.join("qemu"));
+    assert!(left.is_empty(), "the VM's directory is gone: {left:?}");
+}
+
+fn walkdir(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        out.push(e.path());
+        if e.path().is_dir() {
+            out.extend(walkdir(&e.path()));
+        }
+    }
+    out
+}

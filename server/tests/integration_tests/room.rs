@@ -256,3 +256,156 @@ async fn host_facts_show_in_the_api(b: Backend) {
     }
 }
 both!(host_facts_show_in_the_api, host_facts_show_in_the_api);
+
+/// A node whose two NUMA nodes each have 8 CPUs (one kept for the host) and 16 GiB, and
+/// 46 address bits; `gpus` H100s, half on each node.
+fn two_node_host(gpus_cpus: u32, address_bits: u8) -> serde_json::Value {
+    json!({"cpus": gpus_cpus, "memory_mib": 32768, "address_bits": address_bits,
+           "reserved_cpus": "0,8",
+           "numa": [{"node": 0, "cpus": "0-7", "memory_mib": 16384},
+                    {"node": 1, "cpus": "8-15", "memory_mib": 16384}]})
+}
+
+async fn numa_nodes_and_address_width_bound_placement(b: Backend) {
+    let mut cfg = fast_config();
+    cfg.task_timeout = Duration::from_secs(600);
+    cfg.alloc = Allocation {
+        cpu_ratio: 1.0,
+        reserved_memory_mib: 0,
+    };
+    let s = TestServer::start(b, cfg).await;
+    s.h100_catalog(1).await;
+    let _: passage_model::api::Package = s
+        .post(
+            "/v1/packages",
+            &json!({"name": "numa-3", "vcpus": 3, "memory_mib": 2048, "disk_gib": 10,
+                    "devices": {"NVIDIA_H100": 1}}),
+        )
+        .await
+        .ok(201);
+    let _: passage_model::api::Package = s
+        .post(
+            "/v1/packages",
+            &json!({"name": "wide-2", "vcpus": 1, "memory_mib": 4096, "disk_gib": 10,
+                    "devices": {"NVIDIA_H100": 2}}),
+        )
+        .await
+        .ok(201);
+
+    // A node of 40-bit CPUs: one H100's 128 GiB BAR1 fits its guest, two do not (their
+    // window of 513 GiB sits at 512 GiB and ends past 2^40).
+    let (narrow, _, _) = s.manual_node_with(4, Some(two_node_host(64, 40))).await;
+    let e = s
+        .post::<Vm>(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "wide", "package": "wide-2"}),
+        )
+        .await
+        .fails(409, ErrorCode::InsufficientCapacity);
+    assert!(e.message.contains("need 41-bit guest addresses"), "{e:?}");
+    let dry: PlacementExplanation = s
+        .post("/v1/placement/dry-run", &json!({"package": "wide-2"}))
+        .await
+        .ok(200);
+    assert!(dry.server.is_none(), "{dry:?}");
+    let why = dry.servers[0].reasons.join("; ");
+    assert!(
+        why.contains(
+            "513 GiB of device BARs need 41-bit guest addresses; this host's CPUs have 40"
+        ),
+        "{why}"
+    );
+    let one: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "one", "package": "gpu-1x"}),
+        )
+        .await
+        .ok(202);
+    assert_eq!(one.server_uuid, Some(narrow));
+    let _: Server = s
+        .patch(&format!("/v1/servers/{narrow}"), &json!({"disabled": true}))
+        .await
+        .ok(200);
+
+    // Eight GPUs, four per NUMA node, and 7 CPUs per node for pinning: 64 creations of
+    // 3 vCPUs race, and two fit on each node, though the node has 64 CPUs and GPUs left.
+    let (numa, _, _) = s.manual_node_with(8, Some(two_node_host(64, 46))).await;
+    let (_, tenant) = s.tenant("racer").await;
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = s.with(&tenant);
+            let body =
+                json!({"image": "test-image", "alias": format!("n{i}"), "package": "numa-3"});
+            tokio::spawn(async move { c.post::<Vm>("/v1/vms", &body).await })
+        })
+        .collect();
+    let mut won = Vec::new();
+    for c in calls {
+        let r = c.await.unwrap();
+        if r.status == 202 {
+            won.push(r.ok(202));
+        } else {
+            let e = r.fails(409, ErrorCode::InsufficientCapacity);
+            assert!(e.message.contains("CPUs free for pinning"), "{e:?}");
+        }
+    }
+    assert_eq!(won.len(), 4, "{won:?}");
+    // Two on each node: the devices' NUMA nodes say so.
+    let srv = s.server(numa).await;
+    let devices = srv.assignable_devices.clone().unwrap();
+    let node_of = |id: &passage_model::DevicePath| {
+        srv.sysinfo
+            .as_ref()
+            .unwrap()
+            .pci_devices
+            .iter()
+            .find(|d| &d.id == id)
+            .and_then(|d| d.numa_node)
+    };
+    let mut per_node = [0, 0];
+    for vm in &won {
+        assert_eq!(vm.server_uuid, Some(numa));
+        let n = node_of(&vm.assigned_devices[0]).unwrap();
+        per_node[n as usize] += 1;
+    }
+    assert_eq!(per_node, [2, 2]);
+    let free = devices
+        .iter()
+        .filter(|d| d.state == DeviceState::Unassigned)
+        .count();
+    assert_eq!(free, 4, "GPUs are left, but no cores beside them");
+    let dry: PlacementExplanation = s
+        .post("/v1/placement/dry-run", &json!({"package": "numa-3"}))
+        .await
+        .ok(200);
+    assert!(dry.server.is_none(), "{dry:?}");
+    let verdict = dry.servers.iter().find(|v| v.uuid == numa).unwrap();
+    let why = verdict.reasons.join("; ");
+    assert!(
+        why.contains("NUMA node 0 of its devices has 1 CPUs free for pinning, needs 3"),
+        "{why}"
+    );
+    // One vCPU still fits beside each pair.
+    let _: passage_model::api::Package = s
+        .post(
+            "/v1/packages",
+            &json!({"name": "numa-1", "vcpus": 1, "memory_mib": 1024, "disk_gib": 10,
+                    "devices": {"NVIDIA_H100": 1}}),
+        )
+        .await
+        .ok(201);
+    let small: Vm = s
+        .with(&tenant)
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "small", "package": "numa-1"}),
+        )
+        .await
+        .ok(202);
+    assert_eq!(small.server_uuid, Some(numa));
+}
+both!(
+    numa_nodes_and_address_width_bound_placement,
+    numa_nodes_and_address_width_bound_placement
+);

@@ -16,18 +16,8 @@
 use passage_model::{DevicePath, PciAddress, PciBar};
 use std::collections::BTreeMap;
 
-const GIB: u64 = 1 << 30;
-const FOUR_GIB: u64 = 4 * GIB;
-/// q35 keeps guest RAM below 2 GiB when the VM has more than 2.75 GiB, the rest above
-/// 4 GiB (QEMU's `pc_q35_init`).
-const Q35_LOWMEM_SPLIT: u64 = 0xb000_0000;
-const Q35_LOWMEM: u64 = 0x8000_0000;
-/// Room in the 64-bit window for what is not passed through (virtio's 64-bit BARs).
-const WINDOW_SLACK: u64 = GIB;
-/// QEMU's own default guest address width under TCG, and a floor for the width asked.
-pub const DEFAULT_PHYS_BITS: u8 = 40;
-/// The widest guest address x86-64 QEMU emulates.
-pub const MAX_PHYS_BITS: u8 = 52;
+use passage_model::guest_shape::{self, GIB, PortWindow};
+pub use passage_model::guest_shape::{DEFAULT_PHYS_BITS, MAX_PHYS_BITS, NodeShare as GuestNode};
 /// The first expander's bus number: `pcie.0` and what hangs below it keep the numbers
 /// before it (when there are expanders, no root port is on `pcie.0`).
 const FIRST_EXPANDER_BUS: u32 = 0x20;
@@ -74,15 +64,6 @@ pub struct Slot {
     pub guest_node: Option<usize>,
     /// NVIDIA's P2P hint: GPUs behind one host PCIe switch share an id.
     pub clique: Option<u8>,
-}
-
-/// A guest NUMA node, mirroring one host node.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GuestNode {
-    pub host_node: u32,
-    /// The vCPU indexes, `first..end`; empty when the VM has fewer vCPUs than nodes.
-    pub vcpus: std::ops::Range<u32>,
-    pub memory_mib: u64,
 }
 
 /// Where everything goes.
@@ -139,17 +120,12 @@ pub fn plan(
     }
     // Guest nodes: the host nodes the devices come from, in order, when there are two
     // or more. One host node needs no guest topology: binding the RAM is enough.
-    let host_nodes: Vec<u32> = {
-        let mut n: Vec<u32> = functions.iter().filter_map(|f| f.numa_node).collect();
-        n.sort_unstable();
-        n.dedup();
-        n
-    };
+    let host_nodes = guest_shape::host_nodes(functions.iter().map(|f| f.numa_node));
     let nodes = if host_nodes.len() >= 2 {
         if host_nodes.len() > MAX_EXPANDERS {
             return Err(LayoutError::TooManyNodes(host_nodes.len()));
         }
-        split(vcpus, memory_mib, page_mib, &host_nodes)
+        guest_shape::split(vcpus, memory_mib, page_mib, &host_nodes)
     } else {
         Vec::new()
     };
@@ -213,13 +189,13 @@ pub fn plan(
     for k in 0..nodes.len() {
         let ports = slots.iter().filter(|s| s.guest_node == Some(k)).count() as u32;
         expander_buses.push(next);
-        next = round_up(u64::from(next + 1 + ports), 0x10) as u32;
+        next = guest_shape::round_up(u64::from(next + 1 + ports), 0x10) as u32;
     }
     if next > 0x100 {
         return Err(LayoutError::TooManyDevices(slots.len()));
     }
     let hole64 = window(&slots, functions);
-    let phys_bits_needed = phys_bits_needed(memory_mib, hole64);
+    let phys_bits_needed = guest_shape::phys_bits_needed(memory_mib, hole64);
     Ok(Layout {
         slots,
         nodes,
@@ -229,86 +205,17 @@ pub fn plan(
     })
 }
 
-/// vCPUs and RAM split evenly over the nodes; the first nodes take what does not divide.
-fn split(vcpus: u32, memory_mib: u64, page_mib: u64, host_nodes: &[u32]) -> Vec<GuestNode> {
-    let n = host_nodes.len() as u64;
-    let pages = memory_mib / page_mib;
-    let mut out = Vec::with_capacity(host_nodes.len());
-    let mut cpu = 0;
-    for (i, &host_node) in host_nodes.iter().enumerate() {
-        let i64_ = i as u64;
-        let take_cpus = vcpus / n as u32 + u32::from((i as u32) < vcpus % n as u32);
-        let take_pages = pages / n + u64::from(i64_ < pages % n);
-        out.push(GuestNode {
-            host_node,
-            vcpus: cpu..cpu + take_cpus,
-            memory_mib: take_pages * page_mib,
-        });
-        cpu += take_cpus;
-    }
-    out
-}
-
-/// The 64-bit window: each root port's prefetchable window holds its device's 64-bit
-/// BARs (largest first, each naturally aligned) and is aligned to the largest of them,
-/// so it takes that total rounded up to the largest; each root bus (`pcie.0` or an
-/// expander) is a window of its own, aligned to its largest root port's alignment.
+/// The 64-bit window: each root port's window holds its device's 64-bit BARs; each root
+/// bus (`pcie.0` or an expander) is a window of its own.
 fn window(slots: &[Slot], functions: &[PassedFunction]) -> u64 {
-    let mut buses: BTreeMap<Option<usize>, (u64, u64)> = BTreeMap::new();
-    for slot in slots {
-        let mut bars: Vec<u64> = slot
-            .functions
-            .iter()
-            .flat_map(|&i| functions[i].bars.iter())
-            .filter(|b| b.kind == passage_model::BarKind::Memory && b.is_64bit && b.size > 0)
-            .map(|b| b.size.next_power_of_two())
-            .collect();
-        if bars.is_empty() {
-            continue;
-        }
-        bars.sort_unstable_by(|a, b| b.cmp(a));
-        let largest = bars[0];
-        let total = bars.iter().fold(0u64, |acc, b| acc.saturating_add(*b));
-        let port = round_up(total, largest);
-        let bus = buses.entry(slot.guest_node).or_insert((0, 0));
-        bus.0 = bus.0.saturating_add(port);
-        bus.1 = bus.1.max(largest);
-    }
-    if buses.is_empty() {
-        return 0;
-    }
-    let sum = buses.values().fold(0u64, |acc, (total, align)| {
-        acc.saturating_add(round_up(*total, *align))
-    });
-    round_up(sum.saturating_add(WINDOW_SLACK), GIB)
-}
-
-fn round_up(v: u64, to: u64) -> u64 {
-    if to == 0 {
-        return v;
-    }
-    v.div_ceil(to).saturating_mul(to)
-}
-
-/// The guest address width a VM with `memory_mib` of RAM and a 64-bit window of `hole64`
-/// bytes needs. OVMF puts the window above the RAM at an address aligned to the largest
-/// power of two not above its size; q35 puts RAM beyond 2 GiB above 4 GiB.
-pub fn phys_bits_needed(memory_mib: u64, hole64: u64) -> u8 {
-    let ram = memory_mib.saturating_mul(1 << 20);
-    let above_4g = if ram >= Q35_LOWMEM_SPLIT {
-        ram - Q35_LOWMEM
-    } else {
-        0
-    };
-    let first = FOUR_GIB.saturating_add(above_4g);
-    let end = if hole64 == 0 {
-        first
-    } else {
-        let align = 1u64 << (63 - hole64.leading_zeros());
-        round_up(first, align).saturating_add(hole64)
-    };
-    let bits = 64 - (end.saturating_sub(1)).leading_zeros();
-    (bits as u8).max(DEFAULT_PHYS_BITS)
+    guest_shape::window(slots.iter().filter_map(|slot| {
+        let port: Option<PortWindow> = guest_shape::port_window(
+            slot.functions
+                .iter()
+                .flat_map(|&i| functions[i].bars.iter()),
+        );
+        port.map(|p| (slot.guest_node, p))
+    }))
 }
 
 /// Refuses a layout the host's address width cannot hold.
@@ -494,15 +401,5 @@ mod tests {
         let l = plan(1, 1024, &[g], 4).unwrap();
         assert_eq!(l.hole64, 0);
         assert_eq!(l.phys_bits_needed, DEFAULT_PHYS_BITS);
-    }
-
-    #[test]
-    fn address_width_follows_ovmf_placement() {
-        // 2 GiB of RAM sits below 4 GiB; a 2 TiB + 1 GiB window aligned to 2 TiB ends
-        // past 4 TiB: 43 bits. Exactly 2 TiB ends at 4 TiB: 42.
-        assert_eq!(phys_bits_needed(2048, 2049 * GIB), 43);
-        assert_eq!(phys_bits_needed(2048, 2048 * GIB), 42);
-        assert_eq!(phys_bits_needed(2048, 0), 40);
-        assert_eq!(phys_bits_needed(u64::MAX, u64::MAX), 64);
     }
 }

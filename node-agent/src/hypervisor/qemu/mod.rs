@@ -633,6 +633,13 @@ impl QemuHypervisor {
             .and_then(|()| self.launch(spec, cancel));
         if launched.is_err() {
             net::remove_vm_taps(&self.net_root, vm);
+            // What only a running QEMU needs: a spec left would say a VM is here, and its
+            // directory would outlive the VM's disk.
+            let files = VmFiles::new(&self.state_dir, vm);
+            for f in [&files.qmp, &files.pid, &files.dir.join(PINNING_FILE)] {
+                let _ = fs::remove_file(f);
+            }
+            let _ = crate::state::remove_json(&files.spec);
         }
         launched
     }

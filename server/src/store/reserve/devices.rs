@@ -111,8 +111,8 @@ pub(super) fn events_pg(arrays: [&str; 4], to: &str, at: &str) -> String {
 /// takes them: rows `('free', server, id, variant, NULL…)`.
 pub(super) fn read_free(servers_in: &str) -> String {
     format!(
-        "SELECT 'free', server_uuid, id, variant, NULL, NULL, NULL, NULL FROM devices \
-         WHERE server_uuid {servers_in} AND {}",
+        "SELECT 'free', server_uuid, id, variant, CAST(numa_node AS BIGINT), NULL, NULL, NULL \
+         FROM devices WHERE server_uuid {servers_in} AND {}",
         placeable("")
     )
 }

@@ -6,8 +6,9 @@
 //! 1. lock what no conditional write can guard: the vCPUs and memory of a server are sums
 //!    over VM rows, so on Postgres the claimed servers' rows are locked, in key order (on
 //!    SQLite the one writer is lock enough);
-//! 2. read, in one query, each claimed server's room (without the claiming VMs), each
-//!    owner's quota and the servers' free devices;
+//! 2. read, in one query, each claimed server's room (without the claiming VMs), its NUMA
+//!    nodes' room and address width (its reported facts and the VMs holding devices there),
+//!    each owner's quota, the servers' free devices and the claimed devices' BARs;
 //! 3. decide every claim in order, as if each ran alone (`passage_model::capacity`);
 //! 4. write what the winners take: quotas charged, devices reserved, their history, the
 //!    free-device index. The quota and device writes are conditional, and their counts must
@@ -31,6 +32,7 @@ use devices::Reserved;
 use free_index::Taken;
 use passage_model::capacity::{self, Holdings, Quota};
 pub use passage_model::capacity::{Claim, Refusal};
+use passage_model::guest_shape;
 use passage_model::{AccountId, DevicePath, ServerId};
 use std::collections::HashMap;
 
@@ -66,6 +68,8 @@ struct Keys {
     servers: Vec<String>,
     owners: Vec<String>,
     vms: Vec<String>,
+    /// The claimed devices' ids (on any of the servers; the read matches both).
+    devices: Vec<String>,
 }
 
 impl Keys {
@@ -88,10 +92,17 @@ impl Keys {
             .collect();
         owners.sort();
         owners.dedup();
+        let mut devices: Vec<String> = claims
+            .iter()
+            .flat_map(|c| c.devices.iter().map(ToString::to_string))
+            .collect();
+        devices.sort();
+        devices.dedup();
         Ok(Keys {
             servers: servers.iter().map(ToString::to_string).collect(),
             owners: owners.iter().map(ToString::to_string).collect(),
             vms: claims.iter().map(|c| c.vm.to_string()).collect(),
+            devices,
         })
     }
 }
@@ -113,8 +124,21 @@ type ReadRow = (
 fn holdings(rows: Vec<ReadRow>, alloc: Allocation) -> StoreResult<(Holdings, Variants)> {
     let mut h = Holdings::default();
     let mut variants = Variants::new();
+    let mut hosts = room::HostRows::default();
     for (kind, key, id, variant, n1, n2, n3, n4) in rows {
+        if hosts.take(&kind, &key, id.as_deref(), [n1, n2, n3])? {
+            continue;
+        }
         match kind.as_str() {
+            "bars" => {
+                let server: ServerId = parse_uuid(&key, "server")?;
+                let path: DevicePath = id.unwrap_or_default().parse().map_err(super::corrupt)?;
+                let window = variant
+                    .as_deref()
+                    .and_then(|t| serde_json::from_str::<Bars>(t).ok())
+                    .and_then(|b| guest_shape::port_window(&b.bars));
+                h.shapes.entry((server, path)).or_default().window = window;
+            }
             "room" => {
                 h.rooms.insert(
                     parse_uuid(&key, "server")?,
@@ -142,11 +166,34 @@ fn holdings(rows: Vec<ReadRow>, alloc: Allocation) -> StoreResult<(Holdings, Var
                 if let Some(v) = variant {
                     variants.insert((server, path.clone()), v);
                 }
+                if let Some(n) = n1.and_then(|n| u32::try_from(n).ok()) {
+                    h.shapes
+                        .entry((server, path.clone()))
+                        .or_default()
+                        .numa_node = Some(n);
+                }
                 h.free.insert((server, path));
             }
         }
     }
+    h.hosts = hosts.rooms(alloc);
     Ok((h, variants))
+}
+
+/// The one part of a device's details the reservation reads: its BARs.
+#[derive(serde::Deserialize)]
+struct Bars {
+    #[serde(default)]
+    bars: Vec<passage_model::PciBar>,
+}
+
+/// The claimed devices' details (`'bars'` rows), for their BARs.
+fn bars_read(servers_in: &str, ids_in: &str) -> String {
+    format!(
+        "SELECT 'bars', server_uuid, id, details, CAST(NULL AS BIGINT), CAST(NULL AS BIGINT), \
+         CAST(NULL AS BIGINT), CAST(NULL AS BIGINT) FROM devices \
+         WHERE server_uuid {servers_in} AND id {ids_in} AND details IS NOT NULL"
+    )
 }
 
 type Variants = HashMap<(ServerId, DevicePath), String>;
@@ -217,14 +264,17 @@ impl ReserveTx for sqlx::Transaction<'_, sqlx::Sqlite> {
             marks(first, items.len())
         };
         let (servers, vms) = (list(&keys.servers), list(&keys.vms));
-        let mut parts = vec![room::read_sql(
-            &format!("IN ({servers})"),
-            &format!("NOT IN ({vms})"),
-        )];
+        let (servers_in, vms_not_in) = (format!("IN ({servers})"), format!("NOT IN ({vms})"));
+        let mut parts = vec![
+            room::read_sql(&servers_in, &vms_not_in),
+            room::host_read_sql(&servers_in, &vms_not_in),
+        ];
         if !keys.owners.is_empty() {
             let owners = list(&keys.owners);
             parts.push(quota::read(&format!("IN ({owners})")));
-            parts.push(devices::read_free(&format!("IN ({servers})")));
+            parts.push(devices::read_free(&servers_in));
+            let ids = list(&keys.devices);
+            parts.push(bars_read(&servers_in, &format!("IN ({ids})")));
         }
         let sql = parts.join(" UNION ALL ");
         let rows: Vec<ReadRow> = bind_args!(sqlx::query_as(&sql), &args)
@@ -262,12 +312,14 @@ impl ReserveTx for sqlx::Transaction<'_, sqlx::Sqlite> {
 }
 
 /// The reservation's read on Postgres: `$1` the servers, `$2` the owners claiming devices,
-/// `$3` the claiming VMs.
+/// `$3` the claiming VMs, `$4` the claimed devices.
 fn pg_read() -> String {
     [
         room::read_sql("= ANY($1::text[])", "<> ALL($3::text[])"),
+        room::host_read_sql("= ANY($1::text[])", "<> ALL($3::text[])"),
         quota::read("= ANY($2::text[])"),
         devices::read_free("= ANY($1::text[])"),
+        bars_read("= ANY($1::text[])", "= ANY($4::text[])"),
     ]
     .join(" UNION ALL ")
 }
@@ -309,6 +361,7 @@ impl ReserveTx for sqlx::Transaction<'_, sqlx::Postgres> {
             .bind(&keys.servers)
             .bind(&keys.owners)
             .bind(&keys.vms)
+            .bind(&keys.devices)
             .fetch_all(&mut **self)
             .await?;
         let (h, variants) = holdings(rows, alloc)?;
