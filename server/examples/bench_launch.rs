@@ -6,7 +6,7 @@
 //! `ivshmem-plain` with its real 128 GiB BAR, on two guest NUMA nodes): one with
 //! `hugepages = "off"`, one with `hugepages = "require"`. Each round creates one VM on each
 //! (the other node drained meanwhile) and reads, from the VM's provision job, when the
-//! `boot` step ended, which is when the agent's start saw QEMU answer QMP; then destroys
+//! `launch` step ended, which is when the agent's start saw QEMU answer QMP; then destroys
 //! it and waits for its GPUs to be free again.
 //!
 //! The huge pages are reserved on this machine for the bench (`/proc/sys/vm/nr_hugepages`,
@@ -67,12 +67,17 @@ fn set(path: &'static str, value: &str) -> Restore {
     Restore(path, before)
 }
 
-fn mem_available_gib() -> u64 {
+/// A `/proc/meminfo` figure (kiB or a count); 0 when absent.
+fn meminfo(key: &str) -> u64 {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     text.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .map_or(0, |kib| kib >> 20)
+        .unwrap_or(0)
+}
+
+fn mem_available_gib() -> u64 {
+    meminfo("MemAvailable:") >> 20
 }
 
 /// A node: a generated tree of 8 H100s and the real agent with `hugepages`.
@@ -126,7 +131,7 @@ fn node(
 }
 
 /// One VM of `package` on `server` (the other drained): seconds from the POST to the end
-/// of its `boot` step, and to the VM `running` as the API shows it.
+/// of its `launch` step, and to the VM `running` as the API shows it.
 async fn launch(
     api: &Api,
     servers: &[(String, Server)],
@@ -163,12 +168,18 @@ async fn launch(
             (v.state == VmState::Running).then_some(started.elapsed().as_secs_f64())
         })
         .await;
-    let job: Job = api.get(&format!("/v1/jobs/{}", vm.job_uuid.unwrap())).await;
+    let job_path = format!("/v1/jobs/{}", vm.job_uuid.unwrap());
+    let job: Job = api
+        .wait("the provision", limit, || async {
+            let j: Job = api.get(&job_path).await;
+            matches!(j.state, JobState::Succeeded | JobState::Failed).then_some(j)
+        })
+        .await;
     assert_eq!(job.state, JobState::Succeeded, "{job:?}");
     let boot = job
         .steps
         .iter()
-        .find(|s| s.name == "boot")
+        .find(|s| s.name == "launch")
         .and_then(|s| s.ended_at)
         .map_or(f64::NAN, |e| (e - t0).num_milliseconds() as f64 / 1000.0);
     api.delete(&vm_path).await;
@@ -201,14 +212,13 @@ async fn main() {
     );
     let pages = huge_gib * 512;
     let _overcommit = set(OVERCOMMIT, "1");
-    let _pages = set(NR_HUGEPAGES, &pages.to_string());
-    let got: u64 = std::fs::read_to_string(NR_HUGEPAGES)
-        .ok()
-        .and_then(|t| t.trim().parse().ok())
-        .unwrap_or(0);
-    assert_eq!(
-        got, pages,
-        "the kernel reserved {got} of {pages} 2 MiB pages"
+    // On top of those other guests of this machine hold now.
+    let in_use = meminfo("HugePages_Total:") - meminfo("HugePages_Free:");
+    let _pages = set(NR_HUGEPAGES, &(in_use + pages).to_string());
+    let free = meminfo("HugePages_Free:");
+    assert!(
+        free >= pages,
+        "the kernel reserved {free} of {pages} 2 MiB pages"
     );
 
     // Short: QMP sockets go under the agents' state directories.
@@ -239,7 +249,7 @@ async fn main() {
     for (name, gib) in [("launch-plain", a.memory_gib), ("launch-huge", huge_gib)] {
         api.post(
             "/v1/packages",
-            json!({"name": name, "vcpus": 2, "memory_mib": gib * 1024, "devices": {"H100": GPUS}}),
+            json!({"name": name, "vcpus": 2, "memory_mib": gib * 1024, "disk_gib": 1, "devices": {"H100": GPUS}}),
         )
         .await;
     }
@@ -273,7 +283,7 @@ async fn main() {
     );
     println!(
         "{:<8} {:>28} {:>28}",
-        "round", "ordinary: boot / running s", "huge pages: boot / running s"
+        "round", "ordinary: launch / running s", "huge pages: launch / running s"
     );
     let (mut plain, mut huge) = (Vec::new(), Vec::new());
     for r in 1..=a.rounds {

@@ -70,7 +70,7 @@ pub enum Bench {
     /// A release `server` and two real `node-agent run --hypervisor qemu` nodes (TCG,
     /// generated trees of 8 H100s, stand-ins with the real 128 GiB BARs), one with
     /// `hugepages = "off"`, one with `"require"`; rounds of one VM on each, from the POST
-    /// to the end of the `boot` step and to `running` (server/examples/bench_launch.rs).
+    /// to the end of the `launch` step and to `running` (server/examples/bench_launch.rs).
     /// Needs root: it reserves 2 MiB huge pages and allows overcommit, and puts both back.
     Launch(Launch),
 }
