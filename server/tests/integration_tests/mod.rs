@@ -3,6 +3,7 @@
 
 mod addresses;
 mod api;
+mod clean_stop;
 mod cloudapi;
 mod console;
 mod durable;
