@@ -632,29 +632,33 @@ async fn cancel(ctx: &Ctx, vm: &Vm) -> ApiResult<Option<Vm>> {
     let Some(job) = vm.job_uuid else {
         return Ok(None);
     };
-    let cancelling = vm.state == VmState::Destroying
-        && jobs::get(&ctx.db, job)
-            .await
-            .is_ok_and(|j| j.kind == passage_model::jobs::JobKind::Provision);
-    if cancelling {
-        return Ok(Some(vm.clone()));
+    if vm.state == VmState::Destroying {
+        let cancelling = match jobs::get(&ctx.db, job).await {
+            Ok(j) => j.kind == passage_model::jobs::JobKind::Provision,
+            Err(StoreError::NotFound(_)) => false,
+            Err(e) => return Err(e.into()),
+        };
+        return Ok(cancelling.then(|| vm.clone()));
     }
     if vm.state != VmState::Provisioning {
         return Ok(None);
     }
-    // Noted before the write, so that the runner here stops at its very next step.
-    ctx.cancelled_jobs
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(job);
-    let r = vms::cancel_provision(&ctx.api_db, vm.uuid, job, None).await?;
-    if r.is_none() {
-        ctx.cancelled_jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&job);
+    let noted = |on: bool| {
+        let mut set = ctx.cancelled_jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if on {
+            set.insert(job);
+        } else {
+            set.remove(&job);
+        }
+    };
+    // Noted before the write, so that the runner here stops at its very next step; taken
+    // back when the write did not cancel it (the provision ended meanwhile, or an error).
+    noted(true);
+    let r = vms::cancel_provision(&ctx.api_db, vm.uuid, job).await;
+    if !matches!(r, Ok(Some(_))) {
+        noted(false);
     }
-    Ok(r)
+    Ok(r?)
 }
 
 /// How long a call on a VM waits for a job in its last step to be marked done.

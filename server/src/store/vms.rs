@@ -219,23 +219,15 @@ pub async fn begin_destroy(
 /// A deletion of a VM still provisioning (a cancel): the VM goes `destroying` while its
 /// provision job `job` runs on; that job sees it at its next step, unwinds, and then
 /// writes the VM's destroy ([`destroy_after_cancel`]). `None` when the VM is not
-/// provisioning under that job (its provision ended meanwhile), or is not `owner`'s
-/// where one is given.
-pub async fn cancel_provision(
-    db: &Db,
-    uuid: VmId,
-    job: JobId,
-    owner: Option<AccountId>,
-) -> StoreResult<Option<Vm>> {
+/// provisioning under that job (its provision ended meanwhile).
+pub async fn cancel_provision(db: &Db, uuid: VmId, job: JobId) -> StoreResult<Option<Vm>> {
     let row: Option<VmRow> = on_write!(db, |p| sqlx::query_as(&format!(
         "UPDATE vms SET state = 'destroying', updated_at = $3 \
-         WHERE uuid = $1 AND state = 'provisioning' AND job_uuid = $2 \
-         AND ($4 IS NULL OR owner_uuid = $4) RETURNING {COLS}"
+         WHERE uuid = $1 AND state = 'provisioning' AND job_uuid = $2 RETURNING {COLS}"
     ))
     .bind(uuid.to_string())
     .bind(job.to_string())
     .bind(now_ms())
-    .bind(owner.map(|o| o.to_string()))
     .fetch_optional(p)
     .await)?;
     row.map(VmRow::into_view).transpose()

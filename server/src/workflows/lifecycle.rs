@@ -1,6 +1,7 @@
 //! A VM's life after provisioning: stop (a clean one: the guest asked to shut down, then
-//! given its grace, unless forced), reboot (a stop and a start in one job), start, and the replacement of its devices that
-//! a resize (another package) or a cold migration (another server) needs.
+//! given its grace, unless forced), reboot (a stop and a start in one job), start, and
+//! the replacement of its devices that a resize (another package) or a cold migration
+//! (another server) needs.
 
 use super::provision::{server_of, spec};
 use super::{Run, StepError, Workflow, agent_task, scrub};
