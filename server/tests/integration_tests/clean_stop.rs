@@ -6,6 +6,7 @@
 use crate::common::{Backend, TestServer, fast_config, wait_for};
 use passage_model::api::{Job, JobState, Package, Vm, VmState};
 use passage_model::networks::{Network, NetworkIp};
+use passage_model::protocol::{Shutdown, TASKS_RUN, Task, TaskEnvelope, TaskResult};
 use passage_model::{DeviceState, ErrorCode};
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -306,3 +307,93 @@ async fn delete_while_provisioning(b: Backend) {
     succeeded(&s, &next).await;
 }
 both!(delete_while_provisioning, delete_while_provisioning);
+
+/// A node answering by hand, polling as an agent that runs the later task kinds `runs`:
+/// answers each task it gets with `answer`'s result until one of kind `last` is
+/// answered; the kinds it got, in order.
+async fn answer_until(
+    node: &crate::common::Client,
+    runs: &str,
+    last: &str,
+    answer: impl Fn(&Task) -> TaskResult,
+) -> Vec<&'static str> {
+    let query = format!("wait=5&runs={runs}");
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        let tasks: Vec<TaskEnvelope> = node.get(&format!("/agent/v1/tasks?{query}")).await.ok(200);
+        for t in tasks {
+            seen.push(t.task.name());
+            let path = format!("/agent/v1/tasks/{}/result", t.id);
+            node.post::<()>(&path, &answer(&t.task)).await.ok(204);
+            if t.task.name() == last {
+                return seen;
+            }
+        }
+    }
+    panic!("no {last} task came: {seen:?}");
+}
+
+/// An agent that does not say it runs `shutdown_vm` (one older than clean stops) gets
+/// the power cut it always got, and the step says why; one that does gets the guest's
+/// grace, and its word on how the guest ended is the step's.
+async fn older_and_newer_agents(b: Backend) {
+    let s = TestServer::start(b, fast_config()).await;
+    let (_, cred, _) = s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let node = s.client(Some(&cred));
+    let vm: Vm = s
+        .post(
+            "/v1/vms",
+            &json!({"image": "test-image", "alias": "v", "package": "gpu-1x"}),
+        )
+        .await
+        .ok(202);
+    let ok = |_: &Task| TaskResult::success();
+    let old = "destroy_vm,boot_vm";
+    assert_eq!(answer_until(&node, old, "boot_vm", ok).await, ["boot_vm"]);
+    succeeded(&s, &vm).await;
+    let path = format!("/v1/vms/{}", vm.uuid);
+
+    let v: Vm = s
+        .as_admin()
+        .post_empty(&format!("{path}/stop"))
+        .await
+        .ok(202);
+    assert_eq!(answer_until(&node, old, "stop_vm", ok).await, ["stop_vm"]);
+    let job = succeeded(&s, &v).await;
+    assert_eq!(
+        stop_detail(&job),
+        Some("powered off: the node's agent is too old to ask the guest to shut down")
+    );
+
+    // A newer agent: the guest did not go within its grace.
+    let v: Vm = s
+        .as_admin()
+        .post_empty(&format!("{path}/start"))
+        .await
+        .ok(202);
+    answer_until(&node, TASKS_RUN, "boot_vm", ok).await;
+    succeeded(&s, &v).await;
+    let v: Vm = s
+        .as_admin()
+        .post_empty(&format!("{path}/stop"))
+        .await
+        .ok(202);
+    let timed_out = |t: &Task| match t {
+        Task::ShutdownVm { grace_s, .. } => TaskResult {
+            shutdown: Some(Shutdown::TimedOut { grace_s: *grace_s }),
+            ..TaskResult::success()
+        },
+        _ => TaskResult::success(),
+    };
+    let got = answer_until(&node, TASKS_RUN, "shutdown_vm", timed_out).await;
+    assert_eq!(got, ["shutdown_vm"]);
+    let job = succeeded(&s, &v).await;
+    assert_eq!(
+        stop_detail(&job),
+        Some("guest did not shut down within 60 s: powered off")
+    );
+    let v: Vm = s.get(&path).await.ok(200);
+    assert_eq!(v.state, VmState::Stopped);
+}
+both!(older_and_newer_agents, older_and_newer_agents);
