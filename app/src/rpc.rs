@@ -453,6 +453,7 @@ pub async fn create_package(
         },
         devices: device_counts(&devices)?,
         placement: None,
+        stop_grace_s: None,
     };
     be::send::<Package>(Method::POST, "/packages", &package).await?;
     Ok(())

@@ -286,7 +286,25 @@ pub struct Package {
     pub devices: BTreeMap<String, u32>,
     /// `null`: the server's default policy.
     pub placement: Option<PlacementPolicy>,
+    /// How long a clean stop waits for the guest to shut down before it powers the VM
+    /// off; `null`: [`DEFAULT_STOP_GRACE_S`]. The server caps it with its own limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_s: Option<u32>,
     pub created_at: DateTime<Utc>,
+}
+
+/// A clean stop's wait for the guest when its package names none.
+pub const DEFAULT_STOP_GRACE_S: u32 = 60;
+/// The longest wait for a guest a package may name (the server may cap it lower).
+pub const MAX_STOP_GRACE_S: u32 = 3600;
+
+/// The optional body of `POST /v1/vms/{uuid}/stop` and `/reboot`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopVm {
+    /// Power the VM off at once instead of asking the guest to shut down first.
+    #[serde(default)]
+    pub force: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -309,6 +327,11 @@ pub struct CreatePackage {
     pub devices: BTreeMap<String, u32>,
     #[serde(default)]
     pub placement: Option<PlacementPolicy>,
+    /// Seconds a clean stop waits for the guest (at most [`MAX_STOP_GRACE_S`]); absent:
+    /// [`DEFAULT_STOP_GRACE_S`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(maximum = 3600)]
+    pub stop_grace_s: Option<u32>,
 }
 
 /// Why a body naming other objects was refused.
@@ -351,6 +374,13 @@ impl CreatePackage {
         }
         check_vcpus(self.vcpus)?;
         check_memory(self.memory_mib)?;
+        if self.stop_grace_s.is_some_and(|g| g > MAX_STOP_GRACE_S) {
+            return Err(BodyError::new(
+                "stop_grace_s",
+                format!("must be at most {MAX_STOP_GRACE_S}"),
+            )
+            .into());
+        }
         if self.disk_gib > MAX_DISK_GIB {
             return Err(
                 BodyError::new("disk_gib", format!("must be at most {MAX_DISK_GIB}")).into(),
@@ -518,6 +548,8 @@ pub struct JoinToken {
 pub enum VmState {
     Provisioning,
     Running,
+    /// Its guest was asked to shut down and the VM is not stopped yet.
+    Stopping,
     Stopped,
     Destroying,
     Destroyed,
@@ -529,6 +561,7 @@ impl VmState {
         match self {
             VmState::Provisioning => "provisioning",
             VmState::Running => "running",
+            VmState::Stopping => "stopping",
             VmState::Stopped => "stopped",
             VmState::Destroying => "destroying",
             VmState::Destroyed => "destroyed",
@@ -539,6 +572,7 @@ impl VmState {
         Some(match s {
             "provisioning" => VmState::Provisioning,
             "running" => VmState::Running,
+            "stopping" => VmState::Stopping,
             "stopped" => VmState::Stopped,
             "destroying" => VmState::Destroying,
             "destroyed" => VmState::Destroyed,
@@ -807,6 +841,10 @@ pub struct JobStep {
     /// its agent last reported; kept after the step ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// What the step found, in words: how a stop ended ("guest shut down after 12 s",
+    /// "guest did not shut down within 60 s: powered off", "forced power off").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Work done of a total (bytes, for an image download).
@@ -948,7 +986,22 @@ mod tests {
             disk_gib: 0,
             devices: BTreeMap::new(),
             placement: None,
+            stop_grace_s: None,
         }
+    }
+
+    #[test]
+    fn a_packages_stop_grace_is_bounded() {
+        let ok = |g| CreatePackage {
+            stop_grace_s: Some(g),
+            ..package()
+        };
+        assert!(ok(0).validate(|_| true).is_ok());
+        assert!(ok(MAX_STOP_GRACE_S).validate(|_| true).is_ok());
+        assert!(matches!(
+            ok(MAX_STOP_GRACE_S + 1).validate(|_| true),
+            Err(Refusal::Invalid(e)) if e.field == "stop_grace_s"
+        ));
     }
 
     #[test]

@@ -16,10 +16,11 @@ pub enum JobKind {
     Start,
     Resize,
     Migrate,
+    Reboot,
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 7] = [
+    pub const ALL: [JobKind; 8] = [
         JobKind::Provision,
         JobKind::Destroy,
         JobKind::Scrub,
@@ -27,6 +28,7 @@ impl JobKind {
         JobKind::Start,
         JobKind::Resize,
         JobKind::Migrate,
+        JobKind::Reboot,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -38,6 +40,7 @@ impl JobKind {
             JobKind::Start => "start",
             JobKind::Resize => "resize",
             JobKind::Migrate => "migrate",
+            JobKind::Reboot => "reboot",
         }
     }
 
@@ -54,6 +57,7 @@ impl JobKind {
             JobKind::Stop => StopStep::NAMES,
             JobKind::Start => StartStep::NAMES,
             JobKind::Resize | JobKind::Migrate => ReplaceStep::NAMES,
+            JobKind::Reboot => RebootStep::NAMES,
         }
     }
 }
@@ -197,8 +201,21 @@ steps! {
 }
 
 steps! {
+    /// The guest asked to shut down (ACPI power button), given its grace, then the VM
+    /// ended; or, forced, ended at once. The step's detail says which happened.
     StopStep {
         Stop = "stop",
+    }
+}
+
+steps! {
+    /// A clean stop, then a start, in one job; `force` makes the stop a power cut (a
+    /// reset).
+    RebootStep {
+        /// As a stop's one step; the VM `stopped` after it.
+        Stop = "stop",
+        /// As a start's steps in one: devices bound, disk there, VM started.
+        Start = "start",
     }
 }
 
@@ -235,7 +252,8 @@ mod tests {
             assert_eq!(serde_json::to_value(k).ok(), Some(k.as_str().into()));
             assert!(!k.step_names().is_empty());
         }
-        assert_eq!(JobKind::parse("reboot"), None);
+        assert_eq!(JobKind::parse("reset"), None);
+        assert_eq!(JobKind::Reboot.step_names(), ["stop", "start"]);
         for s in ProvisionStep::ALL {
             assert_eq!(ProvisionStep::parse(s.name()), Some(*s));
         }

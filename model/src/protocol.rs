@@ -428,9 +428,17 @@ pub enum Task {
     StartVm {
         vm: VmSpec,
     },
-    /// Stop the VM; a VM that is not running is already stopped.
+    /// Stop the VM at once (a power cut); a VM that is not running is already stopped.
     StopVm {
         vm_uuid: VmId,
+    },
+    /// Ask the guest to shut down (the ACPI power button), wait up to `grace_s` seconds
+    /// for it, then end the VM as `stop_vm` does; the result's
+    /// [`TaskResult::shutdown`] says which happened. Sent only to an agent that said it
+    /// runs it ([`TASKS_RUN`] on its poll).
+    ShutdownVm {
+        vm_uuid: VmId,
+        grace_s: u32,
     },
     /// Bring the VM's image into the node's cache (download and verify it unless it is
     /// there and whole) and make the VM's boot disk on it unless the disk exists.
@@ -527,6 +535,8 @@ impl Task {
     pub const FETCH_IMAGE: &str = "fetch_image";
     pub const START_VM: &str = "start_vm";
     pub const STOP_VM: &str = "stop_vm";
+    /// [`Task::ShutdownVm`]'s name, as [`TASKS_RUN`] says it.
+    pub const SHUTDOWN_VM: &str = "shutdown_vm";
     pub const DELETE_DISK: &str = "delete_disk";
 
     pub fn name(&self) -> &'static str {
@@ -535,6 +545,7 @@ impl Task {
             Task::UnbindPassthrough { .. } => Self::UNBIND_PASSTHROUGH,
             Task::StartVm { .. } => Self::START_VM,
             Task::StopVm { .. } => Self::STOP_VM,
+            Task::ShutdownVm { .. } => Self::SHUTDOWN_VM,
             Task::FetchImage { .. } => Self::FETCH_IMAGE,
             Task::DeleteDisk { .. } => Self::DELETE_DISK,
             Task::DestroyVm { .. } => Self::DESTROY_VM,
@@ -550,10 +561,10 @@ impl Task {
 /// each poll (`GET /agent/v1/tasks?wait=N&runs=destroy_vm,boot_vm`), comma-separated: an
 /// agent that does not name a kind is never sent one (it could not read the poll's
 /// answer).
-pub const TASKS_RUN: &str = "destroy_vm,boot_vm";
+pub const TASKS_RUN: &str = "destroy_vm,boot_vm,shutdown_vm";
 
 /// The kinds [`TASKS_RUN`] may name, each a bit of [`LaterTasks`].
-pub const LATER_TASKS: [&str; 2] = [Task::DESTROY_VM, Task::BOOT_VM];
+pub const LATER_TASKS: [&str; 3] = [Task::DESTROY_VM, Task::BOOT_VM, Task::SHUTDOWN_VM];
 
 /// The later task kinds ([`LATER_TASKS`]) an agent said it runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -629,7 +640,46 @@ pub struct TaskResult {
     /// replaced), at most [`MAX_CONSOLE_BYTES`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console: Option<String>,
+    /// A `shutdown_vm`'s answer: how the VM ended. Only ever in the answer to a task an
+    /// older server never sends, so its strict parse never meets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown: Option<Shutdown>,
 }
+
+/// How a `shutdown_vm` ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Shutdown {
+    /// The guest shut itself down, this long after it was asked.
+    GuestShutDown { after_ms: u64 },
+    /// The guest was asked and did not shut down within its grace: powered off.
+    TimedOut { grace_s: u32 },
+    /// The guest could not be asked (its QEMU did not answer QMP): powered off.
+    NotAsked { reason: String },
+    /// The VM was not running: nothing to shut down.
+    NotRunning,
+}
+
+impl Shutdown {
+    /// What a job step says of it.
+    pub fn describe(&self) -> String {
+        match self {
+            Shutdown::GuestShutDown { after_ms } => {
+                format!("guest shut down after {} s", after_ms.div_ceil(1000))
+            }
+            Shutdown::TimedOut { grace_s } => {
+                format!("guest did not shut down within {grace_s} s: powered off")
+            }
+            Shutdown::NotAsked { reason } => {
+                format!("guest could not be asked to shut down ({reason}): powered off")
+            }
+            Shutdown::NotRunning => "the VM was not running".to_string(),
+        }
+    }
+}
+
+/// The longest grace a `shutdown_vm` is given, whatever a task says.
+pub const MAX_SHUTDOWN_GRACE_S: u32 = 3600;
 
 /// How much of a VM's serial console a node keeps and answers: its last 64 KiB.
 pub const MAX_CONSOLE_BYTES: usize = 64 * 1024;
@@ -642,6 +692,7 @@ impl TaskResult {
             scrub_reports: Vec::new(),
             devices: Vec::new(),
             console: None,
+            shutdown: None,
         }
     }
     pub fn failure(msg: impl Into<String>) -> Self {
@@ -659,6 +710,7 @@ impl TaskResult {
             scrub_reports: Vec::new(),
             devices: Vec::new(),
             console: None,
+            shutdown: None,
         }
     }
 }
@@ -841,6 +893,38 @@ mod tests {
             serde_json::from_str::<TaskResult>(r#"{"ok":true,"extra":1}"#).is_err(),
             "unknown fields are refused"
         );
+    }
+
+    /// An older agent's result (no `shutdown`) still parses; a newer one's round-trips.
+    #[test]
+    fn shutdown_results_old_and_new() {
+        let old: TaskResult = serde_json::from_str(r#"{"ok":true,"error":null}"#).unwrap();
+        assert_eq!(old.shutdown, None);
+        assert!(
+            !serde_json::to_string(&TaskResult::success())
+                .unwrap()
+                .contains("shutdown"),
+            "absent unless asked, so an older server's strict parse never meets it"
+        );
+        let r = TaskResult {
+            shutdown: Some(Shutdown::GuestShutDown { after_ms: 11_200 }),
+            ..TaskResult::success()
+        };
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains(r#""outcome":"guest_shut_down""#), "{text}");
+        assert_eq!(serde_json::from_str::<TaskResult>(&text).unwrap(), r);
+        assert_eq!(r.shutdown.unwrap().describe(), "guest shut down after 12 s");
+        assert_eq!(
+            Shutdown::TimedOut { grace_s: 60 }.describe(),
+            "guest did not shut down within 60 s: powered off"
+        );
+        let t = Task::ShutdownVm {
+            vm_uuid: VmId::new_random(),
+            grace_s: 60,
+        };
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["type"], "shutdown_vm");
+        assert_eq!(serde_json::from_value::<Task>(v).unwrap(), t);
     }
 
     #[test]

@@ -8,6 +8,9 @@ pub struct Config {
     pub heartbeat_timeout: Duration,
     /// How long a job step waits for an agent's answer before failing.
     pub task_timeout: Duration,
+    /// The longest a clean stop waits for a guest to shut down, whatever its package
+    /// asks; then the VM is powered off.
+    pub stop_grace_max: Duration,
     /// A task handed out but never answered is handed out again after this.
     pub task_redeliver_after: Duration,
     /// Lifetime of a login session however busy (the absolute timeout).
@@ -61,6 +64,7 @@ impl Default for Config {
         Config {
             heartbeat_timeout: Duration::from_secs(30),
             task_timeout: Duration::from_secs(120),
+            stop_grace_max: Duration::from_secs(300),
             task_redeliver_after: Duration::from_secs(60),
             token_ttl: Duration::from_secs(12 * 3600),
             session_idle: Duration::from_secs(30 * 60),

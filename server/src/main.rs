@@ -38,6 +38,10 @@ struct Args {
     /// How long a job step waits for a node's answer.
     #[arg(long, default_value_t = 120)]
     task_timeout_secs: u64,
+    /// The longest a clean stop waits for a guest to shut down, whatever its package
+    /// asks (default 60 s); then the VM is powered off.
+    #[arg(long, env = "PASSAGE_STOP_GRACE_MAX_SECS", default_value_t = 300)]
+    stop_grace_max_secs: u64,
     /// How long a dirty device may wait before the reconciler scrubs it.
     #[arg(long, default_value_t = 10)]
     scrub_grace_secs: u64,
@@ -149,6 +153,7 @@ async fn serve() -> std::process::ExitCode {
         image_dir: args.image_dir.clone(),
         image_max_bytes: args.image_max_gib.saturating_mul(1024 * 1024 * 1024),
         scrub_grace: Duration::from_secs(args.scrub_grace_secs),
+        stop_grace_max: Duration::from_secs(args.stop_grace_max_secs),
         vgpu_idle_close: Duration::from_secs(args.vgpu_idle_close_secs.max(1)),
         job_lease: Duration::from_secs(args.job_lease_secs.max(1)),
         session_idle: Duration::from_secs(args.session_idle_secs.max(1)),

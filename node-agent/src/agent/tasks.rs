@@ -115,6 +115,10 @@ impl Executor {
         {
             return true;
         }
+        // A guest given a minute to shut down must not hold up the node's other VMs.
+        if matches!(task, Task::ShutdownVm { .. }) && self.hypervisor.stops_slowly() {
+            return true;
+        }
         let disk = match task {
             Task::FetchImage { disk, .. } => disk,
             Task::BootVm { vm, .. } => match &vm.disk {
@@ -186,6 +190,19 @@ impl Executor {
                 started
             }
             Task::StopVm { vm_uuid } => self.stop(*vm_uuid),
+            Task::ShutdownVm { vm_uuid, grace_s } => {
+                let grace = (*grace_s).min(passage_model::protocol::MAX_SHUTDOWN_GRACE_S);
+                match self
+                    .hypervisor
+                    .shutdown(*vm_uuid, std::time::Duration::from_secs(grace.into()))
+                {
+                    Ok(outcome) => TaskResult {
+                        shutdown: Some(outcome),
+                        ..TaskResult::success()
+                    },
+                    Err(e) => TaskResult::failure(e.to_string()),
+                }
+            }
             // A download: it runs on the async runtime (see `run`). Without images (the
             // sim) there is nothing to do.
             Task::FetchImage { .. } => match self.images {

@@ -22,9 +22,10 @@ use crate::host::{VFIO_DRIVER, bound_driver, device_dir};
 use std::path::PathBuf;
 
 use passage_model::VmId;
-use passage_model::protocol::VmSpec;
+use passage_model::protocol::{Shutdown, VmSpec};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HypervisorError {
@@ -90,8 +91,17 @@ impl HypervisorKind {
 pub trait Hypervisor: Send + Sync {
     /// Starts the VM; starting one already running with the same spec is a no-op.
     fn start(&self, spec: &VmSpec) -> Result<(), HypervisorError>;
-    /// Stops the VM; stopping one that is not running is a no-op.
+    /// Stops the VM at once (a power cut); stopping one that is not running is a no-op.
     fn stop(&self, vm: VmId) -> Result<(), HypervisorError>;
+    /// Asks the guest to shut down (the ACPI power button), waits up to `grace` for it,
+    /// then ends the VM as [`Hypervisor::stop`] does, whichever happened. One that is not
+    /// running is [`Shutdown::NotRunning`].
+    fn shutdown(&self, vm: VmId, grace: Duration) -> Result<Shutdown, HypervisorError>;
+    /// Whether a [`Hypervisor::shutdown`] may take as long as its grace (a real guest),
+    /// so that the agent runs it beside its other tasks.
+    fn stops_slowly(&self) -> bool {
+        false
+    }
     fn running(&self) -> Vec<VmId>;
     /// The end of the VM's serial console (at most
     /// [`passage_model::protocol::MAX_CONSOLE_BYTES`]): empty for a VM that never printed

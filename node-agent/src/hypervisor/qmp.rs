@@ -103,6 +103,12 @@ impl Qmp {
             .ok_or_else(|| QmpError::Protocol(short(&r)))
     }
 
+    /// `system_powerdown`: presses the guest's ACPI power button. QEMU answers at once;
+    /// the guest shuts down (and QEMU exits) in its own time, or never.
+    pub fn powerdown(&mut self) -> Result<(), QmpError> {
+        self.execute("system_powerdown", None).map(drop)
+    }
+
     /// `quit`: QEMU exits after answering (or before: a closed connection counts too).
     pub fn quit(&mut self) -> Result<(), QmpError> {
         match self.execute("quit", None) {

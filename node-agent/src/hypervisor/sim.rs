@@ -4,7 +4,7 @@
 use super::{Hypervisor, HypervisorError, check_devices_ready};
 use crate::state::{read_json, write_json};
 use passage_model::VmId;
-use passage_model::protocol::VmSpec;
+use passage_model::protocol::{Shutdown, VmSpec};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -79,6 +79,16 @@ impl Hypervisor for SimHypervisor {
             self.save(&vms)?;
         }
         Ok(())
+    }
+
+    /// A simulated guest honours the power button at once.
+    fn shutdown(&self, vm: VmId, _grace: std::time::Duration) -> Result<Shutdown, HypervisorError> {
+        let mut vms = self.vms();
+        if vms.remove(&vm).is_none() {
+            return Ok(Shutdown::NotRunning);
+        }
+        self.save(&vms)?;
+        Ok(Shutdown::GuestShutDown { after_ms: 0 })
     }
 
     /// A boot log made up from the spec, naming what a tenant would look for on a real
@@ -159,6 +169,15 @@ mod tests {
         assert_eq!(again.running(), vec![s.uuid]);
         again.stop(s.uuid).unwrap();
         again.stop(s.uuid).unwrap();
+        assert!(again.running().is_empty());
+        // A shutdown is as prompt, and says whether there was a guest to ask.
+        again.start(&s).unwrap();
+        let grace = std::time::Duration::from_secs(60);
+        assert_eq!(
+            again.shutdown(s.uuid, grace).unwrap(),
+            Shutdown::GuestShutDown { after_ms: 0 }
+        );
+        assert_eq!(again.shutdown(s.uuid, grace).unwrap(), Shutdown::NotRunning);
         assert!(again.running().is_empty());
         assert!(
             SimHypervisor::open(dir.path(), None)

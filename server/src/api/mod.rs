@@ -82,6 +82,7 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::get_vm, v1::delete_vm))
         .routes(routes!(v1::vm_console))
         .routes(routes!(v1::stop_vm))
+        .routes(routes!(v1::reboot_vm))
         .routes(routes!(v1::start_vm))
         .routes(routes!(v1::resize_vm))
         .routes(routes!(v1::migrate_vm))

@@ -700,14 +700,37 @@ pub async fn revoke_credential(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 202, description = "Stopping", body = Vm), ErrorResponses), security(("bearer" = [])))]
+/// The optional body of a stop or a reboot: none, or `{"force": bool}`.
+fn stop_body(body: &[u8]) -> ApiResult<passage_model::api::StopVm> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(passage_model::api::StopVm::default());
+    }
+    crate::api::extract::parse_json(body)
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/stop", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = passage_model::api::StopVm, description = "Optional: `force` powers the VM off at once instead of asking its guest to shut down"), responses((status = 202, description = "Stopping: the guest is asked to shut down (the VM shows `stopping`)", body = Vm), ErrorResponses), security(("bearer" = [])))]
 pub async fn stop_vm(
     State(ctx): State<Ctx>,
     caller: Caller,
     Path(raw): Path<String>,
+    body: axum::body::Bytes,
 ) -> ApiResult<Response> {
     let uuid: VmId = id(&raw, "vm")?;
-    let vm = crate::services::vm_ops::stop(&ctx, &caller, uuid).await?;
+    let req = stop_body(&body)?;
+    let vm = crate::services::vm_ops::stop(&ctx, &caller, uuid, req.force).await?;
+    Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/reboot", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = passage_model::api::StopVm, description = "Optional: `force` resets the VM instead of asking its guest to shut down"), responses((status = 202, description = "Rebooting: a clean stop, then a start, in one job", body = Vm), ErrorResponses), security(("bearer" = [])))]
+pub async fn reboot_vm(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let req = stop_body(&body)?;
+    let vm = crate::services::vm_ops::reboot(&ctx, &caller, uuid, req.force).await?;
     Ok((StatusCode::ACCEPTED, Json(vm)).into_response())
 }
 

@@ -324,8 +324,8 @@ pub async fn action(
     own_vm(&ctx, &caller, id).await?;
     match action.as_str() {
         "start" => vm_ops::start(&ctx, &caller, id).await?,
-        "stop" => vm_ops::stop(&ctx, &caller, id).await?,
-        "reboot" => vm_ops::reboot(&ctx, &caller, id).await?,
+        "stop" => vm_ops::stop(&ctx, &caller, id, false).await?,
+        "reboot" => vm_ops::reboot(&ctx, &caller, id, false).await?,
         other => {
             return Err(invalid(
                 "action",

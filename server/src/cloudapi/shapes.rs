@@ -203,6 +203,7 @@ pub fn machine_state(s: VmState) -> &'static str {
     match s {
         VmState::Provisioning => "provisioning",
         VmState::Running => "running",
+        VmState::Stopping => "stopping",
         VmState::Stopped => "stopped",
         // A destroy stops the VM first; the machine reads `deleted` once it is gone.
         VmState::Destroying => "stopping",
@@ -216,7 +217,7 @@ pub fn states_named(s: &str) -> Option<&'static [VmState]> {
     Some(match s {
         "provisioning" => &[VmState::Provisioning],
         "running" => &[VmState::Running],
-        "stopping" => &[VmState::Destroying],
+        "stopping" => &[VmState::Stopping, VmState::Destroying],
         "stopped" => &[VmState::Stopped],
         "deleted" => &[VmState::Destroyed],
         "failed" => &[VmState::Failed],

@@ -183,6 +183,15 @@ pub fn runs(ctx: &Ctx, server: ServerId, kind: &str) -> bool {
         .is_some_and(|k| k.has(kind))
 }
 
+/// Whether `server`'s agent has named any later task kind on a poll here since this
+/// server started: one that has and did not name a kind does not run it.
+pub fn polled(ctx: &Ctx, server: ServerId) -> bool {
+    ctx.later_tasks
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&server)
+}
+
 /// Long-poll: answers as soon as tasks are queued, or empty after `wait`.
 pub async fn poll_tasks(ctx: &Ctx, server: ServerId, wait: u64) -> ApiResult<Vec<TaskEnvelope>> {
     let wait = Duration::from_secs(wait.min(MAX_LONG_POLL_SECS));

@@ -183,6 +183,7 @@ pub async fn create_package(ctx: &Ctx, caller: &Caller, req: CreatePackage) -> A
             disk_gib: req.disk_gib,
             devices: &req.devices,
             placement: req.placement,
+            stop_grace_s: req.stop_grace_s,
         },
     )
     .await?)

@@ -66,6 +66,11 @@ pub struct Services {
     pub stopping: std::sync::atomic::AtomicBool,
     /// Jobs this process is running now (never two runners for one job here).
     pub running_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
+    /// Provisions whose VM was deleted here while they ran: each stops at its next step
+    /// and unwinds. The VM's `destroying` state says the same to a run read back from the
+    /// database (a restart, another replica), and a provision's last step refuses a VM
+    /// that is no longer provisioning.
+    pub cancelled_jobs: std::sync::Mutex<std::collections::HashSet<passage_model::JobId>>,
     pub login_guard: login_guard::LoginGuard,
     /// Jobs that may run at once in this process.
     pub job_permits: Arc<tokio::sync::Semaphore>,
@@ -229,6 +234,7 @@ impl Services {
             instance: uuid::Uuid::new_v4().to_string(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             running_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
+            cancelled_jobs: std::sync::Mutex::new(std::collections::HashSet::new()),
             login_guard: login_guard::LoginGuard::new(cfg_limits),
             job_permits: Arc::new(tokio::sync::Semaphore::new(job_concurrency)),
             placer: placer::Placer::new(placer::LINGER),

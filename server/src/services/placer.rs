@@ -479,6 +479,7 @@ mod tests {
             disk_gib: 10,
             devices: devices.iter().map(|(v, n)| (v.to_string(), *n)).collect(),
             placement: None,
+            stop_grace_s: None,
             created_at: chrono::DateTime::default(),
         }
     }

@@ -1,4 +1,4 @@
-//! Stop, start, resize (another package) and cold migration (another server) of a VM.
+//! Stop, reboot, start, resize (another package) and cold migration (another server) of a VM.
 
 use super::Ctx;
 use super::auth::Caller;
@@ -7,9 +7,9 @@ use crate::error::{ApiError, ApiResult};
 use crate::placement;
 use crate::store::reserve::Claim;
 use crate::store::{StoreError, devices, room, vms};
-use crate::workflows::lifecycle::{self, Migrate, Resize, Start, Stop};
+use crate::workflows::lifecycle::{self, Migrate, Reboot, Resize, Start, Stop, StopPlan};
 use crate::workflows::{self, Workflow};
-use passage_model::api::{Package, Vm, VmState};
+use passage_model::api::{DEFAULT_STOP_GRACE_S, Package, Vm, VmState};
 use passage_model::{DevicePath, ErrorCode, JobId, ServerId, VmId};
 use std::collections::BTreeMap;
 
@@ -29,17 +29,54 @@ async fn begin<W: Workflow>(
     payload: &W::Payload,
     claim: Option<Claim<'_>>,
 ) -> Result<Vm, StoreError> {
+    begin_as::<W>(ctx, vm, from, None, payload, claim).await
+}
+
+/// [`begin`], the VM going to state `to` with the job's write.
+async fn begin_as<W: Workflow>(
+    ctx: &Ctx,
+    vm: &Vm,
+    from: &[VmState],
+    to: Option<VmState>,
+    payload: &W::Payload,
+    claim: Option<Claim<'_>>,
+) -> Result<Vm, StoreError> {
     let job = JobId::new_random();
     let new = workflows::new_job::<W>(job, Some(vm.uuid), Some(vm.owner_uuid), payload)
         .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let vm = vms::begin_job(&ctx.api_db, vm.uuid, from, new, claim, ctx.cfg.alloc).await?;
+    let vm = vms::begin_job_as(&ctx.api_db, vm.uuid, from, to, new, claim, ctx.cfg.alloc).await?;
     workflows::spawn(ctx.clone(), job);
     Ok(vm)
 }
 
-pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
+/// How a stop of `vm` goes: forced, or its guest given its package's grace (the
+/// default where it names none), never more than the server's limit.
+async fn stop_plan(ctx: &Ctx, vm: &Vm, force: bool) -> ApiResult<StopPlan> {
+    let asked = match vm.package_uuid {
+        Some(p) => match crate::store::packages::get(&ctx.db, p).await {
+            Ok(p) => p.stop_grace_s,
+            // A package deleted since: the default.
+            Err(StoreError::NotFound(_)) => None,
+            Err(e) => return Err(e.into()),
+        },
+        None => None,
+    };
+    let max = u32::try_from(ctx.cfg.stop_grace_max.as_secs()).unwrap_or(u32::MAX);
+    Ok(StopPlan {
+        force,
+        grace_s: asked.unwrap_or(DEFAULT_STOP_GRACE_S).min(max),
+    })
+}
+
+/// Stops a running VM: the guest is asked to shut down (the ACPI power button) and given
+/// its grace, then the VM is ended; `force` ends it at once. The VM shows `stopping`
+/// from this answer on, `stopped` once its job is done; the job's step says which
+/// happened.
+pub async fn stop(ctx: &Ctx, caller: &Caller, uuid: VmId, force: bool) -> ApiResult<Vm> {
     let vm = owned(ctx, caller, uuid).await?;
-    Ok(begin::<Stop>(ctx, &vm, &[VmState::Running], &(), None).await?)
+    let plan = stop_plan(ctx, &vm, force).await?;
+    let to = Some(VmState::Stopping);
+    Ok(begin_as::<Stop>(ctx, &vm, &[VmState::Running], to, &Some(plan), None).await?)
 }
 
 pub async fn start(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
@@ -47,45 +84,14 @@ pub async fn start(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     Ok(begin::<Start>(ctx, &vm, &[VmState::Stopped], &(), None).await?)
 }
 
-/// How long a reboot waits for its stop before it gives up on the start.
-const REBOOT_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
-
-/// A stop, then a start once the stop has ended (CloudAPI's RebootMachine): the VM keeps
-/// its devices throughout. Answers when the stop has begun; a stop that fails leaves the
-/// VM as the stop left it, and no start is made.
-pub async fn reboot(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
-    let vm = stop(ctx, caller, uuid).await?;
-    let Some(job) = vm.job_uuid else {
-        return Ok(vm);
-    };
-    let (ctx2, caller2) = (ctx.clone(), caller.clone());
-    tokio::spawn(async move {
-        let deadline = tokio::time::Instant::now() + REBOOT_STOP_WAIT;
-        loop {
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            let ended = match crate::store::jobs::get(&ctx2.db, job).await {
-                Ok(rec) => !matches!(
-                    rec.state,
-                    passage_model::api::JobState::Queued | passage_model::api::JobState::Running
-                ),
-                Err(e) => {
-                    tracing::warn!(vm = %uuid, error = %e, "reboot: cannot read its stop job");
-                    return;
-                }
-            };
-            if ended {
-                break;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                tracing::warn!(vm = %uuid, "reboot: the stop did not end in time; not starting");
-                return;
-            }
-        }
-        if let Err(e) = start(&ctx2, &caller2, uuid).await {
-            tracing::warn!(vm = %uuid, error = %e.message, "reboot: the start was refused");
-        }
-    });
-    Ok(vm)
+/// A stop as [`stop`] makes it (`force`: a reset), then a start, in one job: the VM
+/// keeps its devices, disk and addresses throughout. A stop that fails leaves the VM
+/// running, a start that fails leaves it stopped.
+pub async fn reboot(ctx: &Ctx, caller: &Caller, uuid: VmId, force: bool) -> ApiResult<Vm> {
+    let vm = owned(ctx, caller, uuid).await?;
+    let plan = stop_plan(ctx, &vm, force).await?;
+    let to = Some(VmState::Stopping);
+    Ok(begin_as::<Reboot>(ctx, &vm, &[VmState::Running], to, &plan, None).await?)
 }
 
 /// The VM's devices by variant, as the fleet knows them.

@@ -630,20 +630,42 @@ pub async fn destroy(ctx: &Ctx, caller: &Caller, uuid: VmId) -> ApiResult<Vm> {
     };
     let vm = match first {
         Some(vm) => vm,
-        None => destroy_refused(ctx, caller, uuid, job).await?,
+        None => match destroy_refused(ctx, caller, uuid, job).await? {
+            Deletion::Begun(vm) => vm,
+            // Its provision unwinds and then writes the destroy: nothing to run here.
+            Deletion::Cancelled(vm) => return Ok(vm),
+        },
     };
     workflows::spawn_with(ctx.clone(), job, Some(vm.clone()));
     Ok(vm)
 }
 
+/// How a deletion the first try refused went on.
+enum Deletion {
+    /// Its destroy job (the one asked for) is written.
+    Begun(Vm),
+    /// The VM was still provisioning: its provision is cancelled, and destroys it after
+    /// its unwind.
+    Cancelled(Vm),
+}
+
 /// A deletion the first try refused: the VM is missing, the caller's to see but not to
-/// change, destroyed, or busy with a job. Its answer says which; a job that is over in
-/// all but name is waited for (`settled`) and the deletion tried once more.
-async fn destroy_refused(ctx: &Ctx, caller: &Caller, uuid: VmId, job: JobId) -> ApiResult<Vm> {
+/// change, destroyed, still provisioning (its provision is cancelled), or busy with a
+/// job. Its answer says which; a job that is over in all but name is waited for
+/// (`settled`) and the deletion tried once more.
+async fn destroy_refused(
+    ctx: &Ctx,
+    caller: &Caller,
+    uuid: VmId,
+    job: JobId,
+) -> ApiResult<Deletion> {
     let vm = get(ctx, caller, uuid).await?;
     caller.may_change(vm.owner_uuid)?;
     if vm.state == VmState::Destroyed {
         return Err(ApiError::invalid_state("the VM is already destroyed"));
+    }
+    if let Some(cancelled) = cancel(ctx, &vm).await? {
+        return Ok(Deletion::Cancelled(cancelled));
     }
     let vm = match vms::begin_destroy(&ctx.api_db, uuid, job, super::destroys::job_for).await {
         Err(StoreError::InvalidState(_)) if vm.job_uuid.is_some() => {
@@ -651,11 +673,52 @@ async fn destroy_refused(ctx: &Ctx, caller: &Caller, uuid: VmId, job: JobId) -> 
             if vm.state == VmState::Destroyed {
                 return Err(ApiError::invalid_state("the VM is already destroyed"));
             }
+            // A provision that was cancelled by another deletion: this one is under way
+            // too.
+            if let Some(cancelled) = cancel(ctx, &vm).await? {
+                return Ok(Deletion::Cancelled(cancelled));
+            }
             vms::begin_destroy(&ctx.api_db, uuid, job, super::destroys::job_for).await?
         }
         r => r?,
     };
-    Ok(vm)
+    Ok(Deletion::Begun(vm))
+}
+
+/// Cancels the provision of `vm` if it is still provisioning (or was cancelled already):
+/// the VM as it stands after. The provision stops at its next step, unwinds, and writes
+/// the VM's destroy.
+async fn cancel(ctx: &Ctx, vm: &Vm) -> ApiResult<Option<Vm>> {
+    let Some(job) = vm.job_uuid else {
+        return Ok(None);
+    };
+    if vm.state == VmState::Destroying {
+        let cancelling = match jobs::get(&ctx.db, job).await {
+            Ok(j) => j.kind == passage_model::jobs::JobKind::Provision,
+            Err(StoreError::NotFound(_)) => false,
+            Err(e) => return Err(e.into()),
+        };
+        return Ok(cancelling.then(|| vm.clone()));
+    }
+    if vm.state != VmState::Provisioning {
+        return Ok(None);
+    }
+    let noted = |on: bool| {
+        let mut set = ctx.cancelled_jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if on {
+            set.insert(job);
+        } else {
+            set.remove(&job);
+        }
+    };
+    // Noted before the write, so that the runner here stops at its very next step; taken
+    // back when the write did not cancel it (the provision ended meanwhile, or an error).
+    noted(true);
+    let r = vms::cancel_provision(&ctx.api_db, vm.uuid, job).await;
+    if !matches!(r, Ok(Some(_))) {
+        noted(false);
+    }
+    Ok(r?)
 }
 
 /// How long a call on a VM waits for a job in its last step to be marked done.

@@ -126,6 +126,7 @@ struct StepRow {
     error_kind: Option<String>,
     progress_done: Option<i64>,
     progress_total: Option<i64>,
+    detail: Option<String>,
 }
 
 /// Why a step failed.
@@ -144,6 +145,8 @@ pub struct StepRecord {
     pub ended_at: Option<DateTime<Utc>>,
     pub failure: Option<StepFailure>,
     pub progress: Option<passage_model::api::Progress>,
+    /// What the step found, in words (how a stop ended).
+    pub detail: Option<String>,
 }
 
 /// A job as its runner keeps it; the API sees [`JobRecord::view`].
@@ -180,6 +183,7 @@ impl JobRecord {
                     error: s.failure.as_ref().map(|f| f.message.clone()),
                     error_kind: s.failure.as_ref().map(|f| f.kind),
                     progress: s.progress,
+                    detail: s.detail.clone(),
                 })
                 .collect(),
             created_at: self.created_at,
@@ -192,8 +196,8 @@ impl JobRecord {
 const JOB_COLS: &str =
     "uuid, name, vm_uuid, owner_uuid, payload, state, error, created_at, ended_at";
 
-const STEP_COLS: &str =
-    "idx, name, state, started_at, ended_at, error, error_kind, progress_done, progress_total";
+const STEP_COLS: &str = "idx, name, state, started_at, ended_at, error, error_kind, progress_done, progress_total, \
+     detail";
 
 fn step_record(s: StepRow) -> StoreResult<StepRecord> {
     let failure = match s.error {
@@ -216,6 +220,7 @@ fn step_record(s: StepRow) -> StoreResult<StepRecord> {
     };
     Ok(StepRecord {
         progress,
+        detail: s.detail,
         state: StepState::parse(&s.state).ok_or_else(|| corrupt(&s.state))?,
         name: s.name,
         started_at: s.started_at.map(to_time),
@@ -237,6 +242,7 @@ fn steps_of(kind: JobKind, rows: Vec<StepRow>) -> StoreResult<Vec<StepRecord>> {
             ended_at: None,
             failure: None,
             progress: None,
+            detail: None,
         })
         .collect();
     for row in rows {
@@ -545,6 +551,21 @@ pub async fn orphaned(db: &Db, grace_ms: i64) -> StoreResult<Vec<JobId>> {
     .fetch_all(p)
     .await)?;
     rows.iter().map(|u| parse_uuid(u, "job")).collect()
+}
+
+/// Records what step `idx` of `job` found (how a stop ended), on its row, written when
+/// the step started.
+pub async fn set_step_detail(db: &Db, job: JobId, idx: usize, detail: &str) -> StoreResult<()> {
+    on_write!(db, |p| sqlx::query(
+        "UPDATE job_steps SET detail = $3 WHERE job_uuid = $1 AND idx = $2"
+    )
+    .bind(job.to_string())
+    .bind(i64::try_from(idx).unwrap_or(i64::MAX))
+    .bind(detail)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(())
 }
 
 /// Records an agent's progress on the running step of `job` (the one waiting for its

@@ -15,6 +15,7 @@ struct PackageRow {
     disk_gib: i64,
     devices: String,
     placement: Option<String>,
+    stop_grace_s: Option<i64>,
     created_at: i64,
 }
 
@@ -37,12 +38,14 @@ impl PackageRow {
                         .ok_or_else(|| StoreError::Corrupt(format!("placement {p:?}")))
                 })
                 .transpose()?,
+            stop_grace_s: self.stop_grace_s.and_then(|g| u32::try_from(g).ok()),
             created_at: to_time(self.created_at),
         })
     }
 }
 
-const COLS: &str = "uuid, name, vcpus, memory_mib, disk_gib, devices, placement, created_at";
+const COLS: &str =
+    "uuid, name, vcpus, memory_mib, disk_gib, devices, placement, created_at, stop_grace_s";
 
 pub struct NewPackage<'a> {
     pub name: &'a str,
@@ -51,6 +54,7 @@ pub struct NewPackage<'a> {
     pub disk_gib: u64,
     pub devices: &'a BTreeMap<String, u32>,
     pub placement: Option<passage_model::api::PlacementPolicy>,
+    pub stop_grace_s: Option<u32>,
 }
 
 pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
@@ -58,7 +62,7 @@ pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
     let devices = serde_json::to_string(p.devices)
         .map_err(|e| StoreError::Corrupt(format!("package devices: {e}")))?;
     on_write!(db, |c| sqlx::query(&format!(
-        "INSERT INTO packages ({COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+        "INSERT INTO packages ({COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
     ))
     .bind(uuid.to_string())
     .bind(p.name)
@@ -68,6 +72,7 @@ pub async fn insert(db: &Db, p: NewPackage<'_>) -> StoreResult<Package> {
     .bind(devices)
     .bind(p.placement.map(|x| x.as_str()))
     .bind(now_ms())
+    .bind(p.stop_grace_s.map(i64::from))
     .execute(c)
     .await
     .map(|r| r.rows_affected()))

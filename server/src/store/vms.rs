@@ -216,6 +216,54 @@ pub async fn begin_destroy(
     })
 }
 
+/// A deletion of a VM still provisioning (a cancel): the VM goes `destroying` while its
+/// provision job `job` runs on; that job sees it at its next step, unwinds, and then
+/// writes the VM's destroy ([`destroy_after_cancel`]). `None` when the VM is not
+/// provisioning under that job (its provision ended meanwhile).
+pub async fn cancel_provision(db: &Db, uuid: VmId, job: JobId) -> StoreResult<Option<Vm>> {
+    let row: Option<VmRow> = on_write!(db, |p| sqlx::query_as(&format!(
+        "UPDATE vms SET state = 'destroying', updated_at = $3 \
+         WHERE uuid = $1 AND state = 'provisioning' AND job_uuid = $2 RETURNING {COLS}"
+    ))
+    .bind(uuid.to_string())
+    .bind(job.to_string())
+    .bind(now_ms())
+    .fetch_optional(p)
+    .await)?;
+    row.map(VmRow::into_view).transpose()
+}
+
+/// After the unwind of provision `cancelled`, whose VM was deleted meanwhile: the VM's
+/// destroy job, written as `job_for` makes it for the VM as the update leaves it, with
+/// the VM naming it. `None` when the VM is not `destroying` under that provision.
+pub async fn destroy_after_cancel(
+    db: &Db,
+    uuid: VmId,
+    cancelled: JobId,
+    job: JobId,
+    job_for: impl FnOnce(&Vm) -> StoreResult<NewJob> + Send,
+) -> StoreResult<Option<Vm>> {
+    in_tx!(db, |tx| {
+        let row: Option<VmRow> = sqlx::query_as(&format!(
+            "UPDATE vms SET job_uuid = $3, updated_at = $4 \
+             WHERE uuid = $1 AND state = 'destroying' AND job_uuid = $2 RETURNING {COLS}",
+        ))
+        .bind(uuid.to_string())
+        .bind(cancelled.to_string())
+        .bind(job.to_string())
+        .bind(now_ms())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let vm = row.into_view()?;
+        let new = job_for(&vm)?;
+        tx.insert_jobs(std::slice::from_ref(&new)).await?;
+        Ok(Some(vm))
+    })
+}
+
 /// One VM's destroy in a batch of them ([`begin_destroy_many`]).
 pub struct DestroyReq {
     pub vm: VmId,
@@ -406,10 +454,26 @@ pub async fn begin_job(
     claim: Option<Claim<'_>>,
     alloc: Allocation,
 ) -> StoreResult<Vm> {
+    begin_job_as(db, uuid, from, None, job, claim, alloc).await
+}
+
+/// [`begin_job`], the VM going to state `to` in the same write when one is given (a
+/// stop's `stopping`, shown from the answer on).
+pub async fn begin_job_as(
+    db: &Db,
+    uuid: VmId,
+    from: &[VmState],
+    to: Option<VmState>,
+    job: NewJob,
+    claim: Option<Claim<'_>>,
+    alloc: Allocation,
+) -> StoreResult<Vm> {
     let states: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
+    // A state's name from the model's own list, never from a caller's text.
+    let set_state = to.map_or(String::new(), |s| format!(", state = '{}'", s.as_str()));
     in_tx!(db, |tx| {
         let n = sqlx::query(&format!(
-            "UPDATE vms SET job_uuid = $2, updated_at = $3 WHERE uuid = $1 \
+            "UPDATE vms SET job_uuid = $2, updated_at = $3{set_state} WHERE uuid = $1 \
              AND state IN ({}) AND {NO_JOB_RUNNING}",
             states.join(", ")
         ))

@@ -120,6 +120,10 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
             ctx.cfg.task_timeout
                 + Duration::from_secs(vm.disk.as_ref().map_or(0, |d| d.image.size / 10_000_000))
         }
+        // The guest's grace on top: the node answers once the VM has ended.
+        Task::ShutdownVm { grace_s, .. } => {
+            ctx.cfg.task_timeout + Duration::from_secs(u64::from(*grace_s))
+        }
         // Someone is waiting at a page: a node that cannot answer in seconds is down.
         Task::ReadConsole { .. } => ctx.cfg.task_timeout.min(CONSOLE_TIMEOUT),
         _ => ctx.cfg.task_timeout,

@@ -1,41 +1,221 @@
-//! A VM's life after provisioning: stop, start, and the replacement of its devices that
-//! a resize (another package) or a cold migration (another server) needs.
+//! A VM's life after provisioning: stop (a clean one: the guest asked to shut down, then
+//! given its grace, unless forced), reboot (a stop and a start in one job), start, and
+//! the replacement of its devices that a resize (another package) or a cold migration
+//! (another server) needs.
 
 use super::provision::{server_of, spec};
 use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
-use crate::store::{devices, vms};
-use passage_model::api::VmState;
-use passage_model::jobs::{JobKind, ReplaceStep, StartStep, StopStep};
+use crate::store::{devices, jobs, vms};
+use passage_model::api::{Vm, VmState};
+use passage_model::jobs::{JobKind, RebootStep, ReplaceStep, StartStep, StopStep};
 use passage_model::protocol::Task;
-use passage_model::{DeviceEvent, DevicePath, PackageId, ServerId};
+use passage_model::{DeviceEvent, DevicePath, JobId, PackageId, ServerId, VmId};
 use serde::{Deserialize, Serialize};
+
+/// What a stop or a reboot does to its VM's guest, fixed when it is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopPlan {
+    /// Power the VM off at once, without asking the guest.
+    pub force: bool,
+    /// How long the guest has to shut down once asked (its package's, capped by the
+    /// server's limit).
+    pub grace_s: u32,
+}
+
+impl Default for StopPlan {
+    /// A stop job written before clean stops were (no payload): a clean stop with the
+    /// default grace.
+    fn default() -> Self {
+        StopPlan {
+            force: false,
+            grace_s: passage_model::api::DEFAULT_STOP_GRACE_S,
+        }
+    }
+}
+
+/// How long a stop waits for a node that has not polled since this server started, to
+/// learn whether its agent can ask a guest to shut down.
+const NODE_POLL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether `server`'s agent runs `shutdown_vm`; a node not heard from since this server
+/// started is given a moment to poll first.
+async fn asks_guests(ctx: &Ctx, server: ServerId) -> bool {
+    let deadline = tokio::time::Instant::now() + NODE_POLL_WAIT;
+    loop {
+        if crate::services::agents::runs(ctx, server, Task::SHUTDOWN_VM) {
+            return true;
+        }
+        if crate::services::agents::polled(ctx, server) || tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Ends the VM on its node as `plan` says, and answers what happened, in words: the
+/// guest asked to shut down and given its grace, or powered off at once; `None` when the
+/// VM was found stopped already.
+async fn end_vm(
+    ctx: &Ctx,
+    job: JobId,
+    vm: VmId,
+    server: ServerId,
+    plan: StopPlan,
+) -> Result<Option<String>, StepError> {
+    if plan.force {
+        agent_task::run(ctx, server, Some(job), Task::StopVm { vm_uuid: vm }).await?;
+        return Ok(Some("forced power off".to_string()));
+    }
+    if !asks_guests(ctx, server).await {
+        agent_task::run(ctx, server, Some(job), Task::StopVm { vm_uuid: vm }).await?;
+        return Ok(Some(
+            "powered off: the node's agent is too old to ask the guest to shut down".to_string(),
+        ));
+    }
+    let task = Task::ShutdownVm {
+        vm_uuid: vm,
+        grace_s: plan.grace_s,
+    };
+    let r = agent_task::run(ctx, server, Some(job), task).await?;
+    Ok(match r.shutdown {
+        // A step run again (after a restart) finds the VM it stopped: what it said the
+        // first time stands.
+        Some(passage_model::protocol::Shutdown::NotRunning) => None,
+        Some(s) => Some(s.describe()),
+        None => Some("stopped".to_string()),
+    })
+}
+
+/// A stop step's work for a VM that shows `stopping`: the VM ended as `plan` says, the
+/// step's detail written (step `idx` of the job), the VM `stopped`.
+async fn stop_step(
+    ctx: &Ctx,
+    job: JobId,
+    idx: usize,
+    vm: &Vm,
+    plan: StopPlan,
+) -> Result<(), StepError> {
+    let server = server_of(vm)?;
+    if let Some(detail) = end_vm(ctx, job, vm.uuid, server, plan).await? {
+        jobs::set_step_detail(&ctx.jobs_db, job, idx, &detail).await?;
+    }
+    vms::set_state(
+        &ctx.jobs_db,
+        vm.uuid,
+        &[VmState::Stopping, VmState::Running, VmState::Stopped],
+        VmState::Stopped,
+    )
+    .await?;
+    Ok(())
+}
+
+/// A stop that failed leaves the VM as it was: running (the reconciler marks it stopped
+/// if its node stops reporting it).
+async fn stop_failed(ctx: &Ctx, vm: Option<VmId>) -> Result<(), StepError> {
+    if let Some(vm) = vm {
+        vms::set_state(&ctx.jobs_db, vm, &[VmState::Stopping], VmState::Running).await?;
+    }
+    Ok(())
+}
 
 pub struct Stop;
 
 impl Workflow for Stop {
     const KIND: JobKind = JobKind::Stop;
     type Step = StopStep;
-    type Payload = ();
+    /// `None` in a job written before clean stops: [`StopPlan::default`].
+    type Payload = Option<StopPlan>;
     const LEADS_TO: Option<VmState> = Some(VmState::Stopped);
 
     async fn action(ctx: &Ctx, run: &Run<Self>, step: StopStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;
-        let server = server_of(&vm)?;
         match step {
             StopStep::Stop => {
-                let task = Task::StopVm { vm_uuid: vm.uuid };
-                agent_task::run(ctx, server, Some(run.job), task).await?;
+                let plan = run.payload.unwrap_or_default();
+                stop_step(ctx, run.job, 0, &vm, plan).await
+            }
+        }
+    }
+
+    async fn on_failed(ctx: &Ctx, run: &Run<Self>, _error: &str) -> Result<(), StepError> {
+        stop_failed(ctx, run.vm).await
+    }
+}
+
+/// A clean stop then a start, in one job: the VM keeps its devices, disk and addresses
+/// throughout.
+pub struct Reboot;
+
+impl Workflow for Reboot {
+    const KIND: JobKind = JobKind::Reboot;
+    type Step = RebootStep;
+    type Payload = StopPlan;
+    const LEADS_TO: Option<VmState> = Some(VmState::Running);
+
+    async fn action(ctx: &Ctx, run: &Run<Self>, step: RebootStep) -> Result<(), StepError> {
+        let vm = run.vm(ctx).await?;
+        let server = server_of(&vm)?;
+        let job = Some(run.job);
+        match step {
+            RebootStep::Stop => stop_step(ctx, run.job, 0, &vm, run.payload).await,
+            RebootStep::Start => {
+                // Each part is idempotent on the node: bound devices stay bound, a disk
+                // that is there stays, a running VM with the same spec is left alone.
+                if crate::services::agents::runs(ctx, server, Task::BOOT_VM) {
+                    super::provision::boot(ctx, server, job, &vm).await?;
+                } else {
+                    if !vm.assigned_devices.is_empty() {
+                        let task = Task::BindPassthrough {
+                            vm_uuid: vm.uuid,
+                            devices: vm.assigned_devices.clone(),
+                            vgpu_types: super::provision::vgpu_types(
+                                ctx,
+                                server,
+                                &vm.assigned_devices,
+                            )
+                            .await?,
+                        };
+                        agent_task::run(ctx, server, job, task).await?;
+                    }
+                    super::disk::fetch(ctx, server, job, &vm).await?;
+                    let disk = super::disk::spec(ctx, &vm).await?;
+                    let task = Task::StartVm {
+                        vm: spec(ctx, &vm, disk).await?,
+                    };
+                    agent_task::run(ctx, server, job, task).await?;
+                }
                 vms::set_state(
                     &ctx.jobs_db,
                     vm.uuid,
-                    &[VmState::Running, VmState::Stopped],
-                    VmState::Stopped,
+                    &[VmState::Stopped, VmState::Running],
+                    VmState::Running,
                 )
                 .await?;
                 Ok(())
             }
         }
+    }
+
+    async fn undo(ctx: &Ctx, run: &Run<Self>, step: RebootStep) -> Result<(), StepError> {
+        match step {
+            // Nothing to take back: a stopped VM stays stopped.
+            RebootStep::Stop => Ok(()),
+            // A start that failed part way: the VM is stopped, as the stop left it.
+            RebootStep::Start => {
+                let vm = run.vm(ctx).await?;
+                let server = server_of(&vm)?;
+                let task = Task::StopVm { vm_uuid: vm.uuid };
+                agent_task::run(ctx, server, Some(run.job), task).await?;
+                vms::set_state(&ctx.jobs_db, vm.uuid, &[VmState::Running], VmState::Stopped)
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+
+    async fn on_failed(ctx: &Ctx, run: &Run<Self>, _error: &str) -> Result<(), StepError> {
+        stop_failed(ctx, run.vm).await
     }
 }
 

@@ -6,10 +6,11 @@
 //!
 //! | kind | steps | when a step fails |
 //! |---|---|---|
-//! | provision | reserve → bind → launch → mark_used | each step undone; the VM `failed` |
+//! | provision | reserve → bind → launch → mark_used | each step undone; the VM `failed`, or, deleted while provisioning (cancelled), destroyed |
 //! | destroy | stop → unbind → release → scrub | forward only: the VM `failed`, its devices quarantined (never freed unscrubbed) |
 //! | scrub | scrub | the devices that failed quarantined |
-//! | stop | stop | nothing to undo |
+//! | stop | stop (the guest asked to shut down, then powered off after its grace; or forced) | nothing to undo; the VM `running` again |
+//! | reboot | stop → start | a launched VM stopped again; the VM `stopped` |
 //! | start | bind → launch | a launched VM stopped again |
 //! | resize, migrate | reserve → bind → commit → unbind → scrub | before `commit`, the new devices given back; after, the reconciler finishes |
 //!
@@ -382,6 +383,14 @@ macro_rules! dispatch {
                 type $w = $crate::workflows::lifecycle::Migrate;
                 const _: () = assert!(
                     matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Migrate),
+                    "dispatched to a workflow of another kind"
+                );
+                $body
+            }
+            JobKind::Reboot => {
+                type $w = $crate::workflows::lifecycle::Reboot;
+                const _: () = assert!(
+                    matches!(<$w as $crate::workflows::Workflow>::KIND, JobKind::Reboot),
                     "dispatched to a workflow of another kind"
                 );
                 $body

@@ -1,4 +1,6 @@
 //! The provision saga: reserve → bind → launch → mark_used, each step undone on failure.
+//! A VM deleted while it provisions is cancelled: the saga stops at its next step,
+//! unwinds, and writes the VM's destroy.
 
 use super::{Run, StepError, Workflow, agent_task, scrub};
 use crate::services::Ctx;
@@ -179,6 +181,9 @@ impl Workflow for Provision {
 
     async fn action(ctx: &Ctx, run: &Run<Self>, step: ProvisionStep) -> Result<(), StepError> {
         let vm = run.vm(ctx).await?;
+        if cancelled(ctx, run, &vm) {
+            return Err(StepError::Refused(CANCELLED.to_string()));
+        }
         let server = server_of(&vm)?;
         let job = Some(run.job);
         match step {
@@ -311,6 +316,45 @@ impl Workflow for Provision {
             VmState::Failed,
         )
         .await?;
+        // Deleted while provisioning (cancelled, or failed as it was deleted): destroyed
+        // now like any other VM, its devices scrubbed where a guest may have touched
+        // them, its addresses given back.
+        let now = vms::get(&ctx.jobs_db, vm.uuid).await?;
+        if now.state == VmState::Destroying && now.job_uuid == Some(run.job) {
+            let job = passage_model::JobId::new_random();
+            let job_for = |v: &Vm| {
+                super::new_job::<super::destroy::Destroy>(
+                    job,
+                    Some(v.uuid),
+                    Some(v.owner_uuid),
+                    &(),
+                )
+                .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))
+            };
+            if let Some(v) =
+                vms::destroy_after_cancel(&ctx.jobs_db, vm.uuid, run.job, job, job_for).await?
+            {
+                super::spawn_with(ctx.clone(), job, Some(v));
+            }
+        }
+        ctx.cancelled_jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&run.job);
         Ok(())
     }
+}
+
+/// Why a provision whose VM was deleted stops.
+const CANCELLED: &str = "cancelled: the VM was deleted while it was provisioning";
+
+/// Whether the provision's VM was deleted while it ran: noted here by the deletion, or,
+/// for a run read back from the database, the VM's state.
+fn cancelled(ctx: &Ctx, run: &Run<Provision>, vm: &Vm) -> bool {
+    vm.state == VmState::Destroying
+        || ctx
+            .cancelled_jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&run.job)
 }

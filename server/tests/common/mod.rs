@@ -270,22 +270,7 @@ impl TestServer {
         )
         .unwrap();
         let before = self.server_uuids().await;
-        let cfg = AgentConfig {
-            server_url: self.base.clone(),
-            join_token: self.join_token().await,
-            sysfs_root: sysfs.clone(),
-            state_dir: state.clone(),
-            hypervisor: HypervisorKind::Sim,
-            heartbeat: Duration::from_secs(1),
-            inventory_every: Duration::from_secs(1),
-            hostname: format!("node-{}", self.agents.len()),
-            ca_cert: None,
-        };
-        self.agents.push(tokio::spawn(async move {
-            if let Err(e) = node_agent::agent::run(cfg).await {
-                eprintln!("agent stopped: {e}");
-            }
-        }));
+        self.run_agent(&sysfs, &state).await;
         let uuid = wait_for(Duration::from_secs(20), || async {
             let now = self.server_uuids().await;
             now.into_iter().find(|u| !before.contains(u))
@@ -307,6 +292,40 @@ impl TestServer {
             state,
             _dir: dir,
         }
+    }
+
+    /// Runs the agent loop of a node over `sysfs`, keeping its credential in `state` (a
+    /// node that registered before goes on as itself).
+    async fn run_agent(&mut self, sysfs: &std::path::Path, state: &std::path::Path) {
+        let cfg = AgentConfig {
+            server_url: self.base.clone(),
+            join_token: self.join_token().await,
+            sysfs_root: sysfs.to_path_buf(),
+            state_dir: state.to_path_buf(),
+            hypervisor: HypervisorKind::Sim,
+            heartbeat: Duration::from_secs(1),
+            inventory_every: Duration::from_secs(1),
+            hostname: format!("node-{}", self.agents.len()),
+            ca_cert: None,
+        };
+        self.agents.push(tokio::spawn(async move {
+            if let Err(e) = node_agent::agent::run(cfg).await {
+                eprintln!("agent stopped: {e}");
+            }
+        }));
+    }
+
+    /// Stops every node's agent loop, as a node that went away would: tasks queued for
+    /// them wait until [`Self::resume_agent`].
+    pub fn pause_agents(&mut self) {
+        for a in self.agents.drain(..) {
+            a.abort();
+        }
+    }
+
+    /// Runs `node`'s agent loop again after [`Self::pause_agents`].
+    pub async fn resume_agent(&mut self, node: &Node) {
+        self.run_agent(&node.sysfs, &node.state).await;
     }
 
     /// A node registered by hand (no agent loop: its tasks are never answered) that

@@ -231,7 +231,7 @@ async fn cloudapi_by_hand(backend: Backend) {
         )
         .await;
     assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
-    // Reboot: a stop, then a start.
+    // Reboot: a clean stop, then a start, in one job.
     wait_state(&carol, &s, &id, "running").await;
     let r = carol
         .send(
@@ -242,25 +242,26 @@ async fn cloudapi_by_hand(backend: Backend) {
         )
         .await;
     assert_eq!(r.status(), 202);
-    let jobs = wait_for(std::time::Duration::from_secs(30), || async {
-        // Carol's jobs, newest first: the reboot's stop and start on top of the ones above.
+    let reboot = wait_for(std::time::Duration::from_secs(30), || async {
+        // Carol's jobs, newest first: the reboot on top of the ones above.
         let jobs: Vec<Value> = carol_api.get("/v1/jobs").await.ok(200);
-        let names: Vec<String> = jobs
+        let mine: Vec<&Value> = jobs
             .iter()
             .filter(|j| j["vm_uuid"] == id.as_str())
+            .collect();
+        let names: Vec<String> = mine
+            .iter()
             .map(|j| Some(format!("{}:{}", j["name"].as_str()?, j["state"].as_str()?)))
             .collect::<Option<Vec<String>>>()?;
-        (names[..4]
-            == [
-                "start:succeeded",
-                "stop:succeeded",
-                "start:succeeded",
-                "stop:succeeded",
-            ])
-        .then_some(names)
+        (names[..3] == ["reboot:succeeded", "start:succeeded", "stop:succeeded"])
+            .then(|| mine[0].clone())
     })
-    .await;
-    assert!(jobs.is_some(), "reboot = stop then start");
+    .await
+    .expect("reboot = one job, a clean stop then a start");
+    assert_eq!(reboot["steps"][0]["name"], "stop");
+    assert_eq!(reboot["steps"][0]["detail"], "guest shut down after 0 s");
+    assert_eq!(reboot["steps"][1]["name"], "start");
+    wait_state(&carol, &s, &id, "running").await;
     let r = carol
         .send(&s, "GET", "/carol/machines/not-a-uuid", None)
         .await;

@@ -3,10 +3,12 @@
 
 mod addresses;
 mod api;
+mod clean_stop;
 mod cloudapi;
 mod console;
 mod durable;
 mod e2e;
+mod guest_power;
 mod guest_ssh;
 mod images;
 mod keys;

@@ -65,6 +65,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/vms/{uuid}"),
     ("delete", "/v1/vms/{uuid}"),
     ("post", "/v1/vms/{uuid}/stop"),
+    ("post", "/v1/vms/{uuid}/reboot"),
     ("post", "/v1/vms/{uuid}/start"),
     ("post", "/v1/vms/{uuid}/resize"),
     ("post", "/v1/vms/{uuid}/migrate"),

@@ -184,7 +184,9 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
     let (tenant, token) = s.tenant("t").await;
     let vm = match kind {
         JobKind::Provision | JobKind::Scrub => None,
-        JobKind::Destroy | JobKind::Stop => Some(create_running(&s, &token, "gpu-1x").await),
+        JobKind::Destroy | JobKind::Stop | JobKind::Reboot => {
+            Some(create_running(&s, &token, "gpu-1x").await)
+        }
         JobKind::Start | JobKind::Resize | JobKind::Migrate => {
             let v = create_running(&s, &token, "gpu-1x").await;
             stop(&s, &token, v.uuid).await;
@@ -221,6 +223,7 @@ async fn scenario(b: Backend, kind: JobKind, cfg: Config) -> Scenario {
             .ok(202),
         JobKind::Destroy => as_tenant.delete(&on_vm("")).await.ok(202),
         JobKind::Stop => as_tenant.post_empty(&on_vm("/stop")).await.ok(202),
+        JobKind::Reboot => as_tenant.post_empty(&on_vm("/reboot")).await.ok(202),
         JobKind::Start => as_tenant.post_empty(&on_vm("/start")).await.ok(202),
         JobKind::Resize => as_tenant
             .post(&on_vm("/resize"), &json!({"package": "gpu-2x"}))
@@ -293,7 +296,7 @@ async fn check_succeeded(sc: &Scenario, kind: JobKind, after: &Snapshot) {
                 "{what}"
             );
         }
-        JobKind::Stop | JobKind::Start => {
+        JobKind::Stop | JobKind::Start | JobKind::Reboot => {
             let v = vm(&sc.s, the_vm(sc, after)).await;
             let want = if kind == JobKind::Stop {
                 VmState::Stopped
@@ -360,6 +363,13 @@ async fn check_failed(sc: &Scenario, kind: JobKind, step: &str, after: &Snapshot
         }
         // Forward only: the VM was stopped before the failure.
         (JobKind::Stop, _) => {
+            let v = vm(&sc.s, the_vm(sc, after)).await;
+            assert_eq!(v.state, VmState::Stopped, "{what}");
+            assert_eq!(after.held, 1, "{what}");
+        }
+        // A reboot that failed after its stop, or whose start was undone: the VM is
+        // stopped, its device still its own.
+        (JobKind::Reboot, _) => {
             let v = vm(&sc.s, the_vm(sc, after)).await;
             assert_eq!(v.state, VmState::Stopped, "{what}");
             assert_eq!(after.held, 1, "{what}");
@@ -505,6 +515,7 @@ sagas! {
     start => JobKind::Start,
     resize => JobKind::Resize,
     migrate => JobKind::Migrate,
+    reboot => JobKind::Reboot,
 }
 
 /// Each kind has its tests above: a kind added without them fails here.
@@ -518,6 +529,7 @@ fn every_kind_is_covered() {
         JobKind::Start,
         JobKind::Resize,
         JobKind::Migrate,
+        JobKind::Reboot,
     ];
     assert_eq!(covered, JobKind::ALL);
 }

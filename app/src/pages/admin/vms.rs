@@ -6,9 +6,10 @@ use crate::rpc::list_vms;
 use leptos::prelude::*;
 use leptos_meta::Title;
 
-pub const VM_STATES: [&str; 6] = [
+pub const VM_STATES: [&str; 7] = [
     "provisioning",
     "running",
+    "stopping",
     "stopped",
     "destroying",
     "destroyed",

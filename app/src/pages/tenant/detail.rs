@@ -234,7 +234,7 @@ fn follow_console(data: crate::data::Data<Instance>, tick: RwSignal<u32>) {
                         .and_then(|r| r.ok())
                         .map(|i| i.vm.state);
                     let follow = match state {
-                        Some(VmState::Provisioning) => true,
+                        Some(VmState::Provisioning | VmState::Stopping) => true,
                         Some(VmState::Running) => n <= 30,
                         _ => false,
                     };

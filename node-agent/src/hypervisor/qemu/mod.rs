@@ -15,7 +15,7 @@ use super::{Hypervisor, HypervisorError, check_devices_ready, find_on_path};
 use crate::net;
 use crate::state::{read_json, write_json};
 use passage_model::VmId;
-use passage_model::protocol::VmSpec;
+use passage_model::protocol::{Shutdown, VmSpec};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -807,6 +807,63 @@ impl Hypervisor for QemuHypervisor {
         }
         net::remove_vm_taps(&self.net_root, vm);
         Ok(())
+    }
+
+    /// The VM stays in the map while its guest shuts down, so heartbeats report it
+    /// running until it has stopped; a stop meanwhile (a destroy) takes it at once.
+    fn shutdown(&self, vm: VmId, grace: Duration) -> Result<Shutdown, HypervisorError> {
+        let asked = match self.lock().get_mut(&vm) {
+            Some(Slot::Up(r)) => Self::is_live(r, vm).then_some(Ok(())),
+            // No guest to ask yet: the start is cancelled.
+            Some(Slot::Starting { .. }) => Some(Err("it was still starting".to_string())),
+            None => None,
+        };
+        let asked = asked.map(|a| {
+            a.and_then(|()| {
+                let files = VmFiles::new(&self.state_dir, vm);
+                Qmp::connect(&files.qmp, QMP_TIMEOUT)
+                    .and_then(|mut q| q.powerdown())
+                    .map_err(|e| format!("QMP: {e}"))
+            })
+        });
+        let outcome = match asked {
+            None => Shutdown::NotRunning,
+            Some(Err(reason)) => Shutdown::NotAsked { reason },
+            Some(Ok(())) => {
+                let asked_at = Instant::now();
+                let deadline = asked_at + grace;
+                loop {
+                    let live = match self.lock().get_mut(&vm) {
+                        Some(Slot::Up(r)) => Some(Self::is_live(r, vm)),
+                        // Stopped meanwhile by another task (a destroy's power cut).
+                        _ => None,
+                    };
+                    match live {
+                        None => break Shutdown::NotRunning,
+                        Some(false) => {
+                            let ms = asked_at.elapsed().as_millis();
+                            break Shutdown::GuestShutDown {
+                                after_ms: u64::try_from(ms).unwrap_or(u64::MAX),
+                            };
+                        }
+                        Some(true) => {}
+                    }
+                    if Instant::now() >= deadline {
+                        break Shutdown::TimedOut {
+                            grace_s: u32::try_from(grace.as_secs()).unwrap_or(u32::MAX),
+                        };
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        };
+        // Whatever happened: QEMU ended (killed if it must be), taps and state removed.
+        self.stop(vm)?;
+        Ok(outcome)
+    }
+
+    fn stops_slowly(&self) -> bool {
+        true
     }
 
     fn console(&self, vm: VmId) -> Result<String, HypervisorError> {
