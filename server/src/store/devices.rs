@@ -370,6 +370,19 @@ pub async fn candidates(
         .collect()
 }
 
+/// What a device's BARs take of a guest's 64-bit window, from its stored details (JSON);
+/// `None` without a 64-bit BAR or with details that do not parse.
+pub(crate) fn bar_window(details: &str) -> Option<passage_model::guest_shape::PortWindow> {
+    /// The one part of the details this reads.
+    #[derive(serde::Deserialize)]
+    struct Bars {
+        #[serde(default)]
+        bars: Vec<passage_model::PciBar>,
+    }
+    let b: Bars = serde_json::from_str(details).ok()?;
+    passage_model::guest_shape::port_window(&b.bars)
+}
+
 /// What the BARs of each placeable device of `variants` take of a guest's 64-bit
 /// window, by server and device (devices without a 64-bit BAR are absent): the dry run's
 /// read, as it reads every device's details.
@@ -377,11 +390,6 @@ pub async fn candidate_windows(
     db: &Db,
     variants: &[String],
 ) -> StoreResult<HashMap<(ServerId, DevicePath), passage_model::guest_shape::PortWindow>> {
-    #[derive(serde::Deserialize)]
-    struct Bars {
-        #[serde(default)]
-        bars: Vec<passage_model::PciBar>,
-    }
     if variants.is_empty() {
         return Ok(HashMap::new());
     }
@@ -395,10 +403,7 @@ pub async fn candidate_windows(
     let rows: Vec<(String, String, String)> = page::fetch(db, &sql, &args).await?;
     let mut out = HashMap::new();
     for (s, id, details) in rows {
-        let Some(w) = serde_json::from_str::<Bars>(&details)
-            .ok()
-            .and_then(|b| passage_model::guest_shape::port_window(&b.bars))
-        else {
+        let Some(w) = bar_window(&details) else {
             continue;
         };
         out.insert((parse_uuid(&s, "server")?, id.parse().map_err(corrupt)?), w);

@@ -32,7 +32,6 @@ use devices::Reserved;
 use free_index::Taken;
 use passage_model::capacity::{self, Holdings, Quota};
 pub use passage_model::capacity::{Claim, Refusal};
-use passage_model::guest_shape;
 use passage_model::{AccountId, DevicePath, ServerId};
 use std::collections::HashMap;
 
@@ -133,10 +132,7 @@ fn holdings(rows: Vec<ReadRow>, alloc: Allocation) -> StoreResult<(Holdings, Var
             "bars" => {
                 let server: ServerId = parse_uuid(&key, "server")?;
                 let path: DevicePath = id.unwrap_or_default().parse().map_err(super::corrupt)?;
-                let window = variant
-                    .as_deref()
-                    .and_then(|t| serde_json::from_str::<Bars>(t).ok())
-                    .and_then(|b| guest_shape::port_window(&b.bars));
+                let window = variant.as_deref().and_then(super::devices::bar_window);
                 h.shapes.entry((server, path)).or_default().window = window;
             }
             "room" => {
@@ -178,13 +174,6 @@ fn holdings(rows: Vec<ReadRow>, alloc: Allocation) -> StoreResult<(Holdings, Var
     }
     h.hosts = hosts.rooms(alloc);
     Ok((h, variants))
-}
-
-/// The one part of a device's details the reservation reads: its BARs.
-#[derive(serde::Deserialize)]
-struct Bars {
-    #[serde(default)]
-    bars: Vec<passage_model::PciBar>,
 }
 
 /// The claimed devices' details (`'bars'` rows), for their BARs.
