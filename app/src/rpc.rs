@@ -787,7 +787,9 @@ pub async fn create_instance(
         BTreeMap::from([("user-data".to_string(), user_data.replace("\r\n", "\n"))])
     });
     let vm = api::CreateVm {
-        alias: alias.trim().to_string(),
+        alias: optional(&alias)
+            .map(str::to_string)
+            .unwrap_or_else(passage_model::ids::made_up_alias),
         package: Some(package.to_string()),
         image: Some(image.to_string()),
         owner_uuid: None,
@@ -824,6 +826,8 @@ pub struct Instance {
     pub package: Option<String>,
     /// Who to log in as: the image's `default_user` tag, else `root`.
     pub login_user: String,
+    /// Its image as `name@version`, where the caller may still read it.
+    pub image: Option<String>,
     /// The names of the networks of its NICs, by uuid, where the caller may read them.
     pub network_names: BTreeMap<String, String>,
 }
@@ -842,15 +846,18 @@ pub async fn get_instance(uuid: String) -> Result<Instance, PortalError> {
             .map(|p| p.name),
         None => None,
     };
-    let login_user = match vm.image_uuid {
+    let image = match vm.image_uuid {
         Some(i) => be::get::<passage_model::images::Image>(&format!("/images/{i}"))
             .await
-            .ok()
-            .and_then(|img| img.tags.get("default_user").cloned()),
+            .ok(),
         None => None,
-    }
-    .filter(|u| !u.trim().is_empty())
-    .unwrap_or_else(|| "root".to_string());
+    };
+    let login_user = image
+        .as_ref()
+        .and_then(|img| img.tags.get("default_user").cloned())
+        .filter(|u| !u.trim().is_empty())
+        .unwrap_or_else(|| "root".to_string());
+    let image = image.map(|img| format!("{}@{}", img.name, img.version));
     let mut network_names = BTreeMap::new();
     for nic in &vm.nics {
         let id = nic.network_uuid.to_string();
@@ -867,8 +874,29 @@ pub async fn get_instance(uuid: String) -> Result<Instance, PortalError> {
         job,
         package,
         login_user,
+        image,
         network_names,
     })
+}
+
+/// Stops, starts or reboots an instance (`action`); `force` (a checked box) cuts the power
+/// instead of asking the guest to shut down.
+#[server(prefix = "/portal/fn", endpoint = "power_instance")]
+pub async fn power_instance(
+    csrf: String,
+    uuid: String,
+    action: String,
+    #[server(default)] force: Option<String>,
+) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    if !matches!(action.as_str(), "stop" | "start" | "reboot") {
+        return Err(invalid("action", "Stop, start or reboot."));
+    }
+    let path = format!("/vms/{}/{action}", be::segment(&uuid)?);
+    let body = serde_json::json!({"force": force.is_some()});
+    let _: Vm = be::send(Method::POST, &path, &body).await?;
+    leptos_axum::redirect(&format!("/instances/{uuid}"));
+    Ok(())
 }
 
 #[server(prefix = "/portal/fn", endpoint = "destroy_instance")]

@@ -47,6 +47,21 @@ test('tenant: create from a package, see it run with a device, destroy it; the o
   await expect(job.locator('li[data-step]')).not.toHaveCount(0);
   await expect(job.locator('li[data-step]').first()).toContainText(/\d+\.\d{3} s/);
 
+  // The image it boots, and the power buttons, each offered as the state allows.
+  await expect(page.getByTestId('vm-image')).toHaveText(/^e2e@/);
+  const power = page.getByTestId('power');
+  await expect(power.locator('button[data-action="start"]')).toHaveCount(0);
+  await expect(power).toContainText('stopping, then stopped');
+  await power.locator('button[data-action="stop"]').click();
+  await expect(page.getByTestId('vm-state')).toHaveText('stopped', { timeout: 60_000 });
+  await expect(power.locator('button[data-action="stop"]')).toHaveCount(0);
+  await power.locator('button[data-action="start"]').click();
+  await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
+  await power.locator('button[data-action="reboot"]').click();
+  await expect(page.locator('h2', { hasText: 'Last job: reboot' })).toContainText('succeeded', { timeout: 60_000 });
+  await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
+  await expect(page.getByTestId('assigned-devices').locator('li')).toHaveCount(1);
+
   // Destroy, with confirmation.
   await page.getByRole('link', { name: 'Destroy instance' }).click();
   await expect(page.getByRole('heading', { name: 'Destroy train-1?' })).toBeVisible();
@@ -92,12 +107,14 @@ test('tenant: creating without a package says to choose one; a lone fitting pack
   await expect(fitting.getByRole('radio')).toBeChecked();
   await hydrated(page);
   await expect(fitting.getByRole('radio')).toBeChecked();
-  await page.locator('#alias').fill('chosen-1');
+  // No name: one is made up, as CloudAPI makes them.
   await page.getByRole('button', { name: 'Create instance' }).click();
-  await expect(page.getByRole('heading', { name: 'Instance chosen-1' })).toBeVisible();
+  const heading = page.getByRole('heading', { name: /^Instance [0-9a-f]{8}$/ });
+  await expect(heading).toBeVisible();
+  const made = ((await heading.textContent()) as string).replace('Instance ', '');
   await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
   await page.getByRole('link', { name: 'Destroy instance' }).click();
-  await page.getByRole('button', { name: 'Yes, destroy chosen-1' }).click();
+  await page.getByRole('button', { name: `Yes, destroy ${made}` }).click();
   await expect(page.getByTestId('vm-state')).toHaveText('destroyed', { timeout: 60_000 });
   expect(problems).toEqual([]);
 });

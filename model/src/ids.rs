@@ -74,3 +74,10 @@ mod tests {
         assert!("".parse::<ServerId>().is_err());
     }
 }
+
+/// A name for a VM created without one, as CloudAPI makes them up: the first block of a
+/// fresh uuid.
+pub fn made_up_alias() -> String {
+    let u = Uuid::new_v4().simple().to_string();
+    u[..8].to_string()
+}

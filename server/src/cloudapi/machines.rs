@@ -247,11 +247,7 @@ fn create_request(body: serde_json::Map<String, Value>) -> CloudResult<CreateVm>
     }
     let image = image.ok_or_else(|| invalid("image", "an image uuid is required"))?;
     let package = package.ok_or_else(|| invalid("package", "a package is required"))?;
-    // A name like CloudAPI's own: the first block of a fresh uuid.
-    let alias = name.unwrap_or_else(|| {
-        let u = uuid::Uuid::new_v4().simple().to_string();
-        u[..8].to_string()
-    });
+    let alias = name.unwrap_or_else(passage_model::ids::made_up_alias);
     Ok(CreateVm {
         alias,
         package: Some(package),

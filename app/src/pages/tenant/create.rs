@@ -21,10 +21,10 @@ pub fn CreatePage() -> impl IntoView {
             <ActionForm action=create>
                 <CsrfField/>
                 <div class="field">
-                    <label for="alias">"Name"</label>
-                    <input id="alias" name="alias" type="text" required maxlength="64"
+                    <label for="alias">"Name " <span class="muted">"(optional)"</span></label>
+                    <input id="alias" name="alias" type="text" maxlength="64"
                         placeholder="training-1" aria-describedby="alias-hint alias-error"/>
-                    <span id="alias-hint" class="muted">"Letters, digits, '.', '_' and '-'."</span>
+                    <span id="alias-hint" class="muted">"Letters, digits, '.', '_' and '-'; left empty, one is made up."</span>
                     <FieldError result=result field="alias"/>
                 </div>
                 <div class="field">

@@ -4,7 +4,7 @@ use crate::components::widgets::{Badge, CsrfField};
 use crate::data::{load, poll};
 use crate::fmt;
 use crate::pages::admin::jobs::JobSteps;
-use crate::rpc::{Console, DestroyInstance, Instance, get_console, get_instance};
+use crate::rpc::{Console, DestroyInstance, Instance, PowerInstance, get_console, get_instance};
 use leptos::prelude::*;
 use leptos_meta::Title;
 use leptos_router::hooks::{use_params_map, use_query_map};
@@ -14,14 +14,16 @@ pub fn InstancePage() -> impl IntoView {
     let params = use_params_map();
     let q = use_query_map();
     let destroy = ServerAction::<DestroyInstance>::new();
+    let power = ServerAction::<PowerInstance>::new();
     let data = load(
         move || {
             (
                 params.read().get("uuid").unwrap_or_default(),
                 destroy.version().get(),
+                power.version().get(),
             )
         },
-        |(uuid, _)| get_instance(uuid),
+        |(uuid, _, _)| get_instance(uuid),
     );
     // Job steps and device states move on their own: follow them until the VM settles.
     poll(data, 1000);
@@ -55,9 +57,11 @@ pub fn InstancePage() -> impl IntoView {
                         <dt>"State"</dt><dd data-testid="vm-state"><Badge state=state/></dd>
                         <dt>"UUID"</dt><dd><code>{uuid.clone()}</code></dd>
                         <dt>"Package"</dt><dd>{i.package.clone().unwrap_or_else(|| "-".into())}</dd>
+                        <dt>"Image"</dt><dd data-testid="vm-image">{i.image.clone().unwrap_or_else(|| "-".into())}</dd>
                         <dt>"Size"</dt><dd>{vm.vcpus} " vCPUs, " {vm.memory_mib} " MiB"</dd>
                         <dt>"Created"</dt><dd>{fmt::time(&vm.created_at)}</dd>
                     </dl>
+                    <Power action=power uuid=uuid.clone() state=state.to_string()/>
                     <Addresses i=i.clone() gone=gone/>
                     <h2>"Assigned devices"</h2>
                     {if vm.assigned_devices.is_empty() {
@@ -99,11 +103,60 @@ pub fn InstancePage() -> impl IntoView {
                 }
             </Loaded>
             <FormStatus result=Signal::derive(move || destroy.value().get())/>
+            <FormStatus result=Signal::derive(move || power.value().get())/>
             <Loaded data=console quiet=true let:c>
                 <ConsoleView c=c/>
             </Loaded>
         </Guard>
     }
+}
+
+/// Stop, start and reboot, each with the states it leads to; offered as the VM's state
+/// allows (a running VM stops or reboots, a stopped one starts).
+#[component]
+fn Power(action: ServerAction<PowerInstance>, uuid: String, state: String) -> impl IntoView {
+    let offered: &[(&str, &str, &str)] = match state.as_str() {
+        "running" => &[
+            (
+                "stop",
+                "Stop",
+                "stopping, then stopped: the guest is asked to shut down",
+            ),
+            ("reboot", "Reboot", "stopping, then running again"),
+        ],
+        "stopped" => &[("start", "Start", "running")],
+        _ => &[],
+    };
+    if offered.is_empty() {
+        return ().into_any();
+    }
+    view! {
+        <section class="power" data-testid="power" aria-labelledby="power-h">
+            <h2 id="power-h">"Power"</h2>
+            {offered.iter().map(|(what, label, leads)| {
+                let force = *what != "start";
+                view! {
+                    <ActionForm action=action>
+                        <CsrfField/>
+                        <input type="hidden" name="uuid" value=uuid.clone()/>
+                        <input type="hidden" name="action" value=*what/>
+                        <button type="submit" data-action=*what
+                            disabled=move || action.pending().get()>{*label}</button>
+                        " "
+                        <span class="muted">"→ " {*leads}</span>
+                        {force.then(|| view! {
+                            " "
+                            <label class="muted">
+                                <input type="checkbox" name="force" value="on"/>
+                                " force (cut the power)"
+                            </label>
+                        })}
+                    </ActionForm>
+                }
+            }).collect_view()}
+        </section>
+    }
+    .into_any()
 }
 
 /// Its addresses, the primary marked, and the command that logs in to it.
