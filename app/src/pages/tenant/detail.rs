@@ -135,10 +135,11 @@ fn Power(action: ServerAction<PowerInstance>, uuid: String, state: String) -> im
             <h2 id="power-h">"Power"</h2>
             {offered.iter().map(|(what, label, leads)| {
                 let force = *what != "start";
+                let uuid = uuid.clone();
                 view! {
                     <ActionForm action=action>
                         <CsrfField/>
-                        <input type="hidden" name="uuid" value=uuid.clone()/>
+                        <input type="hidden" name="uuid" value=uuid/>
                         <input type="hidden" name="action" value=*what/>
                         <button type="submit" data-action=*what
                             disabled=move || action.pending().get()>{*label}</button>
