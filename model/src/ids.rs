@@ -62,6 +62,13 @@ typed_id!(
     NetworkId,
 );
 
+/// A name for a VM created without one, as CloudAPI makes them up: the first block of a
+/// fresh uuid.
+pub fn made_up_alias() -> String {
+    let u = Uuid::new_v4().simple().to_string();
+    u[..8].to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,11 +80,4 @@ mod tests {
         assert!("not-a-uuid".parse::<VmId>().is_err());
         assert!("".parse::<ServerId>().is_err());
     }
-}
-
-/// A name for a VM created without one, as CloudAPI makes them up: the first block of a
-/// fresh uuid.
-pub fn made_up_alias() -> String {
-    let u = Uuid::new_v4().simple().to_string();
-    u[..8].to_string()
 }
