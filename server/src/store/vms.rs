@@ -678,3 +678,63 @@ pub async fn release_addresses(db: &Db, uuid: VmId) -> StoreResult<()> {
         Ok(())
     })
 }
+
+/// Which of a VM's label columns a change is to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Labels {
+    Tags,
+    Metadata,
+}
+
+impl Labels {
+    fn column(self) -> &'static str {
+        match self {
+            Labels::Tags => "tags",
+            Labels::Metadata => "metadata",
+        }
+    }
+}
+
+/// Writes `new` (JSON) as a VM's tags or metadata if they still read `old`, so that two
+/// changes made at once never lose one; false when another change came first (or the VM
+/// is gone), and the caller reads again.
+pub async fn swap_labels(
+    db: &Db,
+    uuid: VmId,
+    which: Labels,
+    old: &str,
+    new: &str,
+) -> StoreResult<bool> {
+    let col = which.column();
+    let n = on_write!(db, |p| sqlx::query(&format!(
+        "UPDATE vms SET {col} = $3 WHERE uuid = $1 AND {col} = $2"
+    ))
+    .bind(uuid.to_string())
+    .bind(old)
+    .bind(new)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n == 1)
+}
+
+/// A VM's tags or metadata as stored (JSON text), and its owner.
+pub async fn labels(
+    db: &Db,
+    uuid: VmId,
+    which: Labels,
+) -> StoreResult<(AccountId, VmState, String)> {
+    let col = which.column();
+    let row: Option<(String, String, String)> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT owner_uuid, state, {col} FROM vms WHERE uuid = $1"
+    ))
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let (owner, state, text) = row.ok_or(StoreError::NotFound("vm"))?;
+    Ok((
+        parse_uuid(&owner, "account")?,
+        VmState::parse(&state).ok_or_else(|| corrupt(&state))?,
+        text,
+    ))
+}
