@@ -396,6 +396,8 @@ fn create_request(body: serde_json::Map<String, Value>) -> CloudResult<CreateVm>
         networks,
         metadata: (!metadata.is_empty()).then_some(metadata),
         tags: (!tags.is_empty()).then_some(tags),
+        // Triton's CreateMachine has no such field: the machine gets all the account's keys.
+        keys: None,
     })
 }
 
