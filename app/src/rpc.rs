@@ -800,6 +800,7 @@ pub async fn create_instance(
         networks,
         metadata,
         tags: None,
+        keys: None,
     };
     let vm: Vm =
         be::send(Method::POST, "/vms", &vm)

@@ -608,6 +608,11 @@ pub struct Vm {
     #[serde(default)]
     #[schema(value_type = Object)]
     pub tags: crate::tags::Tags,
+    /// The owner's SSH keys it was given at creation (its seed's authorized keys); null for
+    /// a VM made before keys could be chosen, whose guest gets the owner's keys as they
+    /// are at each start.
+    #[serde(default)]
+    pub keys: Option<Vec<crate::keys::VmKey>>,
     /// Its metadata for the guest, as given at creation.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
@@ -668,6 +673,11 @@ pub struct CreateVm {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tags: Option<crate::tags::Tags>,
+    /// Which of the owner's SSH keys its guest trusts, each by name or fingerprint
+    /// (`SHA256:…` or MD5). Absent: all of them.
+    #[serde(default)]
+    #[schema(max_items = 100)]
+    pub keys: Option<Vec<String>>,
 }
 
 impl CreateVm {
@@ -710,6 +720,9 @@ impl CreateVm {
         }
         if let Some(t) = &self.tags {
             crate::tags::check("tags", t)?;
+        }
+        if let Some(k) = &self.keys {
+            crate::keys::check_choices("keys", k)?;
         }
         if self.package.is_some() && self.assigned_devices.is_some() {
             return Err(BodyError::new(
@@ -1104,6 +1117,7 @@ mod tests {
             networks: None,
             metadata: None,
             tags: None,
+            keys: None,
         }
     }
 
@@ -1130,6 +1144,18 @@ mod tests {
         };
         assert_eq!(devices(&|_| {}), None);
         assert_eq!(packaged(&|_| {}), None);
+        assert_eq!(
+            packaged(&|v| v.keys = Some(vec!["a".into(), "SHA256:x".into()])),
+            None
+        );
+        assert_eq!(
+            packaged(&|v| v.keys = Some(vec!["a".into(), String::new()])),
+            Some("keys[1]".into())
+        );
+        assert_eq!(
+            packaged(&|v| v.keys = Some(vec!["a".into(), "a".into()])),
+            Some("keys[1]".into())
+        );
         assert_eq!(packaged(&|v| v.alias = "a".repeat(MAX_ALIAS_LEN)), None);
         for bad in [String::new(), "a".repeat(MAX_ALIAS_LEN + 1), "a@b".into()] {
             assert_eq!(

@@ -12,6 +12,39 @@ pub const MAX_KEY_NAME_LEN: usize = 64;
 pub const MAX_KEY_TEXT_LEN: usize = 8 * 1024;
 /// Most keys one account holds.
 pub const MAX_KEYS_PER_ACCOUNT: i64 = 100;
+/// Longest entry of a VM's `keys`: a name, or a fingerprint (`SHA256:` and 43 characters,
+/// or MD5's 47).
+pub const MAX_KEY_CHOICE_LEN: usize = 128;
+
+/// One of its owner's keys a VM was given at its creation, as the VM lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct VmKey {
+    pub name: String,
+    /// `SHA256:…`, as the key's own `fingerprint`.
+    pub fingerprint: String,
+}
+
+/// Refuses a VM's chosen keys that are empty, too long or named twice, naming the entry.
+pub fn check_choices(field: &str, keys: &[String]) -> Result<(), BodyError> {
+    let max = usize::try_from(MAX_KEYS_PER_ACCOUNT).unwrap_or(usize::MAX);
+    if keys.len() > max {
+        return Err(BodyError::new(field, format!("at most {max} keys")));
+    }
+    for (i, k) in keys.iter().enumerate() {
+        if k.is_empty() || k.len() > MAX_KEY_CHOICE_LEN {
+            return Err(BodyError::new(
+                format!("{field}[{i}]"),
+                format!(
+                    "must be a key's name or fingerprint, 1 to {MAX_KEY_CHOICE_LEN} characters"
+                ),
+            ));
+        }
+        if keys[..i].contains(k) {
+            return Err(BodyError::new(format!("{field}[{i}]"), "given twice"));
+        }
+    }
+    Ok(())
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SshKey {

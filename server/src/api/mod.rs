@@ -86,6 +86,20 @@ pub fn v1_routes() -> (Router<Ctx>, utoipa::openapi::OpenApi) {
         .routes(routes!(v1::start_vm))
         .routes(routes!(v1::resize_vm))
         .routes(routes!(v1::migrate_vm))
+        .routes(routes!(
+            v1::list_vm_tags,
+            v1::add_vm_tags,
+            v1::replace_vm_tags,
+            v1::delete_vm_tags
+        ))
+        .routes(routes!(v1::get_vm_tag, v1::delete_vm_tag))
+        .routes(routes!(
+            v1::list_vm_metadata,
+            v1::add_vm_metadata,
+            v1::replace_vm_metadata,
+            v1::delete_vm_metadata
+        ))
+        .routes(routes!(v1::get_vm_metadata_key, v1::delete_vm_metadata_key))
         .routes(routes!(v1::list_jobs))
         .routes(routes!(v1::get_job))
         .split_for_parts();

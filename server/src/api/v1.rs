@@ -11,6 +11,7 @@ use super::params::{
 use crate::error::{ApiError, ApiResult, ErrorResponses};
 use crate::listing::{Cursor, DeviceKey, Page, TimeKey};
 use crate::services::auth::{self, Caller};
+use crate::services::vm_labels::{self, Change};
 use crate::services::{Ctx, accounts, catalog, images, keys, networks, ops, servers, vms};
 use axum::Json;
 use axum::extract::{Path, State};
@@ -36,6 +37,7 @@ use passage_model::{
     AccountId, ApiErrorBody, ImageId, JobId, NetworkId, PackageId, ServerId, Variant, VmId,
 };
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// A list answer: the items, with the total in `x-resource-count`.
 fn listed<T: Serialize>(items: Vec<T>, total: i64) -> Response {
@@ -880,3 +882,137 @@ pub fn file_response(file: std::fs::File, len: u64) -> Response {
 }
 
 pub use super::file_stream::file_body;
+
+// ---- a VM's tags and metadata ----
+
+#[utoipa::path(get, path = "/vms/{uuid}/tags", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 200, description = "The VM's tags", body = BTreeMap<String, serde_json::Value>), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_vm_tags(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vm_labels::tags(&ctx, &caller, uuid).await?).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/tags", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = BTreeMap<String, serde_json::Value>, description = "Tags to set (string, number or boolean values); the others stay"), responses((status = 200, description = "The VM's tags after the change", body = BTreeMap<String, serde_json::Value>), ErrorResponses), security(("bearer" = [])))]
+pub async fn add_vm_tags(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(tags): ApiJson<passage_model::tags::Tags>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let all = vm_labels::change_tags(&ctx, &caller, uuid, Change::Merge(tags)).await?;
+    Ok(Json(all).into_response())
+}
+
+#[utoipa::path(put, path = "/vms/{uuid}/tags", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = BTreeMap<String, serde_json::Value>, description = "The VM's tags from now on, all of them"), responses((status = 200, description = "The VM's tags after the change", body = BTreeMap<String, serde_json::Value>), ErrorResponses), security(("bearer" = [])))]
+pub async fn replace_vm_tags(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(tags): ApiJson<passage_model::tags::Tags>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let all = vm_labels::change_tags(&ctx, &caller, uuid, Change::Replace(tags)).await?;
+    Ok(Json(all).into_response())
+}
+
+#[utoipa::path(delete, path = "/vms/{uuid}/tags", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 204, description = "Every tag removed"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_vm_tags(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    let uuid: VmId = id(&raw, "vm")?;
+    vm_labels::change_tags(&ctx, &caller, uuid, Change::DeleteAll).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/vms/{uuid}/tags/{key}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid"), ("key" = String, Path, description = "The tag's key")), responses((status = 200, description = "The tag's value", body = serde_json::Value), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_vm_tag(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, key)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vm_labels::tag(&ctx, &caller, uuid, &key).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/vms/{uuid}/tags/{key}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid"), ("key" = String, Path, description = "The tag's key")), responses((status = 204, description = "Removed"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_vm_tag(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, key)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let uuid: VmId = id(&raw, "vm")?;
+    vm_labels::change_tags(&ctx, &caller, uuid, Change::Delete(key)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/vms/{uuid}/metadata", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 200, description = "The VM's metadata", body = BTreeMap<String, String>), ErrorResponses), security(("bearer" = [])))]
+pub async fn list_vm_metadata(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vm_labels::metadata(&ctx, &caller, uuid).await?).into_response())
+}
+
+#[utoipa::path(post, path = "/vms/{uuid}/metadata", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = BTreeMap<String, String>, description = "Keys to set (string values); the others stay. The guest's seed has them from its next start"), responses((status = 200, description = "The VM's metadata after the change", body = BTreeMap<String, String>), ErrorResponses), security(("bearer" = [])))]
+pub async fn add_vm_metadata(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(md): ApiJson<BTreeMap<String, String>>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let all = vm_labels::change_metadata(&ctx, &caller, uuid, Change::Merge(md)).await?;
+    Ok(Json(all).into_response())
+}
+
+#[utoipa::path(put, path = "/vms/{uuid}/metadata", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), request_body(content = BTreeMap<String, String>, description = "The VM's metadata from now on, all of it"), responses((status = 200, description = "The VM's metadata after the change", body = BTreeMap<String, String>), ErrorResponses), security(("bearer" = [])))]
+pub async fn replace_vm_metadata(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+    ApiJson(md): ApiJson<BTreeMap<String, String>>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    let all = vm_labels::change_metadata(&ctx, &caller, uuid, Change::Replace(md)).await?;
+    Ok(Json(all).into_response())
+}
+
+#[utoipa::path(delete, path = "/vms/{uuid}/metadata", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid")), responses((status = 204, description = "Every key removed"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_vm_metadata(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path(raw): Path<String>,
+) -> ApiResult<StatusCode> {
+    let uuid: VmId = id(&raw, "vm")?;
+    vm_labels::change_metadata(&ctx, &caller, uuid, Change::DeleteAll).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/vms/{uuid}/metadata/{key}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid"), ("key" = String, Path, description = "The metadata key")), responses((status = 200, description = "The key's value", body = String), ErrorResponses), security(("bearer" = [])))]
+pub async fn get_vm_metadata_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, key)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    let uuid: VmId = id(&raw, "vm")?;
+    Ok(Json(vm_labels::metadata_value(&ctx, &caller, uuid, &key).await?).into_response())
+}
+
+#[utoipa::path(delete, path = "/vms/{uuid}/metadata/{key}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The VM's uuid"), ("key" = String, Path, description = "The metadata key")), responses((status = 204, description = "Removed"), ErrorResponses), security(("bearer" = [])))]
+pub async fn delete_vm_metadata_key(
+    State(ctx): State<Ctx>,
+    caller: Caller,
+    Path((raw, key)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let uuid: VmId = id(&raw, "vm")?;
+    vm_labels::change_metadata(&ctx, &caller, uuid, Change::Delete(key)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

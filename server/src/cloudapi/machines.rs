@@ -6,6 +6,7 @@ use super::{CloudError, CloudResult, Signed, body_object, path_id, query_pairs};
 use crate::error::ApiError;
 use crate::listing::{PageReq, VmFilter};
 use crate::services::auth::Caller;
+use crate::services::vm_labels::{self, Change};
 use crate::services::{Ctx, catalog, vm_ops, vms};
 use axum::Json;
 use axum::body::Bytes;
@@ -168,6 +169,137 @@ pub async fn tag(
     Ok(Json(v).into_response())
 }
 
+/// A body's keys and values as tags (`triton instance tag set|replace-all` send a JSON
+/// object whose values the CLI has already typed: strings, numbers, booleans).
+fn tags_body(headers: &HeaderMap, body: &[u8]) -> CloudResult<passage_model::tags::Tags> {
+    Ok(body_object(headers, body)?.into_iter().collect())
+}
+
+/// `POST /:login/machines/:id/tags` (AddMachineTags): sets the given tags, keeps the
+/// others, and answers all of them.
+pub async fn add_tags(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> CloudResult<Response> {
+    let id: VmId = path_id(&raw, "vm")?;
+    let tags = tags_body(&headers, &body)?;
+    own_vm(&ctx, &caller, id).await?;
+    let all = vm_labels::change_tags(&ctx, &caller, id, Change::Merge(tags)).await?;
+    Ok(Json(all).into_response())
+}
+
+/// `PUT /:login/machines/:id/tags` (ReplaceMachineTags): these tags and no others.
+pub async fn replace_tags(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> CloudResult<Response> {
+    let id: VmId = path_id(&raw, "vm")?;
+    let tags = tags_body(&headers, &body)?;
+    own_vm(&ctx, &caller, id).await?;
+    let all = vm_labels::change_tags(&ctx, &caller, id, Change::Replace(tags)).await?;
+    Ok(Json(all).into_response())
+}
+
+/// `DELETE /:login/machines/:id/tags` (DeleteMachineTags): 204.
+pub async fn delete_tags(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+) -> CloudResult<StatusCode> {
+    let id: VmId = path_id(&raw, "vm")?;
+    own_vm(&ctx, &caller, id).await?;
+    vm_labels::change_tags(&ctx, &caller, id, Change::DeleteAll).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /:login/machines/:id/tags/:key` (DeleteMachineTag): 204, 404 if absent.
+pub async fn delete_tag(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw, key)): Path<(String, String, String)>,
+) -> CloudResult<StatusCode> {
+    let id: VmId = path_id(&raw, "vm")?;
+    own_vm(&ctx, &caller, id).await?;
+    vm_labels::change_tags(&ctx, &caller, id, Change::Delete(key)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /:login/machines/:id/metadata` (ListMachineMetadata).
+pub async fn list_metadata(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+) -> CloudResult<Response> {
+    let vm = own_vm(&ctx, &caller, path_id(&raw, "vm")?).await?;
+    Ok(Json(vm.metadata).into_response())
+}
+
+/// `GET /:login/machines/:id/metadata/:key` (GetMachineMetadata): the value, a string.
+pub async fn get_metadata(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw, key)): Path<(String, String, String)>,
+) -> CloudResult<Response> {
+    let vm = own_vm(&ctx, &caller, path_id(&raw, "vm")?).await?;
+    let v = vm
+        .metadata
+        .get(&key)
+        .cloned()
+        .ok_or_else(|| CloudError(ApiError::not_found("metadata key")))?;
+    Ok(Json(v).into_response())
+}
+
+/// `POST /:login/machines/:id/metadata` (UpdateMachineMetadata): sets the given keys
+/// (values other than strings as their JSON text, as at creation), keeps the others, and
+/// answers all of them.
+pub async fn update_metadata(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> CloudResult<Response> {
+    let id: VmId = path_id(&raw, "vm")?;
+    let md: BTreeMap<String, String> = body_object(&headers, &body)?
+        .into_iter()
+        .map(|(k, v)| (k, as_text(v)))
+        .collect();
+    own_vm(&ctx, &caller, id).await?;
+    let all = vm_labels::change_metadata(&ctx, &caller, id, Change::Merge(md)).await?;
+    Ok(Json(all).into_response())
+}
+
+/// `DELETE /:login/machines/:id/metadata` (DeleteAllMachineMetadata): 204.
+pub async fn delete_all_metadata(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw)): Path<(String, String)>,
+) -> CloudResult<StatusCode> {
+    let id: VmId = path_id(&raw, "vm")?;
+    own_vm(&ctx, &caller, id).await?;
+    vm_labels::change_metadata(&ctx, &caller, id, Change::DeleteAll).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /:login/machines/:id/metadata/:key` (DeleteMachineMetadata): 204, 404 if
+/// absent.
+pub async fn delete_metadata(
+    State(ctx): State<Ctx>,
+    Signed { caller }: Signed,
+    Path((_, raw, key)): Path<(String, String, String)>,
+) -> CloudResult<StatusCode> {
+    let id: VmId = path_id(&raw, "vm")?;
+    own_vm(&ctx, &caller, id).await?;
+    vm_labels::change_metadata(&ctx, &caller, id, Change::Delete(key)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// A metadata value as the guest gets it: strings as given, other values as JSON text.
 fn as_text(v: Value) -> String {
     match v {
@@ -260,6 +392,8 @@ fn create_request(body: serde_json::Map<String, Value>) -> CloudResult<CreateVm>
         networks,
         metadata: (!metadata.is_empty()).then_some(metadata),
         tags: (!tags.is_empty()).then_some(tags),
+        // Triton's CreateMachine has no such field: the machine gets all the account's keys.
+        keys: None,
     })
 }
 

@@ -151,8 +151,27 @@ pub fn router(ctx: Ctx) -> Router {
                 .post(machines::action)
                 .delete(machines::delete),
         )
-        .route("/{login}/machines/{id}/tags", get(machines::tags))
-        .route("/{login}/machines/{id}/tags/{key}", get(machines::tag))
+        .route(
+            "/{login}/machines/{id}/tags",
+            get(machines::tags)
+                .post(machines::add_tags)
+                .put(machines::replace_tags)
+                .delete(machines::delete_tags),
+        )
+        .route(
+            "/{login}/machines/{id}/tags/{key}",
+            get(machines::tag).delete(machines::delete_tag),
+        )
+        .route(
+            "/{login}/machines/{id}/metadata",
+            get(machines::list_metadata)
+                .post(machines::update_metadata)
+                .delete(machines::delete_all_metadata),
+        )
+        .route(
+            "/{login}/machines/{id}/metadata/{key}",
+            get(machines::get_metadata).delete(machines::delete_metadata),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(crate::api::API_BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(

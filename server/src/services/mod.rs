@@ -25,6 +25,7 @@ pub mod queue_marks;
 pub mod servers;
 pub mod task_results;
 pub mod task_takes;
+pub mod vm_labels;
 pub mod vm_ops;
 pub mod vms;
 pub mod wakers;

@@ -58,6 +58,9 @@ pub struct Extras {
     /// A JSON object.
     pub metadata: String,
     pub tags: passage_model::tags::Tags,
+    /// The owner's keys it is given (a JSON array of `store::vms::GivenKey`); `None`: the
+    /// owner's keys at each start.
+    pub keys: Option<String>,
 }
 
 impl Extras {
@@ -68,6 +71,7 @@ impl Extras {
             bridges: BridgeFilter::any(),
             metadata: "{}".into(),
             tags: passage_model::tags::Tags::new(),
+            keys: None,
         }
     }
 }
@@ -180,6 +184,7 @@ async fn write(ctx: &Ctx, planned: Vec<Planned>) {
             nics: &p.req.extras.nics,
             metadata: &p.req.extras.metadata,
             tags: &p.req.extras.tags,
+            keys: p.req.extras.keys.as_deref(),
         })
         .collect();
     let t0 = std::time::Instant::now();

@@ -40,6 +40,59 @@ fn insufficient(request: &BTreeMap<String, u32>, bridges: &BridgeFilter) -> ApiE
     )
 }
 
+/// The owner's keys a new VM is given, as kept with it (a JSON array of
+/// [`vms::GivenKey`]): those `chosen` by name or fingerprint (SHA-256 or MD5), in that
+/// order, or when none are chosen all of them, oldest first. A choice that names none of
+/// the owner's keys is refused, naming it.
+async fn given_keys(
+    ctx: &Ctx,
+    owner: passage_model::AccountId,
+    chosen: Option<&[String]>,
+) -> ApiResult<String> {
+    let (mut all, _) =
+        store::keys::list(&ctx.db, owner, passage_model::keys::MAX_KEYS_PER_ACCOUNT, 0).await?;
+    // Listed newest first; a seed has always listed them oldest first.
+    all.reverse();
+    let given: Vec<&passage_model::keys::SshKey> = match chosen {
+        None => all.iter().collect(),
+        Some(chosen) => {
+            let mut given = Vec::with_capacity(chosen.len());
+            for (i, c) in chosen.iter().enumerate() {
+                let k = all
+                    .iter()
+                    .find(|k| k.name == *c || k.fingerprint == *c || k.md5_fingerprint == *c)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("keys[{i}]"),
+                            format!("the owner has no key named or fingerprinted {c:?}"),
+                        )
+                    })?;
+                // A name and a fingerprint of one key are the same key, given once.
+                if given
+                    .iter()
+                    .any(|g: &&passage_model::keys::SshKey| g.name == k.name)
+                {
+                    return Err(ApiError::invalid(
+                        format!("keys[{i}]"),
+                        format!("key {:?} is already given", k.name),
+                    ));
+                }
+                given.push(k);
+            }
+            given
+        }
+    };
+    let kept: Vec<vms::GivenKey> = given
+        .into_iter()
+        .map(|k| vms::GivenKey {
+            name: k.name.clone(),
+            fingerprint: k.fingerprint.clone(),
+            key: k.key.clone(),
+        })
+        .collect();
+    serde_json::to_string(&kept).map_err(|e| ApiError::internal(format!("keys: {e}")))
+}
+
 pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> {
     if caller.account.role == Role::Reader {
         return Err(ApiError::forbidden());
@@ -74,6 +127,7 @@ pub async fn create(ctx: &Ctx, caller: &Caller, req: CreateVm) -> ApiResult<Vm> 
         bridges: super::networks::BridgeFilter::new(ctx, attachment.bridges).await?,
         metadata,
         tags: req.tags.clone().unwrap_or_default(),
+        keys: Some(given_keys(ctx, owner, req.keys.as_deref()).await?),
     };
     let job = JobId::new_ordered();
     let uuid = VmId::new_ordered();
@@ -232,6 +286,7 @@ pub(super) async fn place_and_reserve(
                 nics: &extras.nics,
                 metadata: &extras.metadata,
                 tags: &extras.tags,
+                keys: extras.keys.as_deref(),
             },
             ctx.cfg.alloc,
         )
@@ -514,6 +569,7 @@ async fn create_with_devices(
             nics: &extras.nics,
             metadata: &extras.metadata,
             tags: &extras.tags,
+            keys: extras.keys.as_deref(),
         },
         ctx.cfg.alloc,
     )

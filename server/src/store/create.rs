@@ -37,6 +37,9 @@ pub struct NewVm<'a> {
     pub metadata: &'a str,
     /// Its tags.
     pub tags: &'a passage_model::tags::Tags,
+    /// The owner's keys it is given ([`super::vms::GivenKey`]s as a JSON array); `None`
+    /// for the owner's keys at each start.
+    pub keys: Option<&'a str>,
 }
 
 impl NewVm<'_> {
@@ -78,6 +81,7 @@ impl NewVm<'_> {
             job_uuid: Some(self.job),
             image_uuid: self.image,
             tags: self.tags.clone(),
+            keys: self.keys.and_then(super::vms::listed_keys),
             metadata: serde_json::from_str(self.metadata).unwrap_or_default(),
             created_at: to_time(now),
             updated_at: to_time(now),
@@ -121,8 +125,9 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.arg(v.map_or(super::page::Arg::Null, super::page::Arg::Text))
             };
             let tags = vm.tags_json()?;
+            let keys = vm.keys.map(str::to_string);
             rows.push(format!(
-                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
+                "({}, {}, {}, {}, {}, '{}', {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
                 q.text(vm.uuid),
                 q.text(vm.alias),
                 q.text(vm.owner),
@@ -139,12 +144,13 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
                 q.text(nics),
                 q.text(vm.metadata),
                 q.text(tags),
+                null_or(&mut q, keys),
             ));
         }
         let sql = format!(
             "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
              memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, nics, \
-             metadata, tags) VALUES {}",
+             metadata, tags, ssh_keys) VALUES {}",
             rows.join(", ")
         );
         bind_args!(sqlx::query(&sql), &q.args)
@@ -157,11 +163,11 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Sqlite> {
 /// The VM rows on Postgres, one statement over arrays whatever their count.
 const PG_INSERT: &str = "INSERT INTO vms (uuid, alias, owner_uuid, server_uuid, package_uuid, \
      state, vcpus, memory_mib, assigned_devices, job_uuid, created_at, updated_at, image_uuid, \
-     nics, metadata, tags) \
-     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i, x.n, x.md, x.t \
+     nics, metadata, tags, ssh_keys) \
+     SELECT x.u, x.a, x.o, x.s, x.p, $2, x.c, x.m, x.d, x.j, $1, $1, x.i, x.n, x.md, x.t, x.k \
      FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[], \
      $9::int8[], $10::text[], $11::text[], $12::text[], $13::text[], $14::text[], \
-     $15::text[]) AS x(u, a, o, s, p, c, m, d, j, i, n, md, t)";
+     $15::text[], $16::text[]) AS x(u, a, o, s, p, c, m, d, j, i, n, md, t, k)";
 
 impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
     async fn insert_vms(&mut self, all: &[(&NewVm<'_>, &[Nic])], now: i64) -> StoreResult<()> {
@@ -212,6 +218,11 @@ impl VmRowsTx for sqlx::Transaction<'_, sqlx::Postgres> {
                 vms.iter()
                     .map(|v| v.tags_json())
                     .collect::<StoreResult<Vec<_>>>()?,
+            )
+            .bind(
+                vms.iter()
+                    .map(|v| v.keys.map(str::to_string))
+                    .collect::<Vec<_>>(),
             )
             .execute(&mut **self)
             .await?;

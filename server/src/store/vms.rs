@@ -32,11 +32,34 @@ struct VmRow {
     tags: String,
     updated_at: i64,
     metadata: String,
+    ssh_keys: Option<String>,
 }
 
 const COLS: &str = "uuid, alias, owner_uuid, server_uuid, package_uuid, state, vcpus, \
     memory_mib, assigned_devices, job_uuid, created_at, image_uuid, nics, tags, updated_at, \
-    metadata";
+    metadata, ssh_keys";
+
+/// One of the owner's keys a VM was given, as kept with the VM: the key itself too, so
+/// that its guest trusts what it was given even after the account's key is deleted.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct GivenKey {
+    pub name: String,
+    pub fingerprint: String,
+    pub key: String,
+}
+
+/// The `ssh_keys` column's keys as the VM lists them; `None` if unreadable.
+pub fn listed_keys(text: &str) -> Option<Vec<passage_model::keys::VmKey>> {
+    let keys: Vec<GivenKey> = serde_json::from_str(text).ok()?;
+    Some(
+        keys.into_iter()
+            .map(|k| passage_model::keys::VmKey {
+                name: k.name,
+                fingerprint: k.fingerprint,
+            })
+            .collect(),
+    )
+}
 
 impl VmRow {
     fn into_view(self) -> StoreResult<Vm> {
@@ -73,6 +96,10 @@ impl VmRow {
                 .map(|s| parse_uuid(s, "image"))
                 .transpose()?,
             tags: serde_json::from_str(&self.tags).map_err(corrupt)?,
+            keys: match self.ssh_keys.as_deref() {
+                Some(text) => Some(listed_keys(text).ok_or_else(|| corrupt("ssh_keys"))?),
+                None => None,
+            },
             metadata: serde_json::from_str(&self.metadata).map_err(corrupt)?,
             created_at: to_time(self.created_at),
             updated_at: to_time(self.updated_at),
@@ -639,28 +666,36 @@ pub async fn reconcile_exits(
     Ok(gone)
 }
 
-/// What a VM's guest is told at its launch, read together: its metadata, and its owner's
-/// public keys (oldest first) as they are now.
+/// What a VM's guest is told at its launch, read together: its metadata, and the public
+/// keys it was given at creation (those it was made with, in the order given), or for a
+/// VM made before keys could be chosen, its owner's keys (oldest first) as they are now.
 pub struct GuestInputs {
     pub metadata: std::collections::BTreeMap<String, String>,
     pub keys: Vec<String>,
 }
 
 pub async fn guest_inputs(db: &Db, uuid: VmId) -> StoreResult<GuestInputs> {
-    // One row per key (one with no key when the owner has none), each with the metadata.
-    let rows: Vec<(String, Option<String>)> = on_read!(db, |c| sqlx::query_as(
-        "SELECT v.metadata, k.public_key FROM vms v \
-         LEFT JOIN ssh_keys k ON k.account_uuid = v.owner_uuid \
+    // One row per owner's key (one with no key when the owner has none), each with the
+    // metadata and the keys the VM was given.
+    let rows: Vec<(String, Option<String>, Option<String>)> = on_read!(db, |c| sqlx::query_as(
+        "SELECT v.metadata, v.ssh_keys, k.public_key FROM vms v \
+         LEFT JOIN ssh_keys k ON k.account_uuid = v.owner_uuid AND v.ssh_keys IS NULL \
          WHERE v.uuid = $1 ORDER BY k.created_at, k.name"
     )
     .bind(uuid.to_string())
     .fetch_all(c)
     .await)?;
     let first = rows.first().ok_or(StoreError::NotFound("vm"))?;
-    Ok(GuestInputs {
-        metadata: serde_json::from_str(&first.0).map_err(corrupt)?,
-        keys: rows.into_iter().filter_map(|(_, k)| k).collect(),
-    })
+    let metadata = serde_json::from_str(&first.0).map_err(corrupt)?;
+    let keys = match &first.1 {
+        Some(given) => serde_json::from_str::<Vec<GivenKey>>(given)
+            .map_err(corrupt)?
+            .into_iter()
+            .map(|k| k.key)
+            .collect(),
+        None => rows.into_iter().filter_map(|(_, _, k)| k).collect(),
+    };
+    Ok(GuestInputs { metadata, keys })
 }
 
 /// A VM that will not run (its provision unwound) gives its addresses back, and its row
@@ -677,4 +712,64 @@ pub async fn release_addresses(db: &Db, uuid: VmId) -> StoreResult<()> {
             .await?;
         Ok(())
     })
+}
+
+/// Which of a VM's label columns a change is to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Labels {
+    Tags,
+    Metadata,
+}
+
+impl Labels {
+    fn column(self) -> &'static str {
+        match self {
+            Labels::Tags => "tags",
+            Labels::Metadata => "metadata",
+        }
+    }
+}
+
+/// Writes `new` (JSON) as a VM's tags or metadata if they still read `old`, so that two
+/// changes made at once never lose one; false when another change came first (or the VM
+/// is gone), and the caller reads again.
+pub async fn swap_labels(
+    db: &Db,
+    uuid: VmId,
+    which: Labels,
+    old: &str,
+    new: &str,
+) -> StoreResult<bool> {
+    let col = which.column();
+    let n = on_write!(db, |p| sqlx::query(&format!(
+        "UPDATE vms SET {col} = $3 WHERE uuid = $1 AND {col} = $2"
+    ))
+    .bind(uuid.to_string())
+    .bind(old)
+    .bind(new)
+    .execute(p)
+    .await
+    .map(|r| r.rows_affected()))?;
+    Ok(n == 1)
+}
+
+/// A VM's tags or metadata as stored (JSON text), and its owner.
+pub async fn labels(
+    db: &Db,
+    uuid: VmId,
+    which: Labels,
+) -> StoreResult<(AccountId, VmState, String)> {
+    let col = which.column();
+    let row: Option<(String, String, String)> = on_read!(db, |p| sqlx::query_as(&format!(
+        "SELECT owner_uuid, state, {col} FROM vms WHERE uuid = $1"
+    ))
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let (owner, state, text) = row.ok_or(StoreError::NotFound("vm"))?;
+    Ok((
+        parse_uuid(&owner, "account")?,
+        VmState::parse(&state).ok_or_else(|| corrupt(&state))?,
+        text,
+    ))
 }

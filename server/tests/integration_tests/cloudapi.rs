@@ -341,3 +341,157 @@ async fn wait_state(c: &Signer25519, s: &TestServer, id: &str, state: &str) {
     .await;
     assert!(seen.is_some(), "{id} never read {state}");
 }
+
+/// CloudAPI's tag and metadata calls as the `triton` CLI makes them (`instance tag
+/// set|replace-all|delete|list|get`, and the metadata twins): JSON objects of typed
+/// values, answers of the whole set, 204s on deletes; the limits of creation; another
+/// account's machine not found; every change in the audit log.
+async fn cloudapi_tags_and_metadata(backend: Backend) {
+    let s = TestServer::start(backend, fast_config()).await;
+    s.manual_node(1).await;
+    let package = s.h100_catalog(1).await;
+    let (_, token) = s.tenant("carol").await;
+    let mut carol = Signer25519::new("carol");
+    carol.register(&s.with(&token)).await;
+    let (_, dave_token) = s.tenant("dave").await;
+    let mut dave = Signer25519::new("dave");
+    dave.register(&s.with(&dave_token)).await;
+    let json_body = |v: Value| Some(("application/json", v.to_string()));
+
+    let r = carol
+        .send(
+            &s,
+            "POST",
+            "/carol/machines",
+            json_body(
+                json!({"name": "t0", "image": "test-image", "package": package,
+                             "tag.role": "train", "metadata.note": "hi"}),
+            ),
+        )
+        .await;
+    assert_eq!(r.status(), 201);
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let tags = format!("/carol/machines/{id}/tags");
+    let md = format!("/carol/machines/{id}/metadata");
+
+    // AddMachineTags merges and answers the whole set.
+    let r = carol
+        .send(
+            &s,
+            "POST",
+            &tags,
+            json_body(json!({"gpu": 8, "prod": true})),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"gpu": 8, "prod": true, "role": "train"})
+    );
+    let r = carol.send(&s, "GET", &format!("{tags}/gpu"), None).await;
+    assert_eq!(r.json::<Value>().await.unwrap(), json!(8));
+    // ReplaceMachineTags.
+    let r = carol
+        .send(&s, "PUT", &tags, json_body(json!({"a": "1", "b": "2"})))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"a": "1", "b": "2"})
+    );
+    // DeleteMachineTag, then ListMachineTags; an absent tag is not found.
+    let r = carol.send(&s, "DELETE", &format!("{tags}/a"), None).await;
+    assert_eq!(r.status(), 204);
+    let r = carol.send(&s, "GET", &tags, None).await;
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"b": "2"}));
+    let r = carol.send(&s, "DELETE", &format!("{tags}/a"), None).await;
+    assert_eq!(code_of(r).await, (404, "ResourceNotFound".into()));
+    // The machine shows them.
+    let m: Value = carol
+        .send(&s, "GET", &format!("/carol/machines/{id}"), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(m["tags"], json!({"b": "2"}));
+    // Limits as at creation.
+    let r = carol
+        .send(&s, "POST", &tags, json_body(json!({"o": {"x": 1}})))
+        .await;
+    assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
+    let r = carol
+        .send(&s, "POST", &tags, json_body(json!({"a=b": "x"})))
+        .await;
+    assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
+    // DeleteMachineTags.
+    let r = carol.send(&s, "DELETE", &tags, None).await;
+    assert_eq!(r.status(), 204);
+    let r = carol.send(&s, "GET", &tags, None).await;
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({}));
+
+    // Metadata: UpdateMachineMetadata (typed values become their JSON text), Get, List,
+    // DeleteMachineMetadata, DeleteAllMachineMetadata.
+    let r = carol
+        .send(&s, "POST", &md, json_body(json!({"count": 3, "x": "y"})))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"count": "3", "note": "hi", "x": "y"})
+    );
+    let r = carol.send(&s, "GET", &format!("{md}/count"), None).await;
+    assert_eq!(r.json::<Value>().await.unwrap(), json!("3"));
+    let r = carol.send(&s, "DELETE", &format!("{md}/x"), None).await;
+    assert_eq!(r.status(), 204);
+    let r = carol.send(&s, "GET", &md, None).await;
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"count": "3", "note": "hi"})
+    );
+    let r = carol
+        .send(&s, "POST", &md, json_body(json!({"bad key": "v"})))
+        .await;
+    assert_eq!(code_of(r).await, (400, "InvalidArgument".into()));
+    let r = carol.send(&s, "DELETE", &md, None).await;
+    assert_eq!(r.status(), 204);
+    let r = carol.send(&s, "GET", &md, None).await;
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({}));
+
+    // Another account's machine is not there, under either login.
+    for (method, path) in [
+        ("GET", format!("/dave/machines/{id}/tags")),
+        ("POST", format!("/dave/machines/{id}/tags")),
+        ("PUT", format!("/dave/machines/{id}/tags")),
+        ("DELETE", format!("/dave/machines/{id}/tags")),
+        ("POST", format!("/dave/machines/{id}/metadata")),
+        ("DELETE", format!("/dave/machines/{id}/metadata/note")),
+    ] {
+        let body = (method != "GET" && method != "DELETE").then(|| json!({"k": "v"}));
+        let r = dave.send(&s, method, &path, body.and_then(json_body)).await;
+        assert_eq!(code_of(r).await.0, 404, "{method} {path}");
+    }
+
+    // Audited, with the signer as the actor.
+    let log: Vec<passage_model::api::AuditEntry> = s.get("/v1/audit?limit=1000").await.ok(200);
+    for (method, path, status) in [
+        ("POST", tags.clone(), 200),
+        ("PUT", tags.clone(), 200),
+        ("DELETE", format!("{tags}/a"), 204),
+        ("DELETE", tags.clone(), 204),
+        ("POST", md.clone(), 200),
+        ("DELETE", md.clone(), 204),
+    ] {
+        assert!(
+            log.iter().any(|e| e.method == method
+                && e.path == path
+                && e.status == status
+                && e.actor_login.as_deref() == Some("carol")),
+            "{method} {path} {status}: {log:?}"
+        );
+    }
+}
+
+both!(cloudapi_labels, cloudapi_tags_and_metadata);

@@ -200,3 +200,127 @@ both!(
     an_account_holds_a_bounded_number_of_keys,
     an_account_holds_a_bounded_number_of_keys
 );
+
+/// `POST /v1/vms` with `keys`: a VM given one of its owner's two keys (by name, or by
+/// fingerprint) lists only that one and its seed, as its node receives it, trusts only
+/// that one, even after the account's key is deleted; a VM given none chosen gets both,
+/// oldest first; a key the owner does not have, or one given twice, is a 400 naming the
+/// entry.
+async fn a_vm_gets_the_keys_chosen_for_it(backend: Backend) {
+    use passage_model::api::Vm;
+    use passage_model::keys::VmKey;
+    use passage_model::protocol::{Task, TaskEnvelope, TaskResult};
+    let s = TestServer::start(backend, fast_config()).await;
+    let (_, cred, _) = s.manual_node(3).await;
+    s.h100_catalog(1).await;
+    let (_, alice) = s.tenant("alice").await;
+    let (_, bob) = s.tenant("bob").await;
+    let alice = s.with(&alice);
+    let one: SshKey = alice
+        .post("/v1/keys", &json!({"key": nth_key(1), "name": "k-one"}))
+        .await
+        .ok(201);
+    let two: SshKey = alice
+        .post("/v1/keys", &json!({"key": nth_key(2), "name": "k-two"}))
+        .await
+        .ok(201);
+    s.with(&bob)
+        .post::<SshKey>("/v1/keys", &json!({"key": nth_key(3), "name": "bobs"}))
+        .await
+        .ok(201);
+    let create = |alias: &str, keys: Option<Vec<String>>| {
+        let mut body = json!({"alias": alias, "package": "gpu-1x", "image": "test-image"});
+        if let Some(k) = keys {
+            body["keys"] = json!(k);
+        }
+        body
+    };
+    let listed = |k: &SshKey| VmKey {
+        name: k.name.clone(),
+        fingerprint: k.fingerprint.clone(),
+    };
+
+    // Refused before anything is placed.
+    alice
+        .post::<Vm>(
+            "/v1/vms",
+            &create("bad", Some(vec!["k-one".into(), "nope".into()])),
+        )
+        .await
+        .invalid("keys[1]");
+    alice
+        .post::<Vm>("/v1/vms", &create("bad", Some(vec!["bobs".into()])))
+        .await
+        .invalid("keys[0]");
+    alice
+        .post::<Vm>(
+            "/v1/vms",
+            &create("bad", Some(vec!["k-one".into(), one.fingerprint.clone()])),
+        )
+        .await
+        .invalid("keys[1]");
+    alice
+        .post::<Vm>("/v1/vms", &create("bad", Some(vec![String::new()])))
+        .await
+        .invalid("keys[0]");
+
+    let by_name: Vm = alice
+        .post("/v1/vms", &create("by-name", Some(vec!["k-one".into()])))
+        .await
+        .ok(202);
+    assert_eq!(by_name.keys, Some(vec![listed(&one)]));
+    let by_print: Vm = alice
+        .post(
+            "/v1/vms",
+            &create("by-print", Some(vec![two.md5_fingerprint.clone()])),
+        )
+        .await
+        .ok(202);
+    assert_eq!(by_print.keys, Some(vec![listed(&two)]));
+    let all: Vm = alice.post("/v1/vms", &create("all", None)).await.ok(202);
+    assert_eq!(all.keys, Some(vec![listed(&one), listed(&two)]));
+    let got: Vm = alice
+        .get(&format!("/v1/vms/{}", by_name.uuid))
+        .await
+        .ok(200);
+    assert_eq!(got.keys, Some(vec![listed(&one)]));
+
+    // The VM keeps what it was given, whatever becomes of the account's key.
+    alice
+        .delete::<serde::de::IgnoredAny>("/v1/keys/k-one")
+        .await
+        .ok(204);
+
+    // What the node is told to boot.
+    let node = s.client(Some(&cred));
+    let mut seeds = std::collections::BTreeMap::new();
+    for _ in 0..60 {
+        if seeds.len() == 3 {
+            break;
+        }
+        let tasks: Vec<TaskEnvelope> = node
+            .get("/agent/v1/tasks?wait=1&runs=boot_vm")
+            .await
+            .ok(200);
+        for t in tasks {
+            // One task for the whole boot, or the launch among separate ones, by when the
+            // node's poll said what it runs.
+            if let Task::BootVm { vm, .. } | Task::StartVm { vm } = &t.task {
+                let keys = vm.cloud_init.as_ref().unwrap().ssh_authorized_keys.clone();
+                seeds.insert(vm.uuid, keys);
+            }
+            node.post::<()>(
+                &format!("/agent/v1/tasks/{}/result", t.id),
+                &TaskResult::success(),
+            )
+            .await
+            .ok(204);
+        }
+    }
+    assert_eq!(seeds.len(), 3, "{seeds:?}");
+    assert_eq!(seeds[&by_name.uuid], vec![one.key.clone()]);
+    assert_eq!(seeds[&by_print.uuid], vec![two.key.clone()]);
+    assert_eq!(seeds[&all.uuid], vec![one.key.clone(), two.key.clone()]);
+}
+
+both!(chosen_keys, a_vm_gets_the_keys_chosen_for_it);

@@ -27,4 +27,5 @@ mod store;
 mod tls;
 mod triton_cli;
 mod vgpus;
+mod vm_labels;
 mod workflows;

@@ -105,6 +105,7 @@ fn new_vm<'a>(
         nics: &[],
         metadata: "{}",
         tags: &NO_TAGS,
+        keys: None,
     }
 }
 
@@ -531,6 +532,7 @@ async fn a_batch_decides_each_creation_in_order(b: Backend) {
         nics: &[],
         metadata: "{}",
         tags: &NO_TAGS,
+        keys: None,
     };
     let leak = |v: Vec<passage_model::DevicePath>| -> &'static [passage_model::DevicePath] {
         Box::leak(v.into_boxed_slice())
@@ -929,6 +931,7 @@ async fn single_and_batch_paths_write_the_same(b: Backend) {
                 nics: &[],
                 metadata: "{}",
                 tags: &NO_TAGS,
+                keys: None,
             })
             .collect();
         let outcomes = if batch {

@@ -347,6 +347,42 @@ async fn the_triton_cli_drives_passage(backend: Backend) {
         .await
         .ok();
     assert_eq!(out.trim(), "train");
+    // Tags that change: set (typed values), delete one, replace all, each waited on with
+    // `-w` (the CLI polls ListMachineTags) and seen through /v1.
+    let vm_tags = format!("/v1/vms/{}/tags", vm.uuid);
+    alice
+        .run(&[
+            "instance",
+            "tag",
+            "set",
+            "-w",
+            "train-1",
+            "gpu=8",
+            "owner=ann",
+        ])
+        .await
+        .ok();
+    let t: Value = alice_api.get(&vm_tags).await.ok(200);
+    assert_eq!(t, json!({"gpu": 8, "owner": "ann", "role": "train"}));
+    alice
+        .run(&["instance", "tag", "delete", "-w", "train-1", "owner"])
+        .await
+        .ok();
+    let t: Value = alice_api.get(&vm_tags).await.ok(200);
+    assert_eq!(t, json!({"gpu": 8, "role": "train"}));
+    alice
+        .run(&[
+            "instance",
+            "tag",
+            "replace-all",
+            "-w",
+            "train-1",
+            "role=train",
+        ])
+        .await
+        .ok();
+    let t: Value = alice_api.get(&vm_tags).await.ok(200);
+    assert_eq!(t, json!({"role": "train"}));
     let ip = alice.run(&["instance", "ip", "train-1"]).await.ok();
     assert_eq!(ip.trim(), vm.primary_ip.unwrap().to_string());
 
