@@ -198,7 +198,9 @@ impl HostRows {
     }
 }
 
-type HostRow = (
+/// A row of the reservation's read and of [`host_read_sql`]:
+/// `(kind, key, id, variant or text, n1, n2, n3, n4)`.
+pub(crate) type ReadRow = (
     String,
     String,
     Option<String>,
@@ -226,7 +228,7 @@ pub async fn host_rooms(
         ),
         None => (host_read_sql("IS NOT NULL", "IS NOT NULL"), Vec::new()),
     };
-    let rows: Vec<HostRow> = page::fetch(db, &sql, &args).await?;
+    let rows: Vec<ReadRow> = page::fetch(db, &sql, &args).await?;
     let mut hosts = HostRows::default();
     for (kind, key, id, _, n1, n2, n3, _) in rows {
         hosts.take(&kind, &key, id.as_deref(), [n1, n2, n3])?;

@@ -24,7 +24,7 @@ pub mod free_index;
 pub mod quota;
 
 use super::page::{Arg, marks};
-use super::room::{self, Allocation, Room};
+use super::room::{self, Allocation, ReadRow, Room};
 use super::sql::Sql;
 use super::{StoreError, StoreResult, now_ms, parse_uuid};
 use crate::bind_args;
@@ -105,18 +105,6 @@ impl Keys {
         })
     }
 }
-
-/// A row of the reservation's read: `(kind, key, id, variant, n1, n2, n3, n4)`.
-type ReadRow = (
-    String,
-    String,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-);
 
 /// What the read found: the decision's inputs, and each free device's variant (for the
 /// free-device index).
