@@ -900,6 +900,53 @@ pub async fn power_instance(
     Ok(())
 }
 
+/// A tag's value as typed in the portal, read as the `triton` CLI reads `tag set k=v`:
+/// `true`/`false` are booleans, a number is a number, anything else is text.
+pub fn tag_value(text: &str) -> serde_json::Value {
+    match text {
+        "true" => serde_json::Value::Bool(true),
+        "false" => serde_json::Value::Bool(false),
+        _ => match text.parse::<serde_json::Number>() {
+            Ok(n) if !text.starts_with('+') => serde_json::Value::Number(n),
+            _ => serde_json::Value::String(text.to_string()),
+        },
+    }
+}
+
+/// Sets one tag of an instance (added, or its value replaced); the others stay.
+#[server(prefix = "/portal/fn", endpoint = "set_instance_tag")]
+pub async fn set_instance_tag(
+    csrf: String,
+    uuid: String,
+    key: String,
+    value: String,
+) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(invalid("key", "A tag needs a name."));
+    }
+    let path = format!("/vms/{}/tags", be::segment(&uuid)?);
+    let body = serde_json::json!({ key: tag_value(value.trim()) });
+    let _: serde_json::Value = be::send(Method::POST, &path, &body).await?;
+    leptos_axum::redirect(&format!("/instances/{uuid}"));
+    Ok(())
+}
+
+/// Removes one tag of an instance.
+#[server(prefix = "/portal/fn", endpoint = "delete_instance_tag")]
+pub async fn delete_instance_tag(csrf: String, uuid: String, key: String) -> Result<(), PortalError> {
+    be::check_csrf(&csrf)?;
+    let path = format!(
+        "/vms/{}/tags/{}",
+        be::segment(&uuid)?,
+        crate::fmt::urlencode(&key)
+    );
+    be::delete(&path).await?;
+    leptos_axum::redirect(&format!("/instances/{uuid}"));
+    Ok(())
+}
+
 #[server(prefix = "/portal/fn", endpoint = "destroy_instance")]
 pub async fn destroy_instance(csrf: String, uuid: String) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
@@ -1253,5 +1300,24 @@ pub async fn get_console(uuid: String) -> Result<Console, PortalError> {
             Ok(Console::Unavailable(e.message))
         }
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tag_value;
+    use serde_json::json;
+
+    #[test]
+    fn tag_values_are_typed_as_the_triton_cli_types_them() {
+        assert_eq!(tag_value("true"), json!(true));
+        assert_eq!(tag_value("false"), json!(false));
+        assert_eq!(tag_value("42"), json!(42));
+        assert_eq!(tag_value("-1.5"), json!(-1.5));
+        assert_eq!(tag_value("web"), json!("web"));
+        assert_eq!(tag_value("01"), json!("01"));
+        assert_eq!(tag_value("+1"), json!("+1"));
+        assert_eq!(tag_value("True"), json!("True"));
+        assert_eq!(tag_value(""), json!(""));
     }
 }

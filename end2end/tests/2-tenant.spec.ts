@@ -184,6 +184,29 @@ test('tenant: SSH keys; an instance on a chosen network with user-data shows its
   const netUuid = (nets.body as Array<{ uuid: string; name: string }>).find((n) => n.name === 'e2e-tenants')?.uuid;
   expect(vm.body.nics.map((n: { network_uuid: string }) => n.network_uuid)).toEqual([netUuid]);
 
+  // The keys it was given: all the tenant's, as none were chosen.
+  await expect(page.getByTestId('vm-keys').locator('li')).toHaveCount(1);
+  await expect(page.getByTestId('vm-keys').locator('li[data-key="laptop"]')).toContainText(/SHA256:/);
+
+  // Tags, added, changed in place and removed; numbers and booleans keep their type.
+  const tags = page.getByTestId('tags');
+  await hydrated(page);
+  const add = page.getByTestId('add-tag');
+  for (const [k, v] of [['team', 'ml'], ['gpus', '2']]) {
+    await add.getByLabel('Name').fill(k);
+    await add.getByLabel('Value').fill(v);
+    await add.getByRole('button', { name: 'Add tag' }).click();
+    await expect(tags.locator(`tr[data-tag="${k}"]`)).toBeVisible();
+  }
+  await expect(tags.locator('tr[data-tag="gpus"] input[name="value"]')).toHaveAttribute('data-kind', 'number');
+  await tags.getByLabel('Value of team').fill('vision');
+  await tags.locator('tr[data-tag="team"]').getByRole('button', { name: 'Save' }).click();
+  await expect(tags.getByLabel('Value of team')).toHaveValue('vision');
+  await tags.locator('tr[data-tag="gpus"]').getByRole('button', { name: 'Remove' }).click();
+  await expect(tags.locator('tr[data-tag="gpus"]')).toHaveCount(0);
+  const tagged = await api(admin, 'GET', `/vms/${uuid}/tags`);
+  expect(tagged.body).toEqual({ team: 'vision' });
+
   // The console panel is there while it boots and runs, and shows no error.
   await expect(page.getByTestId('vm-state')).toHaveText('running', { timeout: 60_000 });
   const consolePanel = page.getByTestId('console');

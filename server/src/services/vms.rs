@@ -49,10 +49,7 @@ async fn given_keys(
     owner: passage_model::AccountId,
     chosen: Option<&[String]>,
 ) -> ApiResult<String> {
-    let (mut all, _) =
-        store::keys::list(&ctx.db, owner, passage_model::keys::MAX_KEYS_PER_ACCOUNT, 0).await?;
-    // Listed newest first; a seed has always listed them oldest first.
-    all.reverse();
+    let all = store::keys::all(&ctx.db, owner).await?;
     let given: Vec<&passage_model::keys::SshKey> = match chosen {
         None => all.iter().collect(),
         Some(chosen) => {

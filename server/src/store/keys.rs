@@ -93,6 +93,21 @@ pub async fn list(
     Ok((rows.into_iter().map(SshKey::from).collect(), total))
 }
 
+/// Every key of `account`, oldest first (the order a seed lists them in), in one read:
+/// what a new VM is given, read on every creation.
+pub async fn all(db: &Db, account: AccountId) -> StoreResult<Vec<SshKey>> {
+    let sql = format!(
+        "SELECT {COLS} FROM ssh_keys WHERE account_uuid = $1 \
+         ORDER BY created_at, name DESC LIMIT $2"
+    );
+    let rows: Vec<KeyRow> = on_read!(db, |p| sqlx::query_as(&sql)
+        .bind(account.to_string())
+        .bind(passage_model::keys::MAX_KEYS_PER_ACCOUNT)
+        .fetch_all(p)
+        .await)?;
+    Ok(rows.into_iter().map(SshKey::from).collect())
+}
+
 pub async fn get(db: &Db, account: AccountId, name: &str) -> StoreResult<SshKey> {
     let sql = format!("SELECT {COLS} FROM ssh_keys WHERE account_uuid = $1 AND name = $2");
     let row: Option<KeyRow> = on_read!(db, |p| sqlx::query_as(&sql)

@@ -1,40 +1,53 @@
 //! A clean stop and a reboot of a real guest, through the whole system: the real server
 //! and a real `node-agent --hypervisor qemu` (emulated) with the Debian test image. One
-//! guest serves every check, as each boot costs minutes under emulation:
+//! guest serves every check, as each boot costs minutes under emulation. Five times in a
+//! row, about 40 s after a boot in which cloud-init made new host keys (a power cut there
+//! left them as empty files) and right after the guest wrote a file without syncing it,
+//! the VM goes down cleanly and comes back, and its next boot finds both whole:
 //!
-//! - a file written in the guest right before a `/v1` stop is whole after the start, and
-//!   the host keys cloud-init made at its first boot, a moment before, are too (a power
-//!   cut there left them as empty files);
-//! - the stop's job step says the guest shut down (the ACPI power button), not that it
-//!   was powered off;
-//! - a `/v1` reboot is one job, a clean stop and a start, and the guest's boot id changes.
+//! 1. a `/v1` stop, then a `/v1` start;
+//! 2. a `/v1` reboot: one job, a clean stop and a start;
+//! 3. `triton instance reboot -w` through CloudAPI, signed with the owner's key;
+//! 4. a `/v1` stop and start again; 5. a `/v1` reboot again.
 //!
-//! The guest reports on its serial console, read through the API: cloud-init's `bootcmd`
-//! (every boot) prints the boot id, a digest of the file and the size of the host keys;
-//! the tenant's user-script (first boot only) writes the file and prints its digest.
+//! Each stop's job step says the guest shut down (the ACPI power button), not that it was
+//! powered off, and each boot has a new boot id.
+//!
+//! The guest reports on its serial console, read through the API. cloud-init's `bootcmd`
+//! (every boot, before its `ssh` module) reports what the last boot left: the boot id, a
+//! digest of the file and of the host keys, the keys' bytes; it then removes the `ssh`
+//! module's semaphore, so that every boot makes new host keys as a first boot does. A
+//! per-boot script (cloud-init's final stage) waits for the guest's 38th second, writes
+//! the file and reports what this boot made.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::e2e::{guest_image, login, provision_ended, qemu_node, start_server, upload_image};
+use super::triton_cli::{TritonUser, triton_cli};
 use crate::common::{Backend, Client, TestDb, wait_for};
 use passage_model::Variant;
 use passage_model::api::{Job, JobState, Package, Vm, VmConsole, VmState};
+use passage_model::keys::SshKey;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
 /// A boot under emulation, cloud-init's first one included: minutes on a busy machine.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Every boot: a stand-in for systemd-logind's power key handling (see below), then a
-/// report of the boot's id, the written file's digest (empty before it exists) and the
-/// host keys' bytes, ended by `end` so that a line cut short is not read.
+/// How many times the guest goes down and comes back.
+const CYCLES: usize = 5;
+
+/// Every boot: a stand-in for systemd-logind's power key handling (see below), the report
+/// of what the last boot left, and the `ssh` module's semaphore removed so that cloud-init
+/// makes new host keys later in this boot. The final stage runs the per-boot script.
 ///
 /// The test image is Debian minbase without D-Bus, where systemd-logind (which shuts
 /// Debian's cloud images down on the ACPI power button) cannot run. In its place, as it
 /// would: a watcher of the power button's input device that runs `systemctl poweroff`
 /// on the first key event (a unit of its own, started without waiting: cloud-init runs
-/// `bootcmd` before the targets a default unit would wait for). The press itself is the kernel's ACPI button driver's, from
-/// QEMU's `system_powerdown`, as on any guest. (With `dbus` in `xtask/src/test_image.sh`
-/// logind would do it, at the cost of rebuilding the image everywhere.)
+/// `bootcmd` before the targets a default unit would wait for). The press itself is the
+/// kernel's ACPI button driver's, from QEMU's `system_powerdown`, as on any guest. (With
+/// `dbus` in `xtask/src/test_image.sh` logind would do it, at the cost of rebuilding the
+/// image everywhere.)
 const USER_DATA: &str = r#"#cloud-config
 bootcmd:
   - |
@@ -45,21 +58,26 @@ bootcmd:
       fi
     done
   - |
-    echo "PASSAGE-T-BOOT=$(cat /proc/sys/kernel/random/boot_id) mark=$(sha256sum /var/tmp/passage-mark 2>/dev/null | cut -c1-16) keys=$(cat /etc/ssh/ssh_host_*_key 2>/dev/null | wc -c) end" > /dev/ttyS0
+    echo "PASSAGE-T-BOOT=$(cat /proc/sys/kernel/random/boot_id) mark=$(sha256sum /var/tmp/passage-mark 2>/dev/null | cut -c1-16) keys=$(cat /etc/ssh/ssh_host_*_key 2>/dev/null | sha256sum | cut -c1-16) bytes=$(cat /etc/ssh/ssh_host_*_key 2>/dev/null | wc -c) end" > /dev/ttyS0
+  - rm -f /var/lib/cloud/instance/sem/config_ssh
+write_files:
+  - path: /var/lib/cloud/scripts/per-boot/passage-mark.sh
+    permissions: "0755"
+    content: |
+      #!/bin/sh
+      while [ "$(cut -d. -f1 /proc/uptime)" -lt 38 ]; do sleep 1; done
+      head -c 1048576 /dev/urandom > /var/tmp/passage-mark
+      echo "PASSAGE-T-MADE=$(cat /proc/sys/kernel/random/boot_id) mark=$(sha256sum /var/tmp/passage-mark | cut -c1-16) keys=$(cat /etc/ssh/ssh_host_*_key | sha256sum | cut -c1-16) bytes=$(cat /etc/ssh/ssh_host_*_key | wc -c) end" > /dev/ttyS0
 "#;
 
-/// The first boot's last act: a megabyte written and not synced, its digest, and the
-/// host keys' bytes as they are now. The test stops the VM as soon as it reads this.
-const USER_SCRIPT: &str = "head -c 1048576 /dev/urandom > /var/tmp/passage-mark\n\
-echo \"PASSAGE-T-MARK=$(sha256sum /var/tmp/passage-mark | cut -c1-16) \
-keys=$(cat /etc/ssh/ssh_host_*_key | wc -c) end\" > /dev/ttyS0\n";
-
-/// One `PASSAGE-T-BOOT` report.
+/// One report: a boot's id and the file and host keys as that boot found them
+/// (`PASSAGE-T-BOOT`) or left them (`PASSAGE-T-MADE`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Boot {
+struct Report {
     id: String,
     mark: String,
-    keys: u64,
+    keys: String,
+    bytes: u64,
 }
 
 /// The fields of every whole `tag` line in `text`, each as `(first, name=value…)`.
@@ -86,13 +104,14 @@ fn field<'a>(fields: &'a [String], name: &str) -> &'a str {
         .unwrap_or("")
 }
 
-fn boots(text: &str) -> Vec<Boot> {
-    reports(text, "PASSAGE-T-BOOT=")
+fn parsed(text: &str, tag: &str) -> Vec<Report> {
+    reports(text, tag)
         .into_iter()
-        .map(|f| Boot {
+        .map(|f| Report {
             id: f[0].clone(),
             mark: field(&f, "mark").to_string(),
-            keys: field(&f, "keys").parse().unwrap_or(0),
+            keys: field(&f, "keys").to_string(),
+            bytes: field(&f, "bytes").parse().unwrap_or(0),
         })
         .collect()
 }
@@ -107,19 +126,35 @@ async fn console(c: &Client, vm: &Vm) -> String {
 
 /// Waits until the console shows a boot other than those in `seen`; keeps every boot
 /// seen (the console's window may no longer hold the older ones).
-async fn next_boot(c: &Client, vm: &Vm, seen: &mut Vec<Boot>) -> Boot {
-    let known: Vec<String> = seen.iter().map(|b| b.id.clone()).collect();
+async fn next_boot(c: &Client, vm: &Vm, seen: &mut Vec<String>) -> Report {
     let new = wait_for(BOOT_TIMEOUT, || async {
-        boots(&console(c, vm).await)
+        parsed(&console(c, vm).await, "PASSAGE-T-BOOT=")
             .into_iter()
-            .find(|b| !known.contains(&b.id))
+            .find(|b| !seen.contains(&b.id))
     })
     .await;
     let Some(new) = new else {
         panic!("no new boot; console:\n{}", console(c, vm).await);
     };
-    seen.push(new.clone());
+    seen.push(new.id.clone());
     new
+}
+
+/// Waits for what boot `id` made: its host keys and the file, written at its 38th second.
+async fn made(c: &Client, vm: &Vm, id: &str) -> Report {
+    let made = wait_for(BOOT_TIMEOUT, || async {
+        parsed(&console(c, vm).await, "PASSAGE-T-MADE=")
+            .into_iter()
+            .find(|m| m.id == id)
+    })
+    .await;
+    let Some(made) = made else {
+        panic!(
+            "boot {id} never wrote its file; console:\n{}",
+            console(c, vm).await
+        );
+    };
+    made
 }
 
 /// `job` once ended, which it must within `limit`, as it must: succeeded.
@@ -168,13 +203,20 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
     )
     .await
     .ok(201);
+    // The owner's key signs CloudAPI for the `triton` CLI.
+    let triton = triton_cli().map(|cli| TritonUser::new(&cli, &base, "admin"));
+    if let Some((_, public)) = &triton {
+        op.post::<SshKey>("/v1/keys", &json!({"name": "laptop", "key": public}))
+            .await
+            .ok(201);
+    }
     let (_agent, _guests) = qemu_node(&db, &base, &op).await;
 
     let vm: Vm = op
         .post(
             "/v1/vms",
             &json!({"image":"debian-test","alias":"power","package":"power-1x",
-                    "metadata":{"user-data": USER_DATA, "user-script": USER_SCRIPT}}),
+                    "metadata":{"user-data": USER_DATA}}),
         )
         .await
         .ok(202);
@@ -182,65 +224,82 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
     assert_eq!(job.state, JobState::Succeeded, "{job:?}");
     let path = format!("/v1/vms/{}", vm.uuid);
 
-    // First boot: cloud-init makes the host keys, the user-script writes the file.
     let mut seen = Vec::new();
     let first = next_boot(&op, &vm, &mut seen).await;
-    let mark = wait_for(BOOT_TIMEOUT, || async {
-        reports(&console(&op, &vm).await, "PASSAGE-T-MARK=")
-            .into_iter()
-            .next()
-    })
-    .await;
-    let Some(mark) = mark else {
-        panic!(
-            "the user-script never ran; console:\n{}",
-            console(&op, &vm).await
+    assert_eq!(first.bytes, 0, "a first boot finds no host keys: {first:?}");
+    let mut left = made(&op, &vm, &first.id).await;
+    let first_boot = started.elapsed();
+    let mut said = Vec::new();
+    for cycle in 0..CYCLES {
+        assert!(left.bytes > 0, "boot {cycle} made no host keys: {left:?}");
+        // Nothing the guest made is synced: the file a moment ago, the host keys earlier
+        // in this boot, which began about 40 s ago. The guest goes down at once.
+        let how = match cycle {
+            1 | 4 => "reboot",
+            2 if triton.is_some() => "triton",
+            _ => "stop",
+        };
+        let job = match how {
+            "triton" => {
+                let (user, _) = triton.as_ref().unwrap();
+                let out = user
+                    .run(&["instance", "reboot", "-w", &vm.uuid.to_string()])
+                    .await
+                    .ok();
+                assert!(out.contains("Rebooted instance"), "{out}");
+                let v: Vm = op.get(&path).await.ok(200);
+                assert_eq!(v.state, VmState::Running);
+                let j: Job = op
+                    .get(&format!("/v1/jobs/{}", v.job_uuid.unwrap()))
+                    .await
+                    .ok(200);
+                assert_eq!(j.name, "reboot");
+                assert_eq!(j.state, JobState::Succeeded, "{j:?}");
+                j
+            }
+            "reboot" => {
+                let v: Vm = op.post_empty(&format!("{path}/reboot")).await.ok(202);
+                assert_eq!(v.state, VmState::Stopping);
+                let j = succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(900)).await;
+                assert_eq!(j.name, "reboot");
+                j
+            }
+            _ => {
+                let v: Vm = op.post_empty(&format!("{path}/stop")).await.ok(202);
+                assert_eq!(v.state, VmState::Stopping);
+                let j = succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(600)).await;
+                let v: Vm = op.get(&path).await.ok(200);
+                assert_eq!(v.state, VmState::Stopped);
+                let v: Vm = op.post_empty(&format!("{path}/start")).await.ok(202);
+                succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(300)).await;
+                j
+            }
+        };
+        let detail = stop_detail(&job);
+        assert!(
+            detail.starts_with("guest shut down after "),
+            "cycle {cycle} ({how}): {detail}"
         );
-    };
-    let (digest, keys) = (mark[0].clone(), field(&mark, "keys").to_string());
-    let keys: u64 = keys.parse().unwrap();
-    assert!(keys > 0, "host keys at first boot: {mark:?}");
-    let booted = started.elapsed();
-
-    // At once: a clean stop. The guest shuts itself down; the step says so.
-    let v: Vm = op.post_empty(&format!("{path}/stop")).await.ok(202);
-    assert_eq!(v.state, VmState::Stopping);
-    let stop = succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(600)).await;
-    let said = stop_detail(&stop);
-    assert!(said.starts_with("guest shut down after "), "{said}");
-    let v: Vm = op.get(&path).await.ok(200);
-    assert_eq!(v.state, VmState::Stopped);
-
-    // Started again: the file and the host keys are whole.
-    let v: Vm = op.post_empty(&format!("{path}/start")).await.ok(202);
-    succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(300)).await;
-    let second = next_boot(&op, &vm, &mut seen).await;
-    assert_ne!(second.id, first.id);
-    assert_eq!(
-        second.mark, digest,
-        "the file written before the stop: {second:?}"
-    );
-    assert_eq!(second.keys, keys, "the first boot's host keys: {second:?}");
-
-    // A reboot through /v1: one job, a clean stop and a start; a new boot id.
-    let v: Vm = op.post_empty(&format!("{path}/reboot")).await.ok(202);
-    assert_eq!(v.state, VmState::Stopping);
-    let reboot = succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(900)).await;
-    assert_eq!(reboot.name, "reboot");
-    let said_reboot = stop_detail(&reboot);
-    assert!(
-        said_reboot.starts_with("guest shut down after "),
-        "{said_reboot}"
-    );
-    let third = next_boot(&op, &vm, &mut seen).await;
-    assert_ne!(third.id, second.id);
-    assert_eq!(third.mark, digest);
+        said.push(format!("{how}: {detail}"));
+        let boot = next_boot(&op, &vm, &mut seen).await;
+        assert_eq!(
+            (&boot.mark, &boot.keys, boot.bytes),
+            (&left.mark, &left.keys, left.bytes),
+            "cycle {cycle} ({how}): the next boot found other than the last one left"
+        );
+        let next = made(&op, &vm, &boot.id).await;
+        assert_ne!(
+            next.keys, left.keys,
+            "the boot after cycle {cycle} made new host keys"
+        );
+        left = next;
+    }
     let v: Vm = op.get(&path).await.ok(200);
     assert_eq!(v.state, VmState::Running);
     println!(
-        "first boot to its report {:.0} s; stop: {said}; reboot: {said_reboot}; \
-         whole test {:.0} s",
-        booted.as_secs_f64(),
+        "first boot to its file {:.0} s; {}; whole test {:.0} s",
+        first_boot.as_secs_f64(),
+        said.join("; "),
         started.elapsed().as_secs_f64()
     );
 
@@ -255,21 +314,23 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
 
 #[test]
 fn reports_are_read_whole_from_a_busy_console() {
-    let text = "[  OK  ] Started foo.PASSAGE-T-BOOT=abc mark= keys=0 end\r\n\
-                PASSAGE-T-BOOT=def mark=0123 keys=798 end\n\
+    let text = "[  OK  ] Started foo.PASSAGE-T-BOOT=abc mark= keys= bytes=0 end\r\n\
+                PASSAGE-T-BOOT=def mark=0123 keys=4567 bytes=798 end\n\
                 PASSAGE-T-BOOT=ghi mark=01";
     assert_eq!(
-        boots(text),
+        parsed(text, "PASSAGE-T-BOOT="),
         [
-            Boot {
+            Report {
                 id: "abc".into(),
                 mark: String::new(),
-                keys: 0
+                keys: String::new(),
+                bytes: 0
             },
-            Boot {
+            Report {
                 id: "def".into(),
                 mark: "0123".into(),
-                keys: 798
+                keys: "4567".into(),
+                bytes: 798
             }
         ]
     );

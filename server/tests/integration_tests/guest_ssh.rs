@@ -2,15 +2,17 @@
 //! server and a real `node-agent --hypervisor qemu` (emulated: this machine's /dev/kvm
 //! does not work) over a generated tree with two GPUs, in a network namespace this test
 //! makes, with a bridge and the network's gateway address on it; the Debian test image
-//! with real cloud-init. A tenant with an ed25519 key creates an instance on the network
-//! and the test `ssh`es to its `primary_ip` as the image's default user.
+//! with real cloud-init. A tenant with two ed25519 keys creates an instance on the network
+//! given one of them and the test `ssh`es to its `primary_ip` as the image's default user:
+//! that key logs in, the other does not. A second instance is deleted while it is still
+//! provisioning: it ends destroyed, its GPUs scrubbed and its address free again.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use super::e2e::{
     guest_image, login, provision_ended, qemu_node, start_server, two_gpu_package, upload_image,
 };
 use crate::common::{Backend, Client, TestDb, wait_for};
-use passage_model::api::{JobState, Vm, VmState};
+use passage_model::api::{Job, JobState, StepState, Vm, VmState};
 use passage_model::networks::{Network, NetworkIp};
 use serde_json::json;
 use std::path::Path;
@@ -135,13 +137,17 @@ async fn walk(image: &Path) {
         .await
         .ok(201);
 
-    // The tenant and its key.
+    // The tenant and its two keys.
     let keys = tempfile::tempdir().unwrap();
     let key = keys.path().join("id_ed25519");
-    sh(Command::new("ssh-keygen")
-        .args(["-q", "-t", "ed25519", "-N", "", "-C", "tenant@e2e", "-f"])
-        .arg(&key));
+    let other_key = keys.path().join("other_ed25519");
+    for k in [&key, &other_key] {
+        sh(Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", "tenant@e2e", "-f"])
+            .arg(k));
+    }
     let public = std::fs::read_to_string(key.with_extension("pub")).unwrap();
+    let other_public = std::fs::read_to_string(other_key.with_extension("pub")).unwrap();
     op.post::<passage_model::api::Account>(
         "/v1/accounts",
         &json!({"login":"tenant","password":"tenant-password","role":"tenant"}),
@@ -153,7 +159,14 @@ async fn walk(image: &Path) {
         Some(&login(&base, "tenant", "tenant-password").await),
     );
     tenant
-        .post::<serde_json::Value>("/v1/keys", &json!({"key": public.trim()}))
+        .post::<serde_json::Value>("/v1/keys", &json!({"name": "laptop", "key": public.trim()}))
+        .await
+        .ok(201);
+    tenant
+        .post::<serde_json::Value>(
+            "/v1/keys",
+            &json!({"name": "other", "key": other_public.trim()}),
+        )
         .await
         .ok(201);
 
@@ -165,6 +178,7 @@ async fn walk(image: &Path) {
         .post(
             "/v1/vms",
             &json!({"image":"debian-cloud","alias":"gpu-box","package":"ssh-2x",
+                    "keys":["laptop"],
                     "metadata":{
                         "user-data":"#cloud-config\nruncmd:\n  - [sh, -c, 'echo ran > /var/tmp/user-data-ran']\n",
                         "user-script":"#!/bin/sh\necho ran > /var/tmp/user-script-ran\n"}}),
@@ -217,6 +231,14 @@ async fn walk(image: &Path) {
     );
     assert_eq!(lines[2], "2", "two stand-in GPUs: {answer}");
     assert_eq!(&lines[3..], ["ran", "ran"], "user-data and user-script ran");
+    // Only the key it was given logs in.
+    let listed: Vec<String> = vm.keys.iter().flatten().map(|k| k.name.clone()).collect();
+    assert_eq!(listed, ["laptop"]);
+    let (other, h) = (other_key.clone(), host.clone());
+    let refused = tokio::task::spawn_blocking(move || ssh(&other, "debian", &h, "true"))
+        .await
+        .unwrap();
+    assert_eq!(refused, None, "a key the VM was not given logged in");
 
     // Destroy: the tap goes, the address returns, the next VM may get it.
     let vm_path = format!("/v1/vms/{}", vm.uuid);
@@ -249,25 +271,49 @@ async fn walk(image: &Path) {
         .await
         .ok(202);
     assert_eq!(again.primary_ip, Some(addr));
-    // A VM is destroyed once its provision has ended (a VM has one job at a time).
-    provision_ended(&op, &again).await;
-    let again_path = format!("/v1/vms/{}", again.uuid);
-    tenant.delete::<Vm>(&again_path).await.ok(202);
+    // Deleted while its node binds and launches it: the provision stops, unwinds, and the
+    // VM is destroyed like any other.
+    let again_job = format!("/v1/jobs/{}", again.job_uuid.unwrap());
     wait_for(Duration::from_secs(120), || async {
+        let j: Job = op.get(&again_job).await.ok(200);
+        j.steps
+            .iter()
+            .skip(1)
+            .any(|s| s.state != StepState::Pending)
+            .then_some(())
+    })
+    .await
+    .expect("the provision reached its node");
+    let again_path = format!("/v1/vms/{}", again.uuid);
+    let v: Vm = tenant.delete(&again_path).await.ok(202);
+    assert_eq!(v.state, VmState::Destroying);
+    wait_for(Duration::from_secs(300), || async {
         let v: Vm = tenant.get(&again_path).await.ok(200);
         (v.state == VmState::Destroyed).then_some(())
     })
     .await
     .expect("the second VM was destroyed");
+    let j: Job = op.get(&again_job).await.ok(200);
+    assert_eq!(j.state, JobState::Failed, "{j:?}");
+    assert!(
+        j.error.as_deref().unwrap_or("").contains("cancelled"),
+        "{j:?}"
+    );
     assert!(our_taps().is_empty(), "taps left: {:?}", our_taps());
+    let held: Vec<NetworkIp> = op
+        .get(&format!("/v1/networks/{}/ips", net.uuid))
+        .await
+        .ok(200);
+    assert!(held.is_empty(), "{held:?}");
+
+    all_unassigned(&op, server)
+        .await
+        .expect("the GPUs of the VM deleted while provisioning were scrubbed");
 
     // The same through Triton's own CLI: `triton instance create -w`, then `triton ssh`.
     let Some(cli) = super::triton_cli::triton_cli() else {
         return;
     };
-    all_unassigned(&op, server)
-        .await
-        .expect("the GPUs were scrubbed again");
     let (user, public) = super::triton_cli::TritonUser::new(&cli, &base, "tenant");
     tenant
         .post::<serde_json::Value>("/v1/keys", &json!({"name": "triton", "key": public}))

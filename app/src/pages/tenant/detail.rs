@@ -4,7 +4,10 @@ use crate::components::widgets::{Badge, CsrfField};
 use crate::data::{load, poll};
 use crate::fmt;
 use crate::pages::admin::jobs::JobSteps;
-use crate::rpc::{Console, DestroyInstance, Instance, PowerInstance, get_console, get_instance};
+use crate::rpc::{
+    Console, DeleteInstanceTag, DestroyInstance, Instance, PowerInstance, SetInstanceTag, get_console,
+    get_instance,
+};
 use leptos::prelude::*;
 use leptos_meta::Title;
 use leptos_router::hooks::{use_params_map, use_query_map};
@@ -15,15 +18,18 @@ pub fn InstancePage() -> impl IntoView {
     let q = use_query_map();
     let destroy = ServerAction::<DestroyInstance>::new();
     let power = ServerAction::<PowerInstance>::new();
+    let set_tag = ServerAction::<SetInstanceTag>::new();
+    let delete_tag = ServerAction::<DeleteInstanceTag>::new();
     let data = load(
         move || {
             (
                 params.read().get("uuid").unwrap_or_default(),
                 destroy.version().get(),
                 power.version().get(),
+                set_tag.version().get() + delete_tag.version().get(),
             )
         },
-        |(uuid, _, _)| get_instance(uuid),
+        |(uuid, _, _, _)| get_instance(uuid),
     );
     // Job steps and device states move on their own: follow them until the VM settles.
     poll(data, 1000);
@@ -63,6 +69,8 @@ pub fn InstancePage() -> impl IntoView {
                     </dl>
                     <Power action=power uuid=uuid.clone() state=state.to_string()/>
                     <Addresses i=i.clone() gone=gone/>
+                    <Keys keys=vm.keys.clone()/>
+                    <Tags set=set_tag delete=delete_tag uuid=uuid.clone() tags=vm.tags.clone() gone=gone/>
                     <h2>"Assigned devices"</h2>
                     {if vm.assigned_devices.is_empty() {
                         view! { <p>"None."</p> }.into_any()
@@ -104,6 +112,8 @@ pub fn InstancePage() -> impl IntoView {
             </Loaded>
             <FormStatus result=Signal::derive(move || destroy.value().get())/>
             <FormStatus result=Signal::derive(move || power.value().get())/>
+            <FormStatus result=Signal::derive(move || set_tag.value().get())/>
+            <FormStatus result=Signal::derive(move || delete_tag.value().get())/>
             <Loaded data=console quiet=true let:c>
                 <ConsoleView c=c/>
             </Loaded>
@@ -158,6 +168,116 @@ fn Power(action: ServerAction<PowerInstance>, uuid: String, state: String) -> im
         </section>
     }
     .into_any()
+}
+
+/// The owner's SSH keys the instance was given, by name and fingerprint.
+#[component]
+fn Keys(keys: Option<Vec<passage_model::keys::VmKey>>) -> impl IntoView {
+    let body = match keys {
+        None => view! {
+            <p class="muted">"All of the owner's keys at its creation (made before keys could be chosen)."</p>
+        }
+        .into_any(),
+        Some(k) if k.is_empty() => view! { <p>"None: no SSH key logs in to it."</p> }.into_any(),
+        Some(k) => view! {
+            <ul data-testid="vm-keys">
+                {k.into_iter().map(|k| view! {
+                    <li data-key=k.name.clone()>{k.name} " " <code class="muted">{k.fingerprint}</code></li>
+                }).collect_view()}
+            </ul>
+        }
+        .into_any(),
+    };
+    view! {
+        <h2>"SSH keys"</h2>
+        {body}
+    }
+}
+
+/// Its tags, each changed or removed where it stands, and a row that adds one. Values
+/// are typed as the `triton` CLI types them: `true`, `false` and numbers keep their type.
+#[component]
+fn Tags(
+    set: ServerAction<SetInstanceTag>,
+    delete: ServerAction<DeleteInstanceTag>,
+    uuid: String,
+    tags: passage_model::tags::Tags,
+    gone: bool,
+) -> impl IntoView {
+    let shown = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let busy = move || set.pending().get() || delete.pending().get();
+    view! {
+        <section class="tags" data-testid="tags" aria-labelledby="tags-h">
+            <h2 id="tags-h">"Tags"</h2>
+            {tags.is_empty().then(|| view! { <p class="muted">"None yet."</p> })}
+            {(!tags.is_empty()).then(|| view! {
+                <table class="list">
+                    <thead><tr><th scope="col">"Name"</th><th scope="col">"Value"</th><th></th></tr></thead>
+                    <tbody>
+                        {tags.iter().map(|(k, v)| {
+                            let value = shown(v);
+                            let kind = match v {
+                                serde_json::Value::Bool(_) => "boolean",
+                                serde_json::Value::Number(_) => "number",
+                                _ => "text",
+                            };
+                            let (u1, u2, k1, k2) = (uuid.clone(), uuid.clone(), k.clone(), k.clone());
+                            view! {
+                                <tr data-tag=k.clone()>
+                                    <th scope="row"><code>{k.clone()}</code></th>
+                                    <td>
+                                        {if gone {
+                                            view! { <span data-kind=kind>{value}</span> }.into_any()
+                                        } else {
+                                            view! {
+                                                <ActionForm action=set>
+                                                    <CsrfField/>
+                                                    <input type="hidden" name="uuid" value=u1/>
+                                                    <input type="hidden" name="key" value=k1/>
+                                                    <input name="value" value=value data-kind=kind
+                                                        aria-label=format!("Value of {k}") maxlength="1024"/>
+                                                    " "
+                                                    <button type="submit" disabled=busy>"Save"</button>
+                                                </ActionForm>
+                                            }.into_any()
+                                        }}
+                                    </td>
+                                    <td>
+                                        {(!gone).then(|| view! {
+                                            <ActionForm action=delete>
+                                                <CsrfField/>
+                                                <input type="hidden" name="uuid" value=u2/>
+                                                <input type="hidden" name="key" value=k2/>
+                                                <button type="submit" class="danger" disabled=busy>"Remove"</button>
+                                            </ActionForm>
+                                        })}
+                                    </td>
+                                </tr>
+                            }
+                        }).collect_view()}
+                    </tbody>
+                </table>
+            })}
+            {(!gone).then(|| view! {
+                <div class="add-tag" data-testid="add-tag">
+                <ActionForm action=set>
+                    <CsrfField/>
+                    <input type="hidden" name="uuid" value=uuid.clone()/>
+                    <label>"Name " <input name="key" required maxlength="128"/></label>
+                    " "
+                    <label>"Value " <input name="value" maxlength="1024"/></label>
+                    " "
+                    <button type="submit" disabled=busy>"Add tag"</button>
+                    " "
+                    <span class="muted">"true, false and numbers keep their type."</span>
+                </ActionForm>
+                </div>
+            })}
+        </section>
+    }
 }
 
 /// Its addresses, the primary marked, and the command that logs in to it.
