@@ -8,14 +8,15 @@ use leptos_router::components::{Route, Router, Routes};
 use leptos_router::{SsrMode, path};
 
 /// The whole document, rendered on the server. The CSP allows this response's inline
-/// hydration scripts by their nonce and nothing else inline.
+/// hydration scripts by their nonce and nothing else inline; styles made with the nonce
+/// too (the terminal's, see `pages::tenant::terminal`).
 #[cfg(feature = "ssr")]
 pub fn shell(options: LeptosOptions) -> impl IntoView {
     use leptos::nonce::use_nonce;
     if let (Some(n), Some(res)) = (use_nonce(), use_context::<leptos_axum::ResponseOptions>()) {
         let csp = format!(
             "default-src 'self'; script-src 'self' 'nonce-{n}' 'wasm-unsafe-eval'; \
-             style-src 'self'; img-src 'self' data:; connect-src 'self'; \
+             style-src 'self' 'nonce-{n}'; img-src 'self' data:; connect-src 'self'; \
              frame-ancestors 'none'; base-uri 'self'; form-action 'self'; object-src 'none'"
         );
         if let Ok(v) = http::HeaderValue::from_str(&csp) {

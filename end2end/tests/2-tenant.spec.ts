@@ -214,6 +214,25 @@ test('tenant: SSH keys; an instance on a chosen network with user-data shows its
   await expect(consolePanel.getByRole('heading', { name: 'Console' })).toBeVisible();
   await expect(consolePanel.locator('.error')).toHaveCount(0);
 
+  // The terminal: the node's serial port through the console websocket, drawn by xterm.js
+  // (the simulated VM's stand-in answers a login and `echo`), under the page's CSP.
+  const terminal = page.getByTestId('terminal');
+  await terminal.getByRole('button', { name: 'Open terminal' }).click();
+  await expect(terminal.getByTestId('terminal-status')).toHaveText('Connected.', { timeout: 20_000 });
+  const rows = terminal.locator('.xterm-rows');
+  await expect(rows).toContainText('login:', { timeout: 20_000 });
+  await terminal.locator('.xterm-helper-textarea').focus();
+  await page.keyboard.type('keys');
+  await page.keyboard.press('Enter');
+  await expect(rows).toContainText('Password:');
+  await page.keyboard.type('any');
+  await page.keyboard.press('Enter');
+  await page.keyboard.type('echo from-the-portal');
+  await page.keyboard.press('Enter');
+  await expect(rows).toContainText(/from-the-portal.*from-the-portal/);
+  await terminal.getByRole('button', { name: 'Close terminal' }).click();
+  await expect(terminal.getByTestId('terminal-status')).toHaveText('');
+
   // Destroyed: calmly said to have no console, and its address is free again.
   await page.getByRole('link', { name: 'Destroy instance' }).click();
   await page.getByRole('button', { name: 'Yes, destroy net-1' }).click();

@@ -48,14 +48,20 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
     let target = target_dir()?;
     ensure_wasm_target()?;
     let bindgen = ensure_wasm_bindgen(&root)?;
-    let optimizer = match (wasm_opt, on_path("npm")) {
-        (_, true) => Some(ensure_wasm_opt(&root)?),
+    let (optimizer, xterm) = match (wasm_opt, on_path("npm")) {
+        (_, true) => (Some(ensure_wasm_opt(&root)?), Some(ensure_xterm(&root)?)),
         (WasmOpt::Required, false) => {
-            bail!("npm is missing: it installs wasm-opt, which shrinks the portal's bundle")
+            bail!(
+                "npm is missing: it installs wasm-opt, which shrinks the portal's bundle, \
+                 and xterm.js, the portal's terminal"
+            )
         }
         (WasmOpt::IfAvailable, false) => {
-            eprintln!("xtask: warning: no npm, so no wasm-opt; the portal's bundle stays larger");
-            None
+            eprintln!(
+                "xtask: warning: no npm, so no wasm-opt and no xterm.js; the portal's bundle \
+                 stays larger and it has no terminal (the console's text log stays)"
+            );
+            (None, None)
         }
     };
     eprintln!("xtask: building the portal's WebAssembly (passage-app, feature hydrate, release)");
@@ -80,7 +86,9 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
 
     // wasm-bindgen and wasm-opt take half a minute even when cargo had nothing to do:
     // the same inputs (and tools) make the same bundle, which may be there already.
-    let inputs = inputs_key(&[&wasm, &css], &bindgen, optimizer.as_deref())?;
+    let mut files = vec![wasm.as_path(), css.as_path()];
+    files.extend(xterm.iter().flatten().map(PathBuf::as_path));
+    let inputs = inputs_key(&files, &bindgen, optimizer.as_deref())?;
     let inputs_file = site.join("bundle.inputs");
     let reusable = std::fs::read_to_string(&inputs_file)
         .ok()
@@ -95,7 +103,14 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
             id
         }
         None => {
-            let id = make_bundle(&wasm, &css, &bindgen, optimizer.as_deref(), &site)?;
+            let id = make_bundle(
+                &wasm,
+                &css,
+                xterm.as_ref(),
+                &bindgen,
+                optimizer.as_deref(),
+                &site,
+            )?;
             write_atomically(&inputs_file, format!("{inputs} {id}").as_bytes())?;
             id
         }
@@ -121,6 +136,7 @@ pub fn build_with(wasm_opt: WasmOpt) -> Result<PathBuf> {
 fn make_bundle(
     wasm: &Path,
     css: &Path,
+    xterm: Option<&[PathBuf; 2]>,
     bindgen: &Path,
     optimizer: Option<&Path>,
     site: &Path,
@@ -161,6 +177,10 @@ fn make_bundle(
             .with_context(|| format!("cannot replace {}", bg.display()))?;
     }
     copy(css, &staging.join(format!("{OUTPUT_NAME}.css")))?;
+    if let Some([script, style]) = xterm {
+        copy(script, &staging.join("xterm.js"))?;
+        copy(style, &staging.join("xterm.css"))?;
+    }
 
     let files = files_under(&staging)?;
     let id = bundle_id(&staging, &files)?;
@@ -398,6 +418,15 @@ fn ensure_wasm_opt(root: &Path) -> Result<PathBuf> {
 /// their checksums), installed by `npm ci` into `~/.cache/passage-tools/<spec>-<lock
 /// hash>/` on first use: outside the clone, so a fresh checkout does not fetch it again.
 pub fn npm_tool(root: &Path, spec: &str, bin: &str) -> Result<PathBuf> {
+    let dir = npm_packages(root, spec, &Path::new("node_modules/.bin").join(bin))?;
+    Ok(dir.join("node_modules/.bin").join(bin))
+}
+
+/// The folder where `npm ci` installed the packages `xtask/<spec>/package-lock.json` pins
+/// (with their checksums): `~/.cache/passage-tools/<spec>-<lock hash>/`, made on first
+/// use, outside the clone, so a fresh checkout does not fetch them again. `expect` is a
+/// file below it that the install must have made.
+fn npm_packages(root: &Path, spec: &str, expect: &Path) -> Result<PathBuf> {
     let spec_dir = root.join("xtask").join(spec);
     let lock = std::fs::read(spec_dir.join("package-lock.json"))
         .with_context(|| format!("cannot read xtask/{spec}/package-lock.json"))?;
@@ -405,12 +434,12 @@ pub fn npm_tool(root: &Path, spec: &str, bin: &str) -> Result<PathBuf> {
         .with_context(|| format!("cannot read xtask/{spec}/package.json"))?;
     let key = hex::encode(&Sha256::digest([manifest.as_slice(), &lock].concat())[..6]);
     let dir = tools_cache()?.join(format!("{spec}-{key}"));
-    let path = dir.join("node_modules/.bin").join(bin);
+    let path = dir.join(expect);
     if path.is_file() {
-        return Ok(path);
+        return Ok(dir);
     }
     eprintln!(
-        "xtask: installing {bin} (npm) into {} (once)",
+        "xtask: installing xtask/{spec} (npm) into {} (once)",
         dir.display()
     );
     let partial = dir.with_extension("partial");
@@ -434,7 +463,18 @@ pub fn npm_tool(root: &Path, spec: &str, bin: &str) -> Result<PathBuf> {
             path.display()
         );
     }
-    Ok(path)
+    Ok(dir)
+}
+
+/// xterm.js's script and stylesheet, from npm at the version `xtask/xterm/`'s lock file
+/// pins: the portal's interactive console loads them when a tenant opens it.
+fn ensure_xterm(root: &Path) -> Result<[PathBuf; 2]> {
+    let script = Path::new("node_modules/@xterm/xterm/lib/xterm.js");
+    let dir = npm_packages(root, "xterm", script)?;
+    Ok([
+        dir.join(script),
+        dir.join("node_modules/@xterm/xterm/css/xterm.css"),
+    ])
 }
 
 /// Where tools the build fetches are kept: `$XDG_CACHE_HOME/passage-tools`, else

@@ -4,6 +4,7 @@ use crate::components::widgets::{Badge, CsrfField};
 use crate::data::{load, poll};
 use crate::fmt;
 use crate::pages::admin::jobs::JobSteps;
+use crate::pages::tenant::terminal::Terminal;
 use crate::rpc::{
     Console, DeleteInstanceTag, DestroyInstance, Instance, PowerInstance, SetInstanceTag, get_console,
     get_instance,
@@ -114,6 +115,13 @@ pub fn InstancePage() -> impl IntoView {
             <FormStatus result=Signal::derive(move || power.value().get())/>
             <FormStatus result=Signal::derive(move || set_tag.value().get())/>
             <FormStatus result=Signal::derive(move || delete_tag.value().get())/>
+            <Show when=move || {
+                data.get()
+                    .and_then(|r| r.ok())
+                    .is_some_and(|i| i.vm.state == passage_model::api::VmState::Running)
+            }>
+                <Terminal uuid=params.read_untracked().get("uuid").unwrap_or_default()/>
+            </Show>
             <Loaded data=console quiet=true let:c>
                 <ConsoleView c=c/>
             </Loaded>
