@@ -221,10 +221,7 @@ async fn owners_use_their_vms_interactive_console(backend: Backend) {
     assert!(!c.output.contains("anything"), "the password is not echoed");
 
     // Closed by the tenant: the VM's console is free again, here from the portal's page.
-    {
-        use futures_util::SinkExt;
-        ws.close(None).await.unwrap();
-    }
+    ws.close(None).await.unwrap();
     let mut ws = wait_for(limit, || async {
         open_console(&s.base, vm.uuid, &cookie(&s.base)).await.ok()
     })
