@@ -66,7 +66,7 @@ impl Consoles {
     /// longer waiting after this. Anything else is `None`, alike.
     pub fn take(&self, session: &str, server: ServerId) -> Option<oneshot::Sender<WebSocket>> {
         let mut waiting = self.waiting();
-        if !waiting.get(session).is_some_and(|w| w.server == server) {
+        if waiting.get(session).is_none_or(|w| w.server != server) {
             return None;
         }
         waiting.remove(session).map(|w| w.socket)
