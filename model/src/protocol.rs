@@ -475,6 +475,17 @@ pub enum Task {
     ReadConsole {
         vm_uuid: VmId,
     },
+    /// Open the VM's serial port for a tenant's interactive console: dial back a websocket
+    /// to the server's `GET /agent/v1/console/{session}` (with the node's credential) and
+    /// copy bytes both ways between it and the serial port until either side closes. The
+    /// result is sent once both are open (or either could not be); the copying goes on
+    /// after it. Sent only to an agent that said it runs it ([`TASKS_RUN`] on its poll).
+    AttachConsole {
+        vm_uuid: VmId,
+        /// The server's name for this session: [`CONSOLE_SESSION_LEN`] lowercase hex
+        /// digits, unguessable, good for one dial within seconds.
+        session: String,
+    },
     /// Make the function have `num_vfs` SR-IOV virtual functions (its `sriov_numvfs`),
     /// taking down those it has first when the count differs. Refused while one of its
     /// VFs is passed through to a VM.
@@ -538,6 +549,8 @@ impl Task {
     /// [`Task::ShutdownVm`]'s name, as [`TASKS_RUN`] says it.
     pub const SHUTDOWN_VM: &str = "shutdown_vm";
     pub const DELETE_DISK: &str = "delete_disk";
+    /// [`Task::AttachConsole`]'s name, as [`TASKS_RUN`] says it.
+    pub const ATTACH_CONSOLE: &str = "attach_console";
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -551,6 +564,7 @@ impl Task {
             Task::DestroyVm { .. } => Self::DESTROY_VM,
             Task::BootVm { .. } => Self::BOOT_VM,
             Task::ReadConsole { .. } => "read_console",
+            Task::AttachConsole { .. } => Self::ATTACH_CONSOLE,
             Task::SetVfs { .. } => "set_vfs",
             Task::Scrub { .. } => "scrub",
         }
@@ -561,10 +575,24 @@ impl Task {
 /// each poll (`GET /agent/v1/tasks?wait=N&runs=destroy_vm,boot_vm`), comma-separated: an
 /// agent that does not name a kind is never sent one (it could not read the poll's
 /// answer).
-pub const TASKS_RUN: &str = "destroy_vm,boot_vm,shutdown_vm";
+pub const TASKS_RUN: &str = "destroy_vm,boot_vm,shutdown_vm,attach_console";
 
 /// The kinds [`TASKS_RUN`] may name, each a bit of [`LaterTasks`].
-pub const LATER_TASKS: [&str; 3] = [Task::DESTROY_VM, Task::BOOT_VM, Task::SHUTDOWN_VM];
+pub const LATER_TASKS: [&str; 4] = [
+    Task::DESTROY_VM,
+    Task::BOOT_VM,
+    Task::SHUTDOWN_VM,
+    Task::ATTACH_CONSOLE,
+];
+
+/// The length of an [`Task::AttachConsole`] session's name: 32 random bytes in hex.
+pub const CONSOLE_SESSION_LEN: usize = 64;
+
+/// Whether `s` is a session name as [`Task::AttachConsole`] carries one (and so safe in a
+/// URL path).
+pub fn is_console_session(s: &str) -> bool {
+    s.len() == CONSOLE_SESSION_LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
 
 /// The later task kinds ([`LATER_TASKS`]) an agent said it runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -939,6 +967,22 @@ mod tests {
         assert!(!one.has("format_disk"), "unknown kinds are passed over");
         assert!(LaterTasks::parse("").is_empty());
         assert!(!LaterTasks::parse(TASKS_RUN).has("stop_vm"));
+    }
+
+    #[test]
+    fn a_console_session_is_hex_of_one_length_only() {
+        let ok = "0123456789abcdef".repeat(4);
+        assert!(is_console_session(&ok));
+        assert!(!is_console_session(&ok[1..]));
+        assert!(!is_console_session(&ok.to_uppercase()));
+        assert!(!is_console_session(&format!("{}/", &ok[1..])));
+        let t = Task::AttachConsole {
+            vm_uuid: VmId::new_random(),
+            session: ok,
+        };
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["type"], "attach_console");
+        assert_eq!(serde_json::from_value::<Task>(v).unwrap(), t);
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub enum ClientError {
     CaCert { path: String, detail: String },
     #[error("TLS settings: {0}")]
     Tls(String),
+    #[error("{what}: websocket: {detail}")]
+    Socket { what: &'static str, detail: String },
 }
 
 /// A CA bundle bigger than this is not a CA bundle.
@@ -137,7 +139,8 @@ impl ClientError {
             ClientError::Decode { .. }
             | ClientError::Url(_)
             | ClientError::CaCert { .. }
-            | ClientError::Tls(_) => false,
+            | ClientError::Tls(_)
+            | ClientError::Socket { .. } => false,
         }
     }
 
@@ -164,7 +167,18 @@ pub struct AgentClient {
     brief: reqwest::Client,
     base: String,
     credential: Option<String>,
+    /// The TLS settings both clients use, for the console's websockets too.
+    tls: std::sync::Arc<rustls::ClientConfig>,
 }
+
+/// A websocket the agent dialled to the server (a console session's).
+pub type ServerSocket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// How long a console's websocket may take to open.
+const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest frame the agent takes from the server on a console: keystrokes and pastes.
+pub const MAX_SOCKET_MESSAGE: usize = 64 * 1024;
 
 impl AgentClient {
     pub fn new(server_url: &str) -> Result<Self, ClientError> {
@@ -208,6 +222,7 @@ impl AgentClient {
             brief: client(0)?,
             base,
             credential: None,
+            tls: std::sync::Arc::new(tls),
         })
     }
 
@@ -394,6 +409,54 @@ impl AgentClient {
         }
         let body = read_body(what, resp).await.unwrap_or_default();
         Err(server_error(what, status, &body))
+    }
+}
+
+impl AgentClient {
+    /// Opens the websocket of console session `session` (`GET
+    /// /agent/v1/console/{session}`, upgraded), with the node's credential and the
+    /// client's TLS settings.
+    pub async fn console_socket(&self, session: &str) -> Result<ServerSocket, ClientError> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let what = "console";
+        let bad = |detail: String| ClientError::Socket { what, detail };
+        if !passage_model::protocol::is_console_session(session) {
+            return Err(bad("not a console session name".to_string()));
+        }
+        let url = match self.base.split_once("://") {
+            Some(("https", rest)) => format!("wss://{rest}"),
+            Some((_, rest)) => format!("ws://{rest}"),
+            None => return Err(ClientError::Url(self.base.clone())),
+        } + &format!("/agent/v1/console/{session}");
+        let mut req = url
+            .as_str()
+            .into_client_request()
+            .map_err(|e| bad(format!("{url}: {e}")))?;
+        if let Some(c) = &self.credential {
+            let v = format!("Bearer {c}")
+                .parse()
+                .map_err(|_| bad("the credential is not a header value".to_string()))?;
+            req.headers_mut().insert(reqwest::header::AUTHORIZATION, v);
+        }
+        let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+            .max_message_size(Some(MAX_SOCKET_MESSAGE))
+            .max_frame_size(Some(MAX_SOCKET_MESSAGE));
+        let connector = tokio_tungstenite::Connector::Rustls(self.tls.clone());
+        // Keystrokes go one by one: Nagle's delay would be felt.
+        let open = tokio_tungstenite::connect_async_tls_with_config(
+            req,
+            Some(config),
+            true,
+            Some(connector),
+        );
+        match tokio::time::timeout(SOCKET_TIMEOUT, open).await {
+            Ok(Ok((socket, _))) => Ok(socket),
+            Ok(Err(e)) => Err(bad(e.to_string())),
+            Err(_) => Err(bad(format!(
+                "not open within {} s",
+                SOCKET_TIMEOUT.as_secs()
+            ))),
+        }
     }
 }
 

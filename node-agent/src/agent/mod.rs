@@ -3,6 +3,7 @@
 //! end the agent; a rejected join token or credential does.
 
 pub mod client;
+pub mod console;
 pub mod credential;
 pub mod tasks;
 
@@ -522,6 +523,14 @@ impl Agent {
                     debug!(task = %env.id, "task already running");
                     continue;
                 }
+                // A console session lasts as long as its tenant types: it runs beside
+                // everything else, and its result goes as soon as it is open.
+                if let Task::AttachConsole { vm_uuid, session } = &env.task {
+                    let (id, vm, session) = (env.id, *vm_uuid, session.clone());
+                    self.in_flight().insert(id);
+                    tokio::spawn(self.clone().attach_console(id, vm, session));
+                    continue;
+                }
                 // A download or a QEMU start can take minutes: it runs beside the other
                 // tasks, so one VM's image or pinned memory does not hold up another VM's
                 // stop or scrub. A stop of the VM itself meanwhile cancels its start (see
@@ -588,6 +597,34 @@ impl Agent {
             {
                 next = more;
             }
+        }
+    }
+
+    /// Runs an `attach_console` task: reports whether the console opened, then copies
+    /// its bytes until it closes.
+    async fn attach_console(self: Arc<Self>, id: TaskId, vm: passage_model::VmId, session: String) {
+        info!(task = %id, kind = Task::ATTACH_CONSOLE, %vm, "running task");
+        let opened = console::attach(&self.executor.hypervisor, &self.client, vm, &session).await;
+        let result = match &opened {
+            Ok(_) => TaskResult::success(),
+            Err(e) => {
+                warn!(task = %id, %vm, error = %e, "console not attached");
+                TaskResult::failure(e.to_string())
+            }
+        };
+        let done = Finished {
+            id,
+            result,
+            inventory: None,
+            at: tokio::time::Instant::now(),
+        };
+        if let Err(e) = self.post_group(vec![done], None).await {
+            error!(error = %e, "task result could not be reported");
+        }
+        self.in_flight().remove(&id);
+        if let Ok((serial, socket)) = opened {
+            console::pump(serial, socket).await;
+            info!(task = %id, %vm, "console closed");
         }
     }
 

@@ -219,6 +219,10 @@ impl Executor {
                 Err(e) => TaskResult::failure(e.to_string()),
             },
             Task::DeleteDisk { vm_uuid } => self.delete_disk(*vm_uuid),
+            // It needs the agent's connection to the server: the agent loop runs it.
+            Task::AttachConsole { .. } => TaskResult::failure(
+                "internal: attach_console tasks run in the agent loop".to_string(),
+            ),
             Task::DestroyVm {
                 vm_uuid,
                 devices,

@@ -7,14 +7,15 @@ pub mod console;
 mod qemu;
 pub mod qmp;
 mod sim;
+mod sim_serial;
 
 pub use bhyve::{BHYVE_BINARY, PassthruRef, TooManyDevices, bhyve_argv};
 pub use cloud_hypervisor::{CLOUD_HYPERVISOR_BINARY, cloud_hypervisor_argv};
 pub use qemu::{
     Backing, CpuModel, DEFAULT_OVMF_CODE, DEFAULT_OVMF_VARS, HugepagePolicy, LaunchPlan,
     OVMF_VARS_FILE, OVMF_VARS_TMP_FILE, PINNING_FILE, PinPolicy, Pinning, QEMU_BINARY, QemuConfig,
-    QemuHypervisor, QemuOptions, STAND_IN_ENV, StandIn, StartLimit, VmFiles, checks, cpu_list,
-    launch_plan, layout, qemu_argv, vars_path,
+    QemuHypervisor, QemuOptions, SERIAL_FILE, STAND_IN_ENV, StandIn, StartLimit, VmFiles, checks,
+    cpu_list, launch_plan, layout, qemu_argv, vars_path,
 };
 pub use sim::SimHypervisor;
 
@@ -50,6 +51,8 @@ pub enum HypervisorError {
     Launch { vm: VmId, reason: String },
     #[error("VM {vm}: QMP: {reason}")]
     Qmp { vm: VmId, reason: String },
+    #[error("VM {vm} is not running on this node")]
+    NotRunning { vm: VmId },
     #[error("VM {vm}: {source}")]
     Network {
         vm: VmId,
@@ -107,6 +110,12 @@ pub trait Hypervisor: Send + Sync {
     /// [`passage_model::protocol::MAX_CONSOLE_BYTES`]): empty for a VM that never printed
     /// or that this node does not know.
     fn console(&self, vm: VmId) -> Result<String, HypervisorError>;
+    /// The running VM's serial port, for an interactive console: called on the async
+    /// runtime (it must not block), once per session. Only one session at a time may
+    /// write to a port; the server sees to that.
+    fn serial(&self, vm: VmId) -> Result<SerialPort, HypervisorError> {
+        Err(HypervisorError::NotRunning { vm })
+    }
     /// Keeps what running VMs write on this node bounded (their consoles); the agent
     /// calls it with each heartbeat.
     fn trim(&self) {}
@@ -115,6 +124,14 @@ pub trait Hypervisor: Send + Sync {
     fn starts_slowly(&self) -> bool {
         false
     }
+}
+
+/// Where a VM's serial port is reached.
+pub enum SerialPort {
+    /// A unix socket its hypervisor listens on (QEMU's `serial.sock`).
+    Socket(PathBuf),
+    /// A stream open already (the simulator's stand-in).
+    Stream(tokio::io::DuplexStream),
 }
 
 /// The backend for `kind`. `sysfs_root`, when given, lets the simulator refuse devices

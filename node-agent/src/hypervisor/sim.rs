@@ -1,20 +1,25 @@
 //! A hypervisor that runs nothing: it keeps the set of "running" VMs in memory and in
-//! `STATE/sim-vms.json`, so a restarted agent still reports them.
+//! `STATE/sim-vms.json`, so a restarted agent still reports them. Its serial port is a
+//! stand-in ([`super::sim_serial`]): a login prompt and a line echo, no guest.
 
-use super::{Hypervisor, HypervisorError, check_devices_ready};
+use super::sim_serial::{self, Transcripts};
+use super::{Hypervisor, HypervisorError, SerialPort, check_devices_ready};
 use crate::state::{read_json, write_json};
 use passage_model::VmId;
 use passage_model::protocol::{Shutdown, VmSpec};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 const STATE_FILE: &str = "sim-vms.json";
 
 pub struct SimHypervisor {
     path: PathBuf,
     sysfs_root: Option<PathBuf>,
-    vms: Mutex<BTreeMap<VmId, VmSpec>>,
+    /// Shared with the serial stand-ins, which end when their VM leaves it.
+    vms: Arc<Mutex<BTreeMap<VmId, VmSpec>>>,
+    /// What each VM's stand-in printed and echoed, for the text console.
+    transcripts: Transcripts,
 }
 
 impl SimHypervisor {
@@ -29,7 +34,8 @@ impl SimHypervisor {
         Ok(SimHypervisor {
             path,
             sysfs_root: sysfs_root.map(Path::to_path_buf),
-            vms: Mutex::new(list.into_iter().map(|s| (s.uuid, s)).collect()),
+            vms: Arc::new(Mutex::new(list.into_iter().map(|s| (s.uuid, s)).collect())),
+            transcripts: Transcripts::default(),
         })
     }
 
@@ -78,6 +84,7 @@ impl Hypervisor for SimHypervisor {
         if vms.remove(&vm).is_some() {
             self.save(&vms)?;
         }
+        self.transcripts.forget(vm);
         Ok(())
     }
 
@@ -88,6 +95,7 @@ impl Hypervisor for SimHypervisor {
             return Ok(Shutdown::NotRunning);
         }
         self.save(&vms)?;
+        self.transcripts.forget(vm);
         Ok(Shutdown::GuestShutDown { after_ms: 0 })
     }
 
@@ -120,7 +128,37 @@ impl Hypervisor for SimHypervisor {
         log.push_str(&format!(
             "cloud-init: instance-id {vm}, hostname {host}\n\n{host} login: "
         ));
+        log.push_str(&self.transcripts.get(vm));
         Ok(log)
+    }
+
+    fn serial(&self, vm: VmId) -> Result<SerialPort, HypervisorError> {
+        let host = match self.vms().get(&vm) {
+            Some(spec) => spec
+                .cloud_init
+                .as_ref()
+                .map_or_else(|| "localhost".to_string(), |c| c.hostname.clone()),
+            None => return Err(HypervisorError::NotRunning { vm }),
+        };
+        let runtime =
+            tokio::runtime::Handle::try_current().map_err(|_| HypervisorError::Launch {
+                vm,
+                reason: "the serial stand-in needs the agent's async runtime".to_string(),
+            })?;
+        let (ours, theirs) = tokio::io::duplex(sim_serial::BUFFER);
+        let vms = self.vms.clone();
+        let alive = move || {
+            vms.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&vm)
+        };
+        runtime.spawn(sim_serial::run(
+            ours,
+            host,
+            alive,
+            self.transcripts.writer(vm),
+        ));
+        Ok(SerialPort::Stream(theirs))
     }
 
     /// The state file is the sim's truth: a VM removed from it (by a test, as a crash

@@ -24,6 +24,7 @@ const VM_FILES: &[&str] = &[
     "console.log.0",
     "console.log.0.tmp",
     "qemu.log",
+    crate::hypervisor::SERIAL_FILE,
     crate::seed::SEED_FILE,
     crate::seed::SEED_TMP_FILE,
     // A UEFI VM's variables live as long as its disk.

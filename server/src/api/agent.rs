@@ -180,3 +180,27 @@ pub async fn rotate_credential(
 ) -> ApiResult<Response> {
     Ok(Json(agents::rotate_credential(&ctx, server).await?).into_response())
 }
+
+/// `GET /agent/v1/console/{session}`, upgraded: the node's end of an interactive console
+/// session it was given (`attach_console`). A session that is not waiting for this node
+/// is 404, alike for every reason.
+pub async fn console(
+    State(ctx): State<Ctx>,
+    AgentServer(server): AgentServer,
+    Path(session): Path<String>,
+    upgrade: axum::extract::ws::WebSocketUpgrade,
+) -> ApiResult<Response> {
+    let waiting = passage_model::protocol::is_console_session(&session)
+        .then(|| ctx.consoles.take(&session, server))
+        .flatten()
+        .ok_or_else(|| ApiError::not_found("console session"))?;
+    let max = crate::services::console::MAX_MESSAGE;
+    Ok(upgrade
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| async move {
+            // A session given up meanwhile (its tenant gone): the socket closes.
+            let _ = waiting.send(socket);
+        })
+        .into_response())
+}

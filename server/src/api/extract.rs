@@ -76,6 +76,53 @@ pub fn session_credential(headers: &HeaderMap) -> Option<String> {
     passage_app::backend::csrf_matches(session, given).then(|| session.to_string())
 }
 
+/// The session token of a websocket's upgrade (a console): its bearer token, or else the
+/// portal's session cookie when the request comes from a page of this server. A browser's
+/// WebSocket cannot send a header of its own (no CSRF token), but it always sends the
+/// page's `Origin`, which the page cannot change: a cookie with an `Origin` naming another
+/// site (cross-site websocket hijacking), or none, is refused with 403. `Ok(None)`: no
+/// credential at all.
+pub fn socket_credential(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    if let Some(t) = bearer(headers) {
+        return Ok(Some(t.to_string()));
+    }
+    let Some(session) = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == passage_app::backend::SESSION_COOKIE)
+        .map(|(_, v)| v.trim())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+    else {
+        return Ok(None);
+    };
+    if !same_origin(headers) {
+        return Err(ApiError::new(
+            ErrorCode::Forbidden,
+            "a console opened with the portal's cookie must come from the portal's own pages \
+             (Origin); API clients send their token as a bearer token",
+        ));
+    }
+    Ok(Some(session.to_string()))
+}
+
+/// Whether the request's `Origin` names the host it was sent to (`Host`, or HTTP/2's
+/// authority): a page of this server.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    matches!(scheme, "http" | "https") && authority.eq_ignore_ascii_case(host)
+}
+
 impl FromRequestParts<Ctx> for Caller {
     type Rejection = ApiError;
 

@@ -261,6 +261,7 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/tasks/{uuid}/progress", post(agent::task_progress))
         .route("/images/{sha256}", get(agent::image_file))
         .route("/credential", post(agent::rotate_credential))
+        .route("/console/{session}", get(agent::console))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(AGENT_BODY_LIMIT));
     let cloudapi_ctx = ctx.clone();

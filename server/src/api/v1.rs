@@ -395,14 +395,61 @@ pub async fn get_vm(
     Ok(Json(vms::get(&ctx, &caller, uuid).await?).into_response())
 }
 
-#[utoipa::path(get, path = "/vms/{uuid}/console", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The last 64 KiB of the VM's serial console, read from its node now", body = VmConsole), (status = 409, description = "The VM has no console now (never placed, destroyed), or its node did not answer", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
+#[utoipa::path(get, path = "/vms/{uuid}/console", tag = "vms", description = "Without `Upgrade: websocket`: the end of the VM's serial console as text. With it: an interactive console, one session per VM at a time. Binary frames carry the serial port's raw bytes both ways; text frames from the client are taken as their UTF-8 bytes. The client authenticates with its bearer token, or the portal's session cookie from a page of this server (`Origin`). Messages up to 64 KiB; closed after 30 minutes without traffic (1008), when the VM stops (1000), or when its node cannot attach or drops (1011), the close reason saying why. Opening, refusal and closing are audited.", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 200, description = "The last 64 KiB of the VM's serial console, read from its node now", body = VmConsole), (status = 101, description = "Upgraded: the interactive console"), (status = 409, description = "The VM has no console now (never placed, destroyed, not running for a websocket), its node did not answer, or (websocket) a session is open already", body = ApiErrorBody), ErrorResponses), security(("bearer" = [])))]
 pub async fn vm_console(
     State(ctx): State<Ctx>,
-    caller: Caller,
+    headers: HeaderMap,
+    upgrade: Result<
+        axum::extract::ws::WebSocketUpgrade,
+        axum::extract::ws::rejection::WebSocketUpgradeRejection,
+    >,
     Path(raw): Path<String>,
 ) -> ApiResult<Response> {
-    let uuid: VmId = id(&raw, "vm")?;
-    Ok(Json(vms::console(&ctx, &caller, uuid).await?).into_response())
+    let wants_socket = headers
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    if !wants_socket {
+        let token =
+            super::extract::session_credential(&headers).ok_or_else(ApiError::unauthorized)?;
+        let caller = Caller {
+            account: auth::caller_from_token(&ctx, &token).await?,
+        };
+        let uuid: VmId = id(&raw, "vm")?;
+        return Ok(Json(vms::console(&ctx, &caller, uuid).await?).into_response());
+    }
+    let upgrade = match upgrade {
+        Ok(u) => u,
+        Err(e) => return Ok(e.into_response()),
+    };
+    let path = format!("/v1/vms/{raw}/console");
+    let mut actor = None;
+    let admitted = async {
+        let token =
+            super::extract::socket_credential(&headers)?.ok_or_else(ApiError::unauthorized)?;
+        let caller = Caller {
+            account: auth::caller_from_token(&ctx, &token).await?,
+        };
+        actor = Some((caller.account.uuid, caller.account.login.clone()));
+        let uuid: VmId = id(&raw, "vm")?;
+        crate::services::console::admit(&ctx, &caller, uuid).await
+    }
+    .await;
+    let session = match admitted {
+        Ok(s) => s,
+        Err(e) => {
+            let status = e.code.http_status();
+            crate::services::console::audit(&ctx, actor, "GET", &path, status).await;
+            return Err(e);
+        }
+    };
+    crate::services::console::audit(&ctx, actor, "GET", &path, 101).await;
+    let max = crate::services::console::MAX_MESSAGE;
+    Ok(upgrade
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| crate::services::console::serve(ctx, session, socket))
+        .into_response())
 }
 
 #[utoipa::path(delete, path = "/vms/{uuid}", tag = "vms", params(("uuid" = String, Path, format = Uuid, description = "The object's uuid")), responses((status = 202, description = "Destroying", body = Vm), ErrorResponses), security(("bearer" = [])))]

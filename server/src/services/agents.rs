@@ -183,6 +183,23 @@ pub fn runs(ctx: &Ctx, server: ServerId, kind: &str) -> bool {
         .is_some_and(|k| k.has(kind))
 }
 
+/// How long [`runs_soon`] waits for a node that has not polled since this server started.
+const FIRST_POLL_WAIT: Duration = Duration::from_secs(5);
+
+/// [`runs`], giving a node not heard from since this server started a moment to poll.
+pub async fn runs_soon(ctx: &Ctx, server: ServerId, kind: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + FIRST_POLL_WAIT;
+    loop {
+        if runs(ctx, server, kind) {
+            return true;
+        }
+        if polled(ctx, server) || tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Whether `server`'s agent has named any later task kind on a poll here since this
 /// server started: one that has and did not name a kind does not run it.
 pub fn polled(ctx: &Ctx, server: ServerId) -> bool {

@@ -9,6 +9,7 @@ pub mod batcher;
 pub mod cache;
 pub mod catalog;
 pub mod completions;
+pub mod console;
 pub mod destroys;
 pub mod device_log;
 pub mod heartbeats;
@@ -124,6 +125,9 @@ pub struct Services {
     pub later_tasks: std::sync::Mutex<
         std::collections::HashMap<passage_model::ServerId, passage_model::protocol::LaterTasks>,
     >,
+    /// Interactive console sessions: the VMs with one open, and those waiting for their
+    /// node to dial back.
+    pub consoles: console::Consoles,
 }
 
 pub type Ctx = Arc<Services>;
@@ -256,6 +260,7 @@ impl Services {
             default_networks: cache::TtlCache::default(),
             sriov_busy: std::sync::Mutex::new(std::collections::HashMap::new()),
             later_tasks: std::sync::Mutex::new(std::collections::HashMap::new()),
+            consoles: console::Consoles::default(),
         })
     }
 

@@ -125,7 +125,9 @@ fn timeout_for(ctx: &Ctx, task: &Task) -> Duration {
             ctx.cfg.task_timeout + Duration::from_secs(u64::from(*grace_s))
         }
         // Someone is waiting at a page: a node that cannot answer in seconds is down.
-        Task::ReadConsole { .. } => ctx.cfg.task_timeout.min(CONSOLE_TIMEOUT),
+        Task::ReadConsole { .. } | Task::AttachConsole { .. } => {
+            ctx.cfg.task_timeout.min(CONSOLE_TIMEOUT)
+        }
         _ => ctx.cfg.task_timeout,
     }
 }

@@ -211,10 +211,14 @@ pub fn qemu_argv(
     }
     argv.extend([
         "-chardev".into(),
-        // Appended to, so a stopped and started VM keeps its earlier boots' output, and
-        // so the agent may trim the file under QEMU (see `console`).
+        // A socket for the interactive console (one client at a time; nothing waits for
+        // one), and every byte the guest prints also goes to the log, whether a client is
+        // connected or not. The log is appended to (O_APPEND), so a stopped and started VM
+        // keeps its earlier boots' output, and so the agent may trim the file under QEMU
+        // (see `console`).
         format!(
-            "file,id=console0,path={},append=on",
+            "socket,id=console0,path={},server=on,wait=off,logfile={},logappend=on",
+            files.serial.display(),
             files.console.display()
         ),
         "-serial".into(),
@@ -437,7 +441,7 @@ mod tests {
                  -drive if=pflash,format=raw,unit=0,file=/usr/share/OVMF/OVMF_CODE_4M.fd,readonly=on \
                  -drive if=pflash,format=raw,unit=1,file={dir}/OVMF_VARS.fd \
                  -m 65536M -smp 8 -nographic -nodefaults \
-                 -chardev file,id=console0,path={dir}/console.log,append=on -serial chardev:console0 \
+                 -chardev socket,id=console0,path={dir}/serial.sock,server=on,wait=off,logfile={dir}/console.log,logappend=on -serial chardev:console0 \
                  -device pcie-root-port,id=rp0,bus=pcie.0,addr=0x10.0,multifunction=on,chassis=1 \
                  -device vfio-pci,host=0000:3b:00.0,bus=rp0,addr=0.0,multifunction=on \
                  -device vfio-pci,host=0000:3b:00.1,bus=rp0,addr=0.1 \

@@ -2,7 +2,8 @@
 //! it over QMP and keeps what a restarted agent needs in `STATE/qemu/<vm>/`:
 //! `spec.json` (what was asked), `qemu.pid` (QEMU's own `-pidfile`), `qmp.sock`,
 //! `qemu.log` (QEMU's stdout and stderr), `console.log` (the guest's serial console,
-//! kept with `console.log.0` below a bound: see [`super::console`]),
+//! kept with `console.log.0` below a bound: see [`super::console`]), `serial.sock` (the
+//! same serial port for an interactive console, one client at a time),
 //! `disk.qcow2` (the boot disk, made by the `FetchImage` task: see [`crate::images`]) and
 //! `seed.img` (the cloud-init seed, written at each start: see [`crate::seed`]).
 //! Each NIC is a persistent tap on its bridge (see [`crate::net`]), made before QEMU starts
@@ -39,6 +40,8 @@ pub use plan::{HugepagePolicy, launch_plan};
 pub const QEMU_BINARY: &str = "qemu-system-x86_64";
 /// `sun_path` is 108 bytes on Linux, the terminating NUL included.
 const MAX_SOCKET_PATH: usize = 107;
+/// The serial port's socket in a VM's directory.
+pub const SERIAL_FILE: &str = "serial.sock";
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long each try of a start waits for QEMU's greeting: QEMU listens on its socket
 /// long before it answers (while vfio pins the guest's memory), and a stop meanwhile
@@ -219,6 +222,8 @@ pub struct VmFiles {
     pub spec: PathBuf,
     pub log: PathBuf,
     pub console: PathBuf,
+    /// The serial port's socket (QEMU listens): an interactive console's way in.
+    pub serial: PathBuf,
     pub disk: PathBuf,
     pub seed: PathBuf,
 }
@@ -232,6 +237,7 @@ impl VmFiles {
             spec: dir.join("spec.json"),
             log: dir.join("qemu.log"),
             console: dir.join("console.log"),
+            serial: dir.join(SERIAL_FILE),
             disk: dir.join(crate::images::disk::DISK_FILE),
             seed: dir.join(crate::seed::SEED_FILE),
             dir,
@@ -428,17 +434,19 @@ impl QemuHypervisor {
             let path = path.to_path_buf();
             move |source| HypervisorError::State { path, source }
         };
-        if files.qmp.as_os_str().len() > MAX_SOCKET_PATH {
+        // The serial port's is the longer name.
+        if files.serial.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(HypervisorError::Launch {
                 vm,
                 reason: format!(
-                    "QMP socket path {} is longer than a unix socket allows; use a shorter --state-dir",
-                    files.qmp.display()
+                    "socket path {} is longer than a unix socket allows; use a shorter --state-dir",
+                    files.serial.display()
                 ),
             });
         }
         fs::create_dir_all(&files.dir).map_err(state_err(&files.dir))?;
         let _ = fs::remove_file(&files.qmp);
+        let _ = fs::remove_file(&files.serial);
         let _ = fs::remove_file(&files.pid);
         write_json(&files.spec, spec, 0o600).map_err(state_err(&files.spec))?;
         // The console outlives a stop; a VM started again and again must not grow it.
@@ -878,6 +886,17 @@ impl Hypervisor for QemuHypervisor {
 
     fn starts_slowly(&self) -> bool {
         true
+    }
+
+    /// QEMU's socket chardev: a VM started by an agent from before it (a file chardev)
+    /// has none until it is stopped and started again.
+    fn serial(&self, vm: VmId) -> Result<super::SerialPort, HypervisorError> {
+        match self.lock().get(&vm) {
+            Some(Slot::Up(_)) => Ok(super::SerialPort::Socket(
+                VmFiles::new(&self.state_dir, vm).serial,
+            )),
+            _ => Err(HypervisorError::NotRunning { vm }),
+        }
     }
 
     fn trim(&self) {
