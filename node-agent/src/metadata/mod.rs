@@ -106,8 +106,6 @@ pub struct MetadataService {
     /// The rules last written; `None` before the first write (which clears a previous
     /// agent's).
     installed: Option<Vec<nft::TapRule>>,
-    /// Bridges given the address and their route since this agent started.
-    prepared: std::collections::BTreeSet<String>,
     /// Something this node lacks (nft): said once, then the service is off.
     off: bool,
 }
@@ -125,7 +123,6 @@ impl MetadataService {
             net_root,
             listeners: BTreeMap::new(),
             installed: None,
-            prepared: Default::default(),
             off: false,
         }
     }
@@ -272,15 +269,14 @@ impl MetadataService {
     }
 
     /// A listener for `vm` on `bridge`, at a port the kernel chooses.
-    async fn listen(&mut self, vm: VmId, bridge: &str) -> Result<Listener, String> {
-        if !self.prepared.contains(bridge) {
-            let (root, br) = (self.net_root.clone(), bridge.to_string());
-            tokio::task::spawn_blocking(move || net::prepare_metadata_bridge(&root, &br))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-            self.prepared.insert(bridge.to_string());
-        }
+    async fn listen(&self, vm: VmId, bridge: &str) -> Result<Listener, String> {
+        // Again for each tap (both commands change nothing when done): an address an
+        // operator removed meanwhile comes back with the next VM.
+        let (root, br) = (self.net_root.clone(), bridge.to_string());
+        tokio::task::spawn_blocking(move || net::prepare_metadata_bridge(&root, &br))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
         let std = bind(bridge).map_err(|e| format!("listening on {bridge}: {e}"))?;
         let port = std.local_addr().map_err(|e| e.to_string())?.port();
         let listener = tokio::net::TcpListener::from_std(std).map_err(|e| e.to_string())?;

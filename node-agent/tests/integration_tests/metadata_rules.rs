@@ -209,14 +209,17 @@ fn inside() {
             let g = guests.clone();
             blocking(Box::new(move || {
                 for (n, ns) in g.iter().enumerate() {
-                    let started = Instant::now();
-                    let id = curl(ns, "http://169.254.169.254/latest/meta-data/instance-id")
-                        .expect("the guest's own instance-id");
-                    println!(
-                        "guest {n}: instance-id in {:.1} ms",
-                        started.elapsed().as_secs_f64() * 1000.0
-                    );
-                    assert_eq!(String::from_utf8(id).unwrap(), vm(n).to_string());
+                    // The first answer waits for the host to learn the guest's MAC.
+                    for which in ["first", "second"] {
+                        let started = Instant::now();
+                        let id = curl(ns, "http://169.254.169.254/latest/meta-data/instance-id")
+                            .expect("the guest's own instance-id");
+                        println!(
+                            "guest {n}: {which} instance-id in {:.1} ms (curl included)",
+                            started.elapsed().as_secs_f64() * 1000.0
+                        );
+                        assert_eq!(String::from_utf8(id).unwrap(), vm(n).to_string());
+                    }
                 }
             }))
             .await
