@@ -379,6 +379,38 @@ pub struct CloudInitSpec {
     pub metadata: BTreeMap<String, String>,
 }
 
+/// What the node's metadata service (169.254.169.254) tells a guest about itself, as it is
+/// now: `GET /agent/v1/vms/{uuid}/guest`, answered only for a VM placed on the calling node.
+/// The node falls back on the VM's spec ([`CloudInitSpec`]) while the server cannot answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestMetadata {
+    pub uuid: VmId,
+    /// The owning account (OpenStack's `project_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_uuid: Option<crate::ids::AccountId>,
+    /// The VM's alias.
+    pub hostname: String,
+    #[serde(default)]
+    pub tags: crate::tags::Tags,
+    /// The tenant's metadata, `user-data` and `user-script` included.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// The keys the VM was given, by name; absent for a VM made before keys could be
+    /// chosen (its seed's keys stand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Vec<GuestKey>>,
+}
+
+/// One of a VM's keys, named as its owner named it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestKey {
+    pub name: String,
+    /// OpenSSH's one-line form.
+    pub key: String,
+}
+
 /// An image file as the node fetches and caches it: named by its digest.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

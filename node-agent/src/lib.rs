@@ -8,6 +8,7 @@ pub mod fake;
 pub mod host;
 pub mod hypervisor;
 pub mod images;
+pub mod metadata;
 pub mod net;
 pub mod ppt;
 pub mod scrub;

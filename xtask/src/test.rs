@@ -45,6 +45,9 @@ pub fn run(args: &Args) -> Result<()> {
     // The guest SSH test logs in to its VM with the real client.
     stages.run("ssh", || ensure_tool("ssh", "openssh-client"))?;
     stages.run("qemu", ensure_qemu)?;
+    // The metadata service's rules (the agent's own nftables table) and its tests' client.
+    stages.run("nftables", || ensure_tool("nft", "nftables"))?;
+    stages.run("curl", || ensure_tool("curl", "curl"))?;
     // The guest the node agent's boot tests run, found by them in PASSAGE_TEST_IMAGE.
     let mut test_image = None;
     stages.run("test-image", || {

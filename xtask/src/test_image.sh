@@ -29,7 +29,7 @@ for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
 done >"$work/sources"
 mmdebstrap --variant=minbase --mode=root \
   --include=systemd-sysv,udev,linux-image-cloud-amd64,kmod,systemd-boot-efi \
-  --include=cloud-init,openssh-server,sudo,ifupdown,net-tools,iproute2,resolvconf,pciutils \
+  --include=cloud-init,openssh-server,sudo,ifupdown,net-tools,iproute2,resolvconf,pciutils,curl \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \

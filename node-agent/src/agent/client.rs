@@ -15,6 +15,8 @@ use std::time::Duration;
 /// Bodies beyond this are not agent protocol answers.
 const MAX_BODY: usize = 16 * 1024 * 1024;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// A guest's metadata request waits on this one.
+const GUEST_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -276,6 +278,21 @@ impl AgentClient {
     ) -> Result<T, ClientError> {
         let req = self.brief.request(method, self.url(path)).json(body);
         self.send(what, req, REQUEST_TIMEOUT).await
+    }
+
+    /// What VM `vm`'s guest is told now (the metadata service's current tags, metadata and
+    /// keys); `None` when the server does not know the VM on this node. Brief: a guest
+    /// waits on it, and the service falls back on the VM's spec.
+    pub async fn guest_metadata(
+        &self,
+        vm: passage_model::VmId,
+    ) -> Result<Option<passage_model::protocol::GuestMetadata>, ClientError> {
+        let req = self.brief.get(self.url(&format!("vms/{vm}/guest")));
+        match self.send("guest metadata", req, GUEST_TIMEOUT).await {
+            Ok(m) => Ok(m),
+            Err(e) if e.status() == Some(404) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     pub async fn register(&self, req: &RegisterRequest) -> Result<RegisterResponse, ClientError> {

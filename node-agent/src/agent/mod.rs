@@ -1062,6 +1062,14 @@ pub async fn run_with(cfg: AgentConfig, opts: RunOptions) -> Result<(), AgentErr
         in_flight: std::sync::Mutex::new(HashSet::new()),
     });
     agent.report_inventory().await?;
+    // Only QEMU makes taps ([`crate::net`]); the service answers on them.
+    if cfg.hypervisor == HypervisorKind::Qemu {
+        let service = crate::metadata::MetadataService::new(
+            Some(agent.client.clone()),
+            agent.net_root.clone(),
+        );
+        tokio::spawn(service.run(agent.executor.hypervisor.clone()));
+    }
     tokio::select! {
         r = agent.clone().heartbeat_loop(cfg.heartbeat, cfg.inventory_every) => r,
         r = agent.clone().task_loop() => r,

@@ -106,6 +106,11 @@ pub trait Hypervisor: Send + Sync {
         false
     }
     fn running(&self) -> Vec<VmId>;
+    /// The specs of the VMs whose taps this backend made (starting or running), for the
+    /// metadata service; empty for a backend that makes no taps.
+    fn tap_specs(&self) -> Vec<VmSpec> {
+        Vec::new()
+    }
     /// The end of the VM's serial console (at most
     /// [`passage_model::protocol::MAX_CONSOLE_BYTES`]): empty for a VM that never printed
     /// or that this node does not know.

@@ -9,6 +9,8 @@
 //! millisecond differ only at the end. The prefix is how an agent recognises its own taps
 //! after a restart, to remove those whose VM is gone.
 
+pub mod nft;
+
 use passage_model::VmId;
 use passage_model::protocol::{MAX_BRIDGES, MAX_NICS, NicSpec};
 use std::fs;
@@ -305,6 +307,86 @@ pub fn remove_tap(sysfs_root: &Path, tap: &str) -> Result<(), NetError> {
         Err(_) if !link_exists(sysfs_root, tap) => Ok(()),
         r => r,
     }
+}
+
+/// The routing table, and the priority of the rule that sends to it, for the metadata
+/// service's answers (`from 169.254.169.254`): one on-link default per bridge, so an answer
+/// goes straight to the guest on the bridge its listener is bound to, even when the host
+/// has no address in the guest's subnet or routes it through a gateway on that bridge.
+pub const METADATA_TABLE: &str = "16925";
+
+/// The bridge `iface` is a port of, if any (`class/net/<iface>/master`).
+pub fn master_of(sysfs_root: &Path, iface: &str) -> Option<String> {
+    let link = fs::read_link(class_net(sysfs_root).join(iface).join("master")).ok()?;
+    link.file_name()?.to_str().map(str::to_string)
+}
+
+/// A bridge's own MAC address, as sysfs shows it (lower-case hex octets).
+pub fn link_mac(sysfs_root: &Path, iface: &str) -> Result<String, NetError> {
+    let path = class_net(sysfs_root).join(iface).join("address");
+    crate::host::read_attr(&path)
+        .map(|v| v.trim().to_ascii_lowercase())
+        .map_err(|source| NetError::Read { path, source })
+}
+
+/// Makes `bridge` answer for the metadata address: 169.254.169.254/32 on it (link scope,
+/// so the host never picks it as a source elsewhere) and its on-link default in
+/// [`METADATA_TABLE`]. Both `replace`, so doing it again changes nothing.
+pub fn prepare_metadata_bridge(sysfs_root: &Path, bridge: &str) -> Result<(), NetError> {
+    let addr = format!("{}/32", nft::METADATA_ADDR);
+    run(
+        IP_BINARY,
+        &["addr", "replace", &addr, "dev", bridge, "scope", "link"],
+    )?;
+    let path = class_net(sysfs_root).join(bridge).join("ifindex");
+    let ifindex =
+        crate::host::read_attr(&path).map_err(|source| NetError::Read { path, source })?;
+    // One default per bridge in the same table, told apart by their metric; a listener
+    // bound to its bridge finds its own (the others' device does not match).
+    run(
+        IP_BINARY,
+        &[
+            "route",
+            "replace",
+            "default",
+            "dev",
+            bridge,
+            "table",
+            METADATA_TABLE,
+            "metric",
+            ifindex.trim(),
+            "scope",
+            "link",
+        ],
+    )
+}
+
+/// The rule that sends the metadata service's answers to [`METADATA_TABLE`], unless there.
+pub fn ensure_metadata_rule() -> Result<(), NetError> {
+    let out = Command::new(IP_BINARY)
+        .args(["rule", "show", "priority", METADATA_TABLE])
+        .output()
+        .map_err(|e| NetError::Command {
+            command: format!("{IP_BINARY} rule show"),
+            stderr: e.to_string(),
+        })?;
+    if out.status.success() && !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+        return Ok(());
+    }
+    let from = nft::METADATA_ADDR.to_string();
+    run(
+        IP_BINARY,
+        &[
+            "rule",
+            "add",
+            "from",
+            &from,
+            "lookup",
+            METADATA_TABLE,
+            "priority",
+            METADATA_TABLE,
+        ],
+    )
 }
 
 /// Removes every tap named for `vm`, whatever NICs its spec had; logs what fails.

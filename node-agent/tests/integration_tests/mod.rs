@@ -8,6 +8,7 @@ mod guest_boot;
 mod guest_layout;
 mod guest_seed;
 mod images;
+mod metadata_rules;
 mod netns;
 mod pciutils;
 mod qemu;

@@ -174,6 +174,19 @@ fn parse_range(h: &str, len: u64) -> Option<(u64, u64)> {
     (start < len && start <= end).then_some((start, end))
 }
 
+/// `GET /agent/v1/vms/{uuid}/guest`: what the node's metadata service tells the VM's guest,
+/// for a VM on the calling node only.
+pub async fn guest_metadata(
+    State(ctx): State<Ctx>,
+    AgentServer(server): AgentServer,
+    Path(raw): Path<String>,
+) -> ApiResult<Json<passage_model::protocol::GuestMetadata>> {
+    let vm: passage_model::VmId = raw.parse().map_err(|_| ApiError::not_found("vm"))?;
+    Ok(Json(
+        crate::services::vm_labels::for_guest(&ctx, server, vm).await?,
+    ))
+}
+
 pub async fn rotate_credential(
     State(ctx): State<Ctx>,
     AgentServer(server): AgentServer,

@@ -260,6 +260,7 @@ pub fn router(ctx: Ctx) -> Router {
         .route("/tasks/{uuid}/result", post(agent::task_result))
         .route("/tasks/{uuid}/progress", post(agent::task_progress))
         .route("/images/{sha256}", get(agent::image_file))
+        .route("/vms/{uuid}/guest", get(agent::guest_metadata))
         .route("/credential", post(agent::rotate_credential))
         .route("/console/{session}", get(agent::console))
         .fallback(not_found)

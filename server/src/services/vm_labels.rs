@@ -184,3 +184,41 @@ pub async fn change_metadata(
 ) -> ApiResult<BTreeMap<String, String>> {
     change::<MetadataKind>(ctx, caller, uuid, c).await
 }
+
+/// What node `server`'s metadata service tells VM `uuid`'s guest: its tags, metadata and
+/// keys as they are now. Not found unless the VM is placed on that node and not destroyed,
+/// so a node learns nothing of another node's VMs.
+pub async fn for_guest(
+    ctx: &Ctx,
+    server: passage_model::ServerId,
+    uuid: VmId,
+) -> ApiResult<passage_model::protocol::GuestMetadata> {
+    let vm = match vms::get(&ctx.db, uuid).await {
+        Ok(v) => v,
+        Err(StoreError::NotFound(_)) => return Err(ApiError::not_found("vm")),
+        Err(e) => return Err(e.into()),
+    };
+    if vm.server_uuid != Some(server) || vm.state == VmState::Destroyed {
+        return Err(ApiError::not_found("vm"));
+    }
+    let keys = match vms::given_keys(&ctx.db, uuid).await {
+        Ok(k) => k,
+        Err(StoreError::NotFound(_)) => return Err(ApiError::not_found("vm")),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(passage_model::protocol::GuestMetadata {
+        uuid,
+        owner_uuid: Some(vm.owner_uuid),
+        hostname: vm.alias,
+        tags: vm.tags,
+        metadata: vm.metadata,
+        keys: keys.map(|ks| {
+            ks.into_iter()
+                .map(|k| passage_model::protocol::GuestKey {
+                    name: k.name,
+                    key: k.key,
+                })
+                .collect()
+        }),
+    })
+}

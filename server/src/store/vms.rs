@@ -730,6 +730,20 @@ impl Labels {
     }
 }
 
+/// The keys a VM was given, with the keys themselves (`None`: a VM made before keys could
+/// be chosen).
+pub async fn given_keys(db: &Db, uuid: VmId) -> StoreResult<Option<Vec<GivenKey>>> {
+    let row: Option<(Option<String>,)> = on_read!(db, |p| sqlx::query_as(
+        "SELECT ssh_keys FROM vms WHERE uuid = $1"
+    )
+    .bind(uuid.to_string())
+    .fetch_optional(p)
+    .await)?;
+    let (text,) = row.ok_or(StoreError::NotFound("vm"))?;
+    text.map(|t| serde_json::from_str(&t).map_err(corrupt))
+        .transpose()
+}
+
 /// Writes `new` (JSON) as a VM's tags or metadata if they still read `old`, so that two
 /// changes made at once never lose one; false when another change came first (or the VM
 /// is gone), and the caller reads again.

@@ -899,3 +899,77 @@ pub fn agent_command(
         .args(["--heartbeat-secs", "1", "--inventory-secs", "1"]);
     cmd
 }
+
+// Guests on a network of the test's own (the real-guest tests).
+
+pub fn sh(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn ip(args: &[&str]) -> String {
+    sh(std::process::Command::new("ip").args(args))
+}
+
+/// Moves this thread (and the threads and processes it starts after) into a new network
+/// namespace with loopback up and `bridge` (holding `address`, a CIDR) for VMs to attach to, and a mount namespace with a
+/// sysfs of its own: sysfs shows the interfaces of the namespace that mounted it, and the
+/// agent finds bridges and taps there. False, with a note, where it cannot (not root); CI
+/// fails instead.
+pub fn own_network(bridge: &str, address: &str) -> bool {
+    use rustix::thread::UnshareFlags;
+    // rustix deprecates the safe `unshare` because unsharing the file table (CLONE_FILES)
+    // can invalidate borrowed descriptors; new network and mount namespaces touch none,
+    // and the workspace forbids `unsafe`.
+    #[allow(deprecated)]
+    let made = rustix::thread::unshare(UnshareFlags::NEWNET | UnshareFlags::NEWNS);
+    if let Err(e) = made {
+        assert!(
+            std::env::var_os("CI").is_none()
+                || std::env::var("PASSAGE_ALLOW_NO_NETNS").as_deref() == Ok("1"),
+            "cannot make a network namespace: {e}"
+        );
+        eprintln!("note: SKIPPED: cannot make a network namespace: {e}");
+        return false;
+    }
+    // Private first, so the new sysfs stays out of the machine's own mount table.
+    sh(std::process::Command::new("mount").args(["--make-rprivate", "/"]));
+    sh(std::process::Command::new("mount").args(["-t", "sysfs", "sysfs", "/sys"]));
+    ip(&["link", "set", "lo", "up"]);
+    ip(&["link", "add", bridge, "type", "bridge"]);
+    ip(&["addr", "add", address, "dev", bridge]);
+    ip(&["link", "set", bridge, "up"]);
+    true
+}
+
+/// `ssh` as `user` with `key` to `host`, running `script`; its output when it answers.
+pub fn ssh(key: &std::path::Path, user: &str, host: &str, script: &str) -> Option<String> {
+    let out = std::process::Command::new("ssh")
+        .arg("-i")
+        .arg(key)
+        .args([
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "ConnectTimeout=5",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "LogLevel=ERROR",
+        ])
+        .arg(format!("{user}@{host}"))
+        .arg(script)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -11,88 +11,16 @@
 use super::e2e::{
     guest_image, login, provision_ended, qemu_node, start_server, two_gpu_package, upload_image,
 };
-use crate::common::{Backend, Client, TestDb, wait_for};
+use crate::common::{Backend, Client, TestDb, ip, own_network, sh, ssh, wait_for};
 use passage_model::api::{Job, JobState, StepState, Vm, VmState};
 use passage_model::networks::{Network, NetworkIp};
 use serde_json::json;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const BRIDGE: &str = "psg-e2e0";
 const GATEWAY: &str = "10.77.0.1";
-
-fn sh(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn ip(args: &[&str]) -> String {
-    sh(Command::new("ip").args(args))
-}
-
-/// Moves this thread (and the threads and processes it starts after) into a new network
-/// namespace with loopback up and the bridge VMs attach to, and a mount namespace with a
-/// sysfs of its own: sysfs shows the interfaces of the namespace that mounted it, and the
-/// agent finds bridges and taps there. False, with a note, where it cannot (not root); CI
-/// fails instead.
-fn own_network() -> bool {
-    use rustix::thread::UnshareFlags;
-    // rustix deprecates the safe `unshare` because unsharing the file table (CLONE_FILES)
-    // can invalidate borrowed descriptors; new network and mount namespaces touch none,
-    // and the workspace forbids `unsafe`.
-    #[allow(deprecated)]
-    let made = rustix::thread::unshare(UnshareFlags::NEWNET | UnshareFlags::NEWNS);
-    if let Err(e) = made {
-        assert!(
-            std::env::var_os("CI").is_none()
-                || std::env::var("PASSAGE_ALLOW_NO_NETNS").as_deref() == Ok("1"),
-            "cannot make a network namespace: {e}"
-        );
-        eprintln!("note: SKIPPED: cannot make a network namespace: {e}");
-        return false;
-    }
-    // Private first, so the new sysfs stays out of the machine's own mount table.
-    sh(Command::new("mount").args(["--make-rprivate", "/"]));
-    sh(Command::new("mount").args(["-t", "sysfs", "sysfs", "/sys"]));
-    ip(&["link", "set", "lo", "up"]);
-    ip(&["link", "add", BRIDGE, "type", "bridge"]);
-    ip(&["addr", "add", &format!("{GATEWAY}/24"), "dev", BRIDGE]);
-    ip(&["link", "set", BRIDGE, "up"]);
-    true
-}
-
-/// `ssh` as `user` with `key` to `host`, running `script`; its output when it answers.
-fn ssh(key: &Path, user: &str, host: &str, script: &str) -> Option<String> {
-    let out = Command::new("ssh")
-        .arg("-i")
-        .arg(key)
-        .args([
-            "-o",
-            "StrictHostKeyChecking=no",
-            "-o",
-            "UserKnownHostsFile=/dev/null",
-            "-o",
-            "ConnectTimeout=5",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "LogLevel=ERROR",
-        ])
-        .arg(format!("{user}@{host}"))
-        .arg(script)
-        .stdin(Stdio::null())
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
 
 fn our_taps() -> Vec<String> {
     ip(&["-o", "link", "show"])
@@ -108,7 +36,7 @@ fn a_tenant_sshes_into_a_new_gpu_instance() {
     let Some(image) = guest_image() else {
         return;
     };
-    if !own_network() {
+    if !own_network(BRIDGE, &format!("{GATEWAY}/24")) {
         return;
     }
     tokio::runtime::Builder::new_multi_thread()

@@ -9,6 +9,7 @@ mod console;
 mod durable;
 mod e2e;
 mod guest_console;
+mod guest_metadata;
 mod guest_power;
 mod guest_ssh;
 mod images;

@@ -154,3 +154,68 @@ async fn tags_and_metadata_change(b: Backend) {
 }
 
 both!(tags_and_metadata_change, tags_and_metadata_change);
+
+/// `GET /agent/v1/vms/{uuid}/guest`: what a node's metadata service tells a guest, its
+/// tags and metadata as they are now; only the node the VM is on gets it.
+async fn the_node_reads_its_guests_labels(b: Backend) {
+    use passage_model::protocol::GuestMetadata;
+    let s = TestServer::start(b, fast_config()).await;
+    let (node, cred, _) = s.manual_node(1).await;
+    s.h100_catalog(1).await;
+    let (owner, tenant) = s.tenant("gina").await;
+    let t = s.with(&tenant);
+    let vm: Vm = t
+        .post(
+            "/v1/vms",
+            &json!({"alias": "guest", "package": "gpu-1x", "image": "test-image",
+                    "tags": {"role": "train"},
+                    "metadata": {"user-data": "#cloud-config\n", "note": "hi"}}),
+        )
+        .await
+        .ok(202);
+    assert_eq!(vm.server_uuid, Some(node));
+    let path = format!("/agent/v1/vms/{}/guest", vm.uuid);
+    let n = s.with(&cred);
+    let g: GuestMetadata = n.get(&path).await.ok(200);
+    assert_eq!((g.uuid, g.owner_uuid), (vm.uuid, Some(owner)));
+    assert_eq!(g.hostname, "guest");
+    assert_eq!(g.tags.get("role"), Some(&json!("train")));
+    assert_eq!(g.metadata.get("note").map(String::as_str), Some("hi"));
+    assert_eq!(
+        g.metadata.get("user-data").map(String::as_str),
+        Some("#cloud-config\n")
+    );
+    t.post::<Value>(&format!("/v1/vms/{}/tags", vm.uuid), &json!({"role": "eval"}))
+        .await
+        .ok(200);
+    let g: GuestMetadata = n.get(&path).await.ok(200);
+    assert_eq!(g.tags.get("role"), Some(&json!("eval")));
+
+    // Another node, a tenant's token, no credential, a VM that does not exist: nothing.
+    let (_, other, _) = s.manual_node(1).await;
+    s.with(&other)
+        .get::<IgnoredAny>(&path)
+        .await
+        .fails(404, ErrorCode::ResourceNotFound);
+    t.get::<IgnoredAny>(&path)
+        .await
+        .fails(401, ErrorCode::Unauthorized);
+    s.client(None)
+        .get::<IgnoredAny>(&path)
+        .await
+        .fails(401, ErrorCode::Unauthorized);
+    n.get::<IgnoredAny>(&format!(
+        "/agent/v1/vms/{}/guest",
+        passage_model::VmId::new_random()
+    ))
+    .await
+    .fails(404, ErrorCode::ResourceNotFound);
+    n.get::<IgnoredAny>("/agent/v1/vms/not-a-uuid/guest")
+        .await
+        .fails(404, ErrorCode::ResourceNotFound);
+}
+
+both!(
+    the_node_reads_its_guests_labels,
+    the_node_reads_its_guests_labels
+);

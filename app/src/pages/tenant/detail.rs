@@ -189,8 +189,11 @@ fn Keys(keys: Option<Vec<passage_model::keys::VmKey>>) -> impl IntoView {
         Some(k) if k.is_empty() => view! { <p>"None: no SSH key logs in to it."</p> }.into_any(),
         Some(k) => view! {
             <ul data-testid="vm-keys">
-                {k.into_iter().map(|k| view! {
-                    <li data-key=k.name.clone()>{k.name} " " <code class="muted">{k.fingerprint}</code></li>
+                {k.into_iter().map(|k| {
+                    let name = k.name.clone();
+                    view! {
+                        <li data-key=name>{k.name} " " <code class="muted">{k.fingerprint}</code></li>
+                    }
                 }).collect_view()}
             </ul>
         }
@@ -217,56 +220,60 @@ fn Tags(
         other => other.to_string(),
     };
     let busy = move || set.pending().get() || delete.pending().get();
+    let empty = tags.is_empty();
+    let rows = tags
+        .into_iter()
+        .map(|(k, v)| {
+            let value = shown(&v);
+            let kind = match v {
+                serde_json::Value::Bool(_) => "boolean",
+                serde_json::Value::Number(_) => "number",
+                _ => "text",
+            };
+            let (u1, u2, k1, k2) = (uuid.clone(), uuid.clone(), k.clone(), k.clone());
+            let label = format!("Value of {k}");
+            view! {
+                <tr data-tag=k.clone()>
+                    <th scope="row"><code>{k}</code></th>
+                    <td>
+                        {if gone {
+                            view! { <span data-kind=kind>{value}</span> }.into_any()
+                        } else {
+                            view! {
+                                <ActionForm action=set>
+                                    <CsrfField/>
+                                    <input type="hidden" name="uuid" value=u1/>
+                                    <input type="hidden" name="key" value=k1/>
+                                    <input name="value" value=value data-kind=kind
+                                        aria-label=label maxlength="1024"/>
+                                    " "
+                                    <button type="submit" disabled=busy>"Save"</button>
+                                </ActionForm>
+                            }.into_any()
+                        }}
+                    </td>
+                    <td>
+                        {(!gone).then(|| view! {
+                            <ActionForm action=delete>
+                                <CsrfField/>
+                                <input type="hidden" name="uuid" value=u2/>
+                                <input type="hidden" name="key" value=k2/>
+                                <button type="submit" class="danger" disabled=busy>"Remove"</button>
+                            </ActionForm>
+                        })}
+                    </td>
+                </tr>
+            }
+        })
+        .collect_view();
     view! {
         <section class="tags" data-testid="tags" aria-labelledby="tags-h">
             <h2 id="tags-h">"Tags"</h2>
-            {tags.is_empty().then(|| view! { <p class="muted">"None yet."</p> })}
-            {(!tags.is_empty()).then(|| view! {
+            {empty.then(|| view! { <p class="muted">"None yet."</p> })}
+            {(!empty).then(|| view! {
                 <table class="list">
                     <thead><tr><th scope="col">"Name"</th><th scope="col">"Value"</th><th></th></tr></thead>
-                    <tbody>
-                        {tags.iter().map(|(k, v)| {
-                            let value = shown(v);
-                            let kind = match v {
-                                serde_json::Value::Bool(_) => "boolean",
-                                serde_json::Value::Number(_) => "number",
-                                _ => "text",
-                            };
-                            let (u1, u2, k1, k2) = (uuid.clone(), uuid.clone(), k.clone(), k.clone());
-                            view! {
-                                <tr data-tag=k.clone()>
-                                    <th scope="row"><code>{k.clone()}</code></th>
-                                    <td>
-                                        {if gone {
-                                            view! { <span data-kind=kind>{value}</span> }.into_any()
-                                        } else {
-                                            view! {
-                                                <ActionForm action=set>
-                                                    <CsrfField/>
-                                                    <input type="hidden" name="uuid" value=u1/>
-                                                    <input type="hidden" name="key" value=k1/>
-                                                    <input name="value" value=value data-kind=kind
-                                                        aria-label=format!("Value of {k}") maxlength="1024"/>
-                                                    " "
-                                                    <button type="submit" disabled=busy>"Save"</button>
-                                                </ActionForm>
-                                            }.into_any()
-                                        }}
-                                    </td>
-                                    <td>
-                                        {(!gone).then(|| view! {
-                                            <ActionForm action=delete>
-                                                <CsrfField/>
-                                                <input type="hidden" name="uuid" value=u2/>
-                                                <input type="hidden" name="key" value=k2/>
-                                                <button type="submit" class="danger" disabled=busy>"Remove"</button>
-                                            </ActionForm>
-                                        })}
-                                    </td>
-                                </tr>
-                            }
-                        }).collect_view()}
-                    </tbody>
+                    <tbody>{rows}</tbody>
                 </table>
             })}
             {(!gone).then(|| view! {

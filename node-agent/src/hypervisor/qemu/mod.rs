@@ -909,6 +909,14 @@ impl Hypervisor for QemuHypervisor {
         }
     }
 
+    fn tap_specs(&self) -> Vec<VmSpec> {
+        self.lock()
+            .values()
+            .filter(|s| !s.spec().nics.is_empty())
+            .map(|s| s.spec().clone())
+            .collect()
+    }
+
     fn running(&self) -> Vec<VmId> {
         let mut vms = self.lock();
         vms.retain(|vm, s| match s {
