@@ -935,7 +935,11 @@ pub async fn set_instance_tag(
 
 /// Removes one tag of an instance.
 #[server(prefix = "/portal/fn", endpoint = "delete_instance_tag")]
-pub async fn delete_instance_tag(csrf: String, uuid: String, key: String) -> Result<(), PortalError> {
+pub async fn delete_instance_tag(
+    csrf: String,
+    uuid: String,
+    key: String,
+) -> Result<(), PortalError> {
     be::check_csrf(&csrf)?;
     let path = format!(
         "/vms/{}/tags/{}",

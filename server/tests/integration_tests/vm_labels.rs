@@ -185,9 +185,12 @@ async fn the_node_reads_its_guests_labels(b: Backend) {
         g.metadata.get("user-data").map(String::as_str),
         Some("#cloud-config\n")
     );
-    t.post::<Value>(&format!("/v1/vms/{}/tags", vm.uuid), &json!({"role": "eval"}))
-        .await
-        .ok(200);
+    t.post::<Value>(
+        &format!("/v1/vms/{}/tags", vm.uuid),
+        &json!({"role": "eval"}),
+    )
+    .await
+    .ok(200);
     let g: GuestMetadata = n.get(&path).await.ok(200);
     assert_eq!(g.tags.get("role"), Some(&json!("eval")));
 

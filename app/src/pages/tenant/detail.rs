@@ -6,8 +6,8 @@ use crate::fmt;
 use crate::pages::admin::jobs::JobSteps;
 use crate::pages::tenant::terminal::Terminal;
 use crate::rpc::{
-    Console, DeleteInstanceTag, DestroyInstance, Instance, PowerInstance, SetInstanceTag, get_console,
-    get_instance,
+    Console, DeleteInstanceTag, DestroyInstance, Instance, PowerInstance, SetInstanceTag,
+    get_console, get_instance,
 };
 use leptos::prelude::*;
 use leptos_meta::Title;
@@ -232,8 +232,9 @@ fn Tags(
             };
             let (u1, u2, k1, k2) = (uuid.clone(), uuid.clone(), k.clone(), k.clone());
             let label = format!("Value of {k}");
+            let row = k.clone();
             view! {
-                <tr data-tag=k.clone()>
+                <tr data-tag=row>
                     <th scope="row"><code>{k}</code></th>
                     <td>
                         {if gone {
