@@ -6,8 +6,9 @@
 
 use leptos::prelude::*;
 
-/// Where an open terminal stands, as the page says it.
+/// Where an open terminal stands, as the page says it. Only the browser opens one.
 #[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(not(feature = "hydrate"), allow(dead_code))]
 enum Phase {
     Closed,
     Connecting,
