@@ -274,7 +274,7 @@ impl Executor {
                             };
                         }
                         let mut report =
-                            scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env);
+                            scrub_for_task(ops, d, pipelines, &self.scrub_env);
                         report.steps.splice(0..0, mig);
                         report
                     })
