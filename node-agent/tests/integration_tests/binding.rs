@@ -169,7 +169,7 @@ fn bindings_survive_a_restart_and_are_reapplied() {
 fn scrub_resets_and_verifies() {
     let w = world(2);
     let ops = open_sysfs(&w.root).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[0]);
+    let r = scrub(&ops, &w.gpus[0]);
     assert!(r.ok, "{r:?}");
     assert_eq!(
         r.steps.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
@@ -182,18 +182,18 @@ fn scrub_resets_and_verifies() {
     // and the driver check is not run.
     let dir = w.root.join(w.gpus[1].to_string().trim_start_matches('/'));
     std::fs::remove_file(dir.join("reset")).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[1]);
+    let r = scrub(&ops, &w.gpus[1]);
     assert!(r.ok, "{r:?}");
     assert_eq!(r.steps[0].name, "bus_reset");
     std::fs::remove_file(dir.parent().unwrap().join("reset")).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[1]);
+    let r = scrub(&ops, &w.gpus[1]);
     assert!(!r.ok);
     assert_eq!(r.steps.len(), 1);
     assert!(!r.steps[0].ok);
     assert!(r.steps[0].detail.as_deref().unwrap().contains("reset"));
 
     let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
-    let r = scrub(ops.as_ref(), &ghost);
+    let r = scrub(&ops, &ghost);
     assert!(!r.ok && r.steps.iter().all(|s| !s.ok));
 }
 
