@@ -24,7 +24,7 @@ pub const FAKE_GPU_MEMORY_DIR: &str = ".passage-fake-gpu-memory";
 /// thousands of GPUs.
 pub const FAKE_GPU_MEMORY_BYTES: u64 = 64 * 1024;
 /// One empty file per fault switched on.
-const FAULTS_DIR: &str = ".passage-fake-faults";
+pub(crate) const FAULTS_DIR: &str = ".passage-fake-faults";
 
 /// Faults a test injects into a generated tree's GPU tools, from outside the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +35,8 @@ pub enum FakeFault {
     GpuZeroVerifyFails,
     /// The helper finds no CUDA driver (exit 3), as on a host without NVIDIA's driver.
     NoCudaDriver,
+    /// Every function reset fails with EIO, as an FLR the device never completes.
+    ResetFails,
 }
 
 impl FakeFault {
@@ -43,8 +45,14 @@ impl FakeFault {
             FakeFault::GpuZeroMissing => "gpu-zero-missing",
             FakeFault::GpuZeroVerifyFails => "gpu-zero-verify-fails",
             FakeFault::NoCudaDriver => "no-cuda-driver",
+            FakeFault::ResetFails => "reset-fails",
         }
     }
+}
+
+/// Whether `fault` is on in the tree at `root` (the fake kernel's own faults).
+pub(crate) fn fault_on(root: &Path, fault: FakeFault) -> bool {
+    root.join(FAULTS_DIR).join(fault.file()).exists()
 }
 
 /// Switches `fault` on or off in the generated tree at `root`.
@@ -94,7 +102,10 @@ pub(crate) fn write_gpu_zero(root: &Path) -> io::Result<()> {
         fs::create_dir_all(dir)?;
     }
     fs::create_dir_all(root.join(FAKE_GPU_MEMORY_DIR))?;
-    fs::write(&helper, SCRIPT.replace("@BYTES@", &FAKE_GPU_MEMORY_BYTES.to_string()))?;
+    fs::write(
+        &helper,
+        SCRIPT.replace("@BYTES@", &FAKE_GPU_MEMORY_BYTES.to_string()),
+    )?;
     use std::os::unix::fs::PermissionsExt;
     fs::set_permissions(&helper, fs::Permissions::from_mode(0o755))
 }

@@ -660,6 +660,11 @@ impl SysfsOps for FakeKernel {
                 write_existing(path, &format!("{stored}\n"))
             }
             ["devices", .., "reset"] => {
+                if value.trim() == "1"
+                    && super::gpu_zero::fault_on(&self.root, super::gpu_zero::FakeFault::ResetFails)
+                {
+                    return Err(io::Error::from_raw_os_error(5));
+                }
                 write_existing(path, value)?;
                 if value.trim() == "1" {
                     let bdf = path.parent().map(file_name).unwrap_or_default();

@@ -7,8 +7,8 @@ mod tree;
 mod vgpu;
 
 pub use gpu_zero::{
-    FAKE_GPU_MEMORY_BYTES, FAKE_GPU_MEMORY_DIR, FAKE_GPU_ZERO, FakeFault, ensure_gpu_zero, gpu_memory,
-    set_fault,
+    FAKE_GPU_MEMORY_BYTES, FAKE_GPU_MEMORY_DIR, FAKE_GPU_ZERO, FakeFault, ensure_gpu_zero,
+    gpu_memory, set_fault,
 };
 pub use kernel::{BUSY_DIR, FakeKernel, HOST_LOG, RESET_LOG, native_driver, set_busy};
 pub use tree::{

@@ -15,11 +15,11 @@ mod vendor;
 
 pub use env::{GPU_ZERO_HELPER, NVIDIA_SMI, ScrubEnv, ScrubOverrides};
 pub use process::MAX_STDERR;
-pub use vendor::{DRIVER_WRITE_TIMEOUT, NVIDIA_DRIVER};
 pub use programs::{
     DEFAULT_COMMAND_TIMEOUT_SECS, GPU_ZERO_NO_DRIVER, GPU_ZERO_TIMEOUT, MAX_COMMAND_TIMEOUT_SECS,
     NVIDIA_SMI_TIMEOUT,
 };
+pub use vendor::{DRIVER_WRITE_TIMEOUT, NVIDIA_DRIVER};
 
 use crate::host::{SysfsOps, bound_driver, device_dir, read_attr};
 use passage_model::DevicePath;
@@ -227,6 +227,21 @@ fn zero_on_vendor_driver(
         }
     }
     done
+}
+
+/// Resets `dev` just before a VM starts with it, as the scrub's reset step does (its own
+/// reset, else its bridge's when nothing else is below): what the last run left in it (a
+/// VM killed while it started) must not reach the next guest. Answers the kind of reset
+/// that ran, or why none could.
+pub fn reset_before_launch(ops: &dyn SysfsOps, dev: &DevicePath) -> Result<&'static str, String> {
+    let dir = device_dir(ops.root(), dev);
+    if !dir.is_dir() {
+        return Err(format!("device {dev} is not in the sysfs tree"));
+    }
+    match reset::reset(ops, &dir, dev.address()) {
+        (name, Outcome::Done(_)) => Ok(name),
+        (_, Outcome::Failed(why) | Outcome::Unable(why) | Outcome::Skipped(why)) => Err(why),
+    }
 }
 
 /// Scrubs `dev` as a [`Task::Scrub`](passage_model::protocol::Task::Scrub) asks: with

@@ -77,13 +77,21 @@ pub(super) fn zero_gpu_memory(env: &ScrubEnv, addr: PciAddress) -> Outcome {
     // The helper's summary (bytes zeroed and verified, time, rate) is its last line on
     // stdout; the report keeps it.
     let (r, summary) = match r {
-        Ok((f, out)) => (Ok(f), out.lines().rev().find(|l| !l.trim().is_empty()).map(|l| truncate(l))),
+        Ok((f, out)) => (
+            Ok(f),
+            out.lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map(|l| truncate(l)),
+        ),
         Err(e) => (Err(e), None),
     };
     match describe_failure(GPU_ZERO_HELPER, r, GPU_ZERO_TIMEOUT) {
-        None => Outcome::Done(Some(summary.unwrap_or_else(|| {
-            format!("zeroed and verified by {}", helper.display())
-        }))),
+        None => {
+            Outcome::Done(Some(summary.unwrap_or_else(|| {
+                format!("zeroed and verified by {}", helper.display())
+            })))
+        }
         Some(why) => Outcome::Failed(why),
     }
 }

@@ -371,6 +371,46 @@ fn executor_boots_a_vm_in_one_task() {
         }
     }
 
+    // Each passed function was reset before the launch, once: the replayed boot found
+    // the VM running and left its devices alone.
+    let log = std::fs::read_to_string(w.root.join(node_agent::fake::HOST_LOG)).unwrap();
+    for d in &vm.devices {
+        let bdf = d.address().to_string();
+        let lines: Vec<&str> = log.lines().collect();
+        let reset = lines.iter().position(|l| *l == format!("reset {bdf}"));
+        let bound = lines
+            .iter()
+            .position(|l| *l == format!("probe {bdf} vfio-pci"));
+        assert!(bound.is_some() && reset.is_some() && bound < reset, "{log}");
+        assert_eq!(
+            lines
+                .iter()
+                .filter(|l| **l == format!("reset {bdf}"))
+                .count(),
+            1
+        );
+    }
+
+    // A reset that fails fails the launch, named.
+    node_agent::fake::set_fault(&w.root, node_agent::fake::FakeFault::ResetFails, true).unwrap();
+    let failing = spec(vec![w.gpus[2].clone()]);
+    let r = exec.execute(&Task::BootVm {
+        vm: failing.clone(),
+        vgpu_types: Default::default(),
+    });
+    assert!(!r.ok);
+    let error = r.error.unwrap();
+    assert!(
+        error.starts_with("start_vm: reset of ") && error.contains("before launch failed"),
+        "{error}"
+    );
+    assert_eq!(hv.running(), vec![vm.uuid], "not started");
+    node_agent::fake::set_fault(&w.root, node_agent::fake::FakeFault::ResetFails, false).unwrap();
+    exec.execute(&Task::UnbindPassthrough {
+        vm_uuid: failing.uuid,
+        devices: failing.devices.clone(),
+    });
+
     // A device that is not there fails the bind: the error names that part, and the VM
     // is not started.
     let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();

@@ -373,7 +373,10 @@ fn zero_gpu_memory_uses_the_helper() {
     assert_eq!(names(&r), ["zero_gpu_memory"]);
     assert_eq!(
         detail(&r, 0),
-        format!("zeroed and verified by {}", w.bin().join("passage-gpu-zero").display()),
+        format!(
+            "zeroed and verified by {}",
+            w.bin().join("passage-gpu-zero").display()
+        ),
         "a helper that prints no summary"
     );
     assert_eq!(
@@ -467,7 +470,9 @@ fn the_trees_zeroing_helper_clears_its_gpus_memory() {
     assert!(r.ok, "{r:?}");
     assert_eq!(
         detail(&r, 0),
-        format!("{bdf} (Passage fake GPU): zeroed and verified 0.0 of 0.0 GiB in 0.0 s (0.0 GiB/s)")
+        format!(
+            "{bdf} (Passage fake GPU): zeroed and verified 0.0 of 0.0 GiB in 0.0 s (0.0 GiB/s)"
+        )
     );
     let data = fs::read(&mem).unwrap();
     assert_eq!(data.len(), MIB);
@@ -518,8 +523,15 @@ fn the_trees_zeroing_helper_clears_its_gpus_memory() {
 
     // Its arguments are checked as the real helper's are.
     let helper = w.root.join(FAKE_GPU_ZERO);
-    for bad in [&["--bdf"][..], &["--bdf", "3b:00.0"], &["--bdf", "0000:3b:00.0;x"]] {
-        let out = std::process::Command::new(&helper).args(bad).output().unwrap();
+    for bad in [
+        &["--bdf"][..],
+        &["--bdf", "3b:00.0"],
+        &["--bdf", "0000:3b:00.0;x"],
+    ] {
+        let out = std::process::Command::new(&helper)
+            .args(bad)
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
     }
 }
@@ -545,9 +557,18 @@ fn zeroing_lends_the_gpu_to_the_vendor_driver_and_takes_it_back() {
     assert!(r.ok, "{r:?}");
     assert_eq!(
         names(&r),
-        ["reset", "bind_vendor_driver", "zero_gpu_memory", "bind_back", "verify_driver"]
+        [
+            "reset",
+            "bind_vendor_driver",
+            "zero_gpu_memory",
+            "bind_back",
+            "verify_driver"
+        ]
     );
-    assert_eq!(detail(&r, 1), format!("{bdf} lent to nvidia (from vfio-pci)"));
+    assert_eq!(
+        detail(&r, 1),
+        format!("{bdf} lent to nvidia (from vfio-pci)")
+    );
     assert_eq!(detail(&r, 3), format!("{bdf} back on vfio-pci"));
     let log = fs::read_to_string(w.root.join(HOST_LOG)).unwrap();
     let seq: Vec<&str> = log[log_before.len()..].lines().collect();
@@ -564,7 +585,9 @@ fn zeroing_lends_the_gpu_to_the_vendor_driver_and_takes_it_back() {
     );
     let dir = w.dir_of(gpu);
     assert_eq!(
-        fs::read_to_string(dir.join("driver_override")).unwrap().trim(),
+        fs::read_to_string(dir.join("driver_override"))
+            .unwrap()
+            .trim(),
         "vfio-pci",
         "its override is back too"
     );
@@ -585,20 +608,28 @@ fn zeroing_lends_the_gpu_to_the_vendor_driver_and_takes_it_back() {
     let other = &w.gpus[0];
     wait_off_driver(&w, gpu, "nvidia");
     binder.unbind_passthrough(gpu).unwrap();
-    binder.bind_passthrough_many(&[gpu.clone(), other.clone()]).unwrap();
+    binder
+        .bind_passthrough_many(&[gpu.clone(), other.clone()])
+        .unwrap();
     let drivers = w.root.join("bus/pci/drivers");
     fs::rename(drivers.join("nvidia"), drivers.join("nvidia.gone")).unwrap();
     let r = w.run(other, &steps, &w.env());
     assert!(!r.ok && r.steps[1].skipped, "{r:?}");
     assert_eq!(names(&r), ["reset", "zero_gpu_memory"]);
-    assert!(detail(&r, 1).starts_with("the nvidia driver is not loaded"), "{r:?}");
+    assert!(
+        detail(&r, 1).starts_with("the nvidia driver is not loaded"),
+        "{r:?}"
+    );
 }
 
 /// Waits until the fake kernel's late unbind (left behind by a bounded write) is done:
 /// `dev` is off `driver`.
 fn wait_off_driver(w: &World, dev: &DevicePath, driver: &str) {
     let t = Instant::now();
-    while node_agent::host::bound_driver(&w.dir_of(dev)).unwrap().as_deref() == Some(driver)
+    while node_agent::host::bound_driver(&w.dir_of(dev))
+        .unwrap()
+        .as_deref()
+        == Some(driver)
         && t.elapsed() < Duration::from_secs(5)
     {
         std::thread::sleep(Duration::from_millis(20));

@@ -298,10 +298,14 @@ pub async fn close_free_gpus(ctx: &Ctx, server: ServerId, ids: &[String]) -> Sto
 #[cfg(test)]
 mod tests {
     use super::*;
-    use passage_model::protocol::ScrubStep as Step;
     use ScrubAction::*;
+    use passage_model::protocol::ScrubStep as Step;
 
-    fn plan(kind: DeviceType, policy: ScrubPolicy, pipeline: Option<Vec<ScrubAction>>) -> ScrubPlan {
+    fn plan(
+        kind: DeviceType,
+        policy: ScrubPolicy,
+        pipeline: Option<Vec<ScrubAction>>,
+    ) -> ScrubPlan {
         ScrubPlan {
             kind,
             pipeline,
@@ -323,7 +327,9 @@ mod tests {
 
     fn report(steps: Vec<Step>) -> ScrubReport {
         ScrubReport {
-            device: "/devices/pci0000:00/0000:00:01.0/0000:3b:00.0".parse().unwrap(),
+            device: "/devices/pci0000:00/0000:00:01.0/0000:3b:00.0"
+                .parse()
+                .unwrap(),
             ok: steps.iter().all(|s| s.ok),
             steps,
         }
@@ -346,7 +352,10 @@ mod tests {
         // Other types keep their pipeline as it is.
         let nvme = plan(DeviceType::Nvme, ScrubPolicy::Full, Some(vec![Reset {}]));
         assert_eq!(pipeline_for(&nvme), Some(vec![Reset {}]));
-        assert_eq!(pipeline_for(&plan(DeviceType::Nic, ScrubPolicy::Full, None)), None);
+        assert_eq!(
+            pipeline_for(&plan(DeviceType::Nic, ScrubPolicy::Full, None)),
+            None
+        );
     }
 
     #[test]
@@ -360,17 +369,28 @@ mod tests {
         other.vendor = "1002".to_string();
         assert_eq!(pipeline_for(&other), Some(vec![Reset {}, VerifyDriver {}]));
         assert_eq!(
-            pipeline_for(&gpu(Some(vec![Reset {}, ZeroGpuMemory {}, VerifyDriver {}]))),
+            pipeline_for(&gpu(Some(vec![
+                Reset {},
+                ZeroGpuMemory {},
+                VerifyDriver {}
+            ]))),
             Some(vec![Reset {}, VerifyDriver {}])
         );
-        assert_eq!(pipeline_for(&gpu(Some(vec![ZeroGpuMemory {}]))), Some(vec![Reset {}]));
+        assert_eq!(
+            pipeline_for(&gpu(Some(vec![ZeroGpuMemory {}]))),
+            Some(vec![Reset {}])
+        );
     }
 
     #[test]
     fn a_gpu_is_clean_only_once_its_memory_reads_back_as_zero() {
         let full = plan(DeviceType::Gpu, ScrubPolicy::Full, None);
         let ok = |n| step(n, true, false, "fine");
-        let zeroed = report(vec![ok("reset"), ok("zero_gpu_memory"), ok("verify_driver")]);
+        let zeroed = report(vec![
+            ok("reset"),
+            ok("zero_gpu_memory"),
+            ok("verify_driver"),
+        ]);
         assert_eq!(
             judge(Some(&full), Some(&zeroed)),
             Verdict {
@@ -387,42 +407,74 @@ mod tests {
         ] {
             let v = judge(Some(&full), Some(&report(vec![ok("reset"), zero])));
             assert_eq!(v.event, DeviceEvent::ScrubFailed);
-            assert_eq!(v.reason, "cn-7 cannot clear GPU memory: passage-gpu-zero not found");
+            assert_eq!(
+                v.reason,
+                "cn-7 cannot clear GPU memory: passage-gpu-zero not found"
+            );
         }
-        let v = judge(Some(&full), Some(&report(vec![ok("reset"), ok("verify_driver")])));
+        let v = judge(
+            Some(&full),
+            Some(&report(vec![ok("reset"), ok("verify_driver")])),
+        );
         assert_eq!(v.event, DeviceEvent::ScrubFailed);
-        assert!(v.reason.starts_with("cn-7 cannot clear GPU memory: "), "{v:?}");
+        assert!(
+            v.reason.starts_with("cn-7 cannot clear GPU memory: "),
+            "{v:?}"
+        );
         // The read-back failed.
-        let bad = step("zero_gpu_memory", false, false, "passage-gpu-zero failed (exit status: 4): not zero");
+        let bad = step(
+            "zero_gpu_memory",
+            false,
+            false,
+            "passage-gpu-zero failed (exit status: 4): not zero",
+        );
         let v = judge(Some(&full), Some(&report(vec![ok("reset"), bad])));
         assert_eq!(
             v.reason,
             "cn-7 could not clear GPU memory: passage-gpu-zero failed (exit status: 4): not zero"
         );
         // Any other step names itself.
-        let v = judge(Some(&full), Some(&report(vec![step("reset", false, false, "EIO")])));
+        let v = judge(
+            Some(&full),
+            Some(&report(vec![step("reset", false, false, "EIO")])),
+        );
         assert_eq!(v.reason, "scrub step reset failed on cn-7: EIO");
         let v = judge(Some(&full), None);
         assert_eq!(v.reason, "cn-7 sent no scrub report for this device");
 
         // Not a GPU: the steps decide, as before.
         let nic = plan(DeviceType::Nic, ScrubPolicy::Full, None);
-        let v = judge(Some(&nic), Some(&report(vec![ok("reset"), ok("verify_driver")])));
+        let v = judge(
+            Some(&nic),
+            Some(&report(vec![ok("reset"), ok("verify_driver")])),
+        );
         assert_eq!(v.event, DeviceEvent::ScrubSucceeded);
-        assert_eq!(judge(None, Some(&report(vec![ok("reset")]))).event, DeviceEvent::ScrubSucceeded);
+        assert_eq!(
+            judge(None, Some(&report(vec![ok("reset")]))).event,
+            DeviceEvent::ScrubSucceeded
+        );
     }
 
     #[test]
     fn reset_only_returns_a_gpu_saying_its_memory_was_not_cleared() {
         let ro = plan(DeviceType::Gpu, ScrubPolicy::ResetOnly, None);
         let ok = |n| step(n, true, false, "fine");
-        let v = judge(Some(&ro), Some(&report(vec![ok("reset"), ok("verify_driver")])));
+        let v = judge(
+            Some(&ro),
+            Some(&report(vec![ok("reset"), ok("verify_driver")])),
+        );
         assert_eq!(v.event, DeviceEvent::ScrubSucceeded);
         let note = v.note.unwrap_or_default();
         assert!(note.starts_with("GPU memory not cleared"), "{note}");
-        assert!(note.contains("reset-only") && note.contains("operator's choice"), "{note}");
+        assert!(
+            note.contains("reset-only") && note.contains("operator's choice"),
+            "{note}"
+        );
         // A failed reset still quarantines.
-        let v = judge(Some(&ro), Some(&report(vec![step("reset", false, false, "EIO")])));
+        let v = judge(
+            Some(&ro),
+            Some(&report(vec![step("reset", false, false, "EIO")])),
+        );
         assert_eq!(v.event, DeviceEvent::ScrubFailed);
     }
 }

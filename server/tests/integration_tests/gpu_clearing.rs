@@ -6,9 +6,11 @@
 use super::e2e::{login, start_server};
 use crate::common::{Backend, Client, Proc, TestDb, agent_command, node_agent_bin, wait_for};
 use node_agent::fake::{FakeFault, gpu_memory, set_fault};
-use passage_model::api::{AuditEntry, DeviceRow, JoinToken, Package, ScrubRecord, Server, Vm};
+use passage_model::api::{
+    AuditEntry, DeviceRow, JoinToken, Package, ScrubRecord, Server, Vm, VmState,
+};
 use passage_model::variant::ScrubPolicy;
-use passage_model::{DeviceState, ServerId, Variant, VmState};
+use passage_model::{DeviceState, ServerId, Variant};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -133,7 +135,11 @@ impl Fleet {
     }
 
     async fn device(&self, dev: &str) -> passage_model::api::AssignableDevice {
-        let srv: Server = self.op.get(&format!("/v1/servers/{}", self.node)).await.ok(200);
+        let srv: Server = self
+            .op
+            .get(&format!("/v1/servers/{}", self.node))
+            .await
+            .ok(200);
         srv.assignable_devices
             .unwrap()
             .into_iter()
@@ -190,7 +196,11 @@ async fn a_gpu_that_was_not_cleared_is_quarantined(b: Backend) {
     assert_eq!(d.scrub_policy, ScrubPolicy::Full);
     assert!(all_zero(&f.memory(&dev)), "the tenant's bytes were cleared");
     let r = f.last_scrub(&dev).await;
-    let zero = r.steps.iter().find(|s| s.name == "zero_gpu_memory").unwrap();
+    let zero = r
+        .steps
+        .iter()
+        .find(|s| s.name == "zero_gpu_memory")
+        .unwrap();
     assert!(zero.ok && !zero.skipped, "{r:?}");
     assert!(
         zero.detail
@@ -228,7 +238,10 @@ async fn a_gpu_that_was_not_cleared_is_quarantined(b: Backend) {
         "{why}"
     );
 }
-both!(not_cleared_quarantines, a_gpu_that_was_not_cleared_is_quarantined);
+both!(
+    not_cleared_quarantines,
+    a_gpu_that_was_not_cleared_is_quarantined
+);
 
 /// An operator's `reset-only`: recorded on the variant, shown on each device, in the
 /// audit log; its GPUs come back from a node without the helper, saying their memory was
@@ -254,9 +267,8 @@ async fn reset_only_is_the_operators_choice(b: Backend) {
     .await
     .fails(400, passage_model::ErrorCode::InvalidArgument);
 
-    let v: Variant = f
-        .op
-        .put(
+    let v: Variant =
+        f.op.put(
             "/v1/variants/NVIDIA_H100",
             &json!({"name":"NVIDIA_H100","type":"gpu","vendor":"10de","device":"2330",
                     "scrub_policy":"reset-only"}),
