@@ -82,7 +82,7 @@ pub(super) fn zero_gpu_memory(env: &ScrubEnv, addr: PciAddress) -> Outcome {
             out.lines()
                 .rev()
                 .find(|l| !l.trim().is_empty())
-                .map(|l| truncate(l)),
+                .map(truncate),
         ),
         Err(e) => (Err(e), None),
     };
