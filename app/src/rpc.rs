@@ -380,6 +380,11 @@ pub async fn save_variant(
         max_per_gpu,
         num_vfs,
         mix: mix.is_some(),
+        // The form edits neither; an operator sets them through the API.
+        scrub_policy: existing
+            .as_ref()
+            .map(|v| v.scrub_policy)
+            .unwrap_or_default(),
         scrub: existing.and_then(|v| v.scrub),
     };
     match original {

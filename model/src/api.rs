@@ -460,6 +460,15 @@ pub struct AssignableDevice {
     /// Why the device is kept out of placement although its state allows it (for
     /// example: held, then missing from the agent's latest report).
     pub taint: Option<String>,
+    /// Its variant's scrub policy: `reset-only` GPUs go back to the pool with their memory
+    /// not cleared.
+    #[serde(default)]
+    pub scrub_policy: crate::variant::ScrubPolicy,
+    /// Why it is in its state where the state alone does not say: why it was quarantined
+    /// ("cn-7 cannot clear GPU memory: passage-gpu-zero not found"), or that its last
+    /// scrub left its memory uncleared by the operator's choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_reason: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -1401,6 +1410,10 @@ pub struct AuditEntry {
     pub method: String,
     pub path: String,
     pub status: u16,
+    /// What the call changed where its method and path do not say (a variant's scrub
+    /// policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -1476,6 +1489,12 @@ pub struct DeviceRow {
     pub device: HexId,
     /// Why the device is kept out of placement although its state allows it.
     pub taint: Option<String>,
+    /// Its variant's scrub policy (see [`AssignableDevice::scrub_policy`]).
+    #[serde(default)]
+    pub scrub_policy: crate::variant::ScrubPolicy,
+    /// Why it is in its state (see [`AssignableDevice::state_reason`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_reason: Option<String>,
 }
 
 crate::redact::debug_redacting!(CreateAccount { login, role, gpu_quota } secret { password });

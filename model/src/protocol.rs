@@ -555,8 +555,8 @@ pub enum ScrubAction {
         #[schema(minimum = 1, maximum = 3600)]
         timeout_secs: Option<u64>,
     },
-    /// Zero the GPU's memory and read it back (NVIDIA, needs CUDA on the node); reported as
-    /// skipped where CUDA is absent.
+    /// Zero the GPU's memory and read it back (NVIDIA, needs the zeroing helper and CUDA
+    /// on the node); where either is absent it fails, reported as skipped.
     ZeroGpuMemory {},
     /// For NVMe: wipe partition tables and ZFS labels on the controller's namespaces so the
     /// host never imports a tenant's pool.
@@ -670,8 +670,9 @@ pub struct ScrubStep {
     pub duration_ms: u64,
     #[serde(default)]
     pub detail: Option<String>,
-    /// The step could not run here (no nvidia-smi, no CUDA) and was passed over; `ok` is
-    /// true for a skip.
+    /// The step could not run here (no nvidia-smi, no CUDA). `ok` says whether the
+    /// device is clean without it: true for a vendor reset passed over, false for GPU
+    /// memory zeroing (the node cannot clear the GPU, which is then quarantined).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
 }

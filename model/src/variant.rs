@@ -48,6 +48,38 @@ impl DeviceType {
     }
 }
 
+/// How a GPU variant's devices are cleaned between tenants.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScrubPolicy {
+    /// A GPU goes back to the pool only after its memory was zeroed and read back as
+    /// zero; a node that cannot do that quarantines it.
+    #[default]
+    Full,
+    /// The operator's choice to reset a GPU without clearing its memory (a node without
+    /// the zeroing helper, a fleet that trusts its tenants): the device and the audit log
+    /// say its memory was not cleared.
+    ResetOnly,
+}
+
+impl ScrubPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScrubPolicy::Full => "full",
+            ScrubPolicy::ResetOnly => "reset-only",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "full" => Some(ScrubPolicy::Full),
+            "reset-only" => Some(ScrubPolicy::ResetOnly),
+            _ => None,
+        }
+    }
+}
+
 /// `{"name","type","vendor","device","subvendor","subsystem","revision","description"}`;
 /// an absent optional id matches any value.
 ///
@@ -80,10 +112,16 @@ pub struct Variant {
     #[schema(max_length = 1024)]
     pub description: Option<String>,
     /// How its devices are cleaned between tenants; `null` = the agent's default for the
-    /// device's class (GPUs: reset, vendor reset, memory zeroing, driver check).
+    /// device's class (GPUs: reset, vendor reset, memory zeroing, driver check). Under
+    /// the `full` scrub policy a GPU variant's own pipeline is given memory zeroing when
+    /// it lacks it; under `reset-only` zeroing is taken out.
     #[serde(default)]
     #[schema(min_items = 1, max_items = 16)]
     pub scrub: Option<Vec<crate::protocol::ScrubAction>>,
+    /// GPU variants: `full` (the default) clears and checks each GPU's memory before
+    /// the next tenant; `reset-only` resets it without clearing its memory.
+    #[serde(default)]
+    pub scrub_policy: ScrubPolicy,
     /// vGPU and VF variants only: the variant whose GPUs host it, or whose functions
     /// make its VFs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -160,6 +198,14 @@ impl Variant {
         }
         if let Some(steps) = &self.scrub {
             validate_pipeline(steps)?;
+        }
+        if self.scrub_policy == ScrubPolicy::ResetOnly && self.kind != DeviceType::Gpu {
+            return Err(VariantError::Vgpu(
+                "scrub_policy",
+                "scrub_policy reset-only is for variants of type gpu (whole GPUs, whose \
+                 memory is what it leaves uncleared)"
+                    .to_string(),
+            ));
         }
         self.validate_vgpu()
     }
@@ -352,6 +398,7 @@ mod tests {
             revision: rev.map(|s| s.parse().unwrap()),
             description: None,
             scrub: None,
+            scrub_policy: Default::default(),
             parent: None,
             vgpu_type: None,
             max_per_gpu: None,

@@ -106,6 +106,18 @@ async fn generate_trees(spec: &SimSpec) -> anyhow::Result<()> {
         .map(|i| spec.dir.join(format!("node-{i}")))
         .filter(|d| !d.join("sysfs").exists())
         .collect();
+    // Trees kept from an older build lack the zeroing helper's stand-in, without which
+    // their GPUs could never be scrubbed clean.
+    let kept: Vec<PathBuf> = (0..spec.servers)
+        .map(|i| spec.dir.join(format!("node-{i}")).join("sysfs"))
+        .collect();
+    tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        for tree in kept.iter().filter(|t| t.is_dir()) {
+            node_agent::fake::ensure_gpu_zero(tree)?;
+        }
+        Ok(())
+    })
+    .await??;
     if missing.is_empty() {
         return Ok(());
     }

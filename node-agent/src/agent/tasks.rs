@@ -277,8 +277,7 @@ impl Executor {
                                 steps: vec![step.clone()],
                             };
                         }
-                        let mut report =
-                            scrub_for_task(ops.as_ref(), d, pipelines, &self.scrub_env);
+                        let mut report = scrub_for_task(ops, d, pipelines, &self.scrub_env);
                         report.steps.splice(0..0, mig);
                         report
                     })
@@ -343,6 +342,22 @@ impl Executor {
                     Ok(p) => *d = p,
                     Err(e) => return TaskResult::failure(e),
                 }
+            }
+        }
+        // Every passed function is reset before each launch; one that cannot be fails it
+        // (the provision unwinds, and the device's scrub finds it again). A VM already
+        // running (a start replayed) keeps its devices untouched.
+        let launching = !self.hypervisor.running().contains(&vm.uuid);
+        for d in vm
+            .devices
+            .iter()
+            .filter(|d| launching && d.vgpu().is_none())
+        {
+            if let Err(why) = crate::scrub::reset_before_launch(self.binder.ops().as_ref(), d) {
+                return TaskResult::failure(format!(
+                    "reset of {} before launch failed: {why}",
+                    d.address()
+                ));
             }
         }
         match self.hypervisor.start(&launch) {

@@ -10,6 +10,21 @@ use std::path::{Component, Path, PathBuf};
 
 /// Where the fake records each function reset, one address a line.
 pub const RESET_LOG: &str = ".passage-fake-resets.log";
+/// What the fake host did to its functions, in order, one line each: `reset BDF`,
+/// `unbind DRIVER BDF`, `bind DRIVER BDF`, `probe BDF DRIVER` (the driver it ended on, `-`
+/// for none) from the fake kernel, `zero BDF` from the zeroing helper's stand-in. A test
+/// reads a scrub's sequence from it.
+pub const HOST_LOG: &str = ".passage-fake-host.log";
+
+/// Appends `line` to the tree's [`HOST_LOG`].
+fn host_log(root: &Path, line: &str) -> io::Result<()> {
+    let mut log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(root.join(HOST_LOG))?;
+    writeln!(log, "{line}")
+}
+
 /// A file per busy function (`DIR/BDF`): while it is there, unbinding that function
 /// from `nvidia` blocks, as the kernel's write does while a process holds the GPU open;
 /// removing it lets the unbind finish. A file, so a test can switch it from outside the
@@ -614,7 +629,8 @@ impl SysfsOps for FakeKernel {
                     }
                 }
                 write_existing(path, value)?;
-                self.detach(&dir, drv)
+                self.detach(&dir, drv)?;
+                host_log(&self.root, &format!("unbind {drv} {}", file_name(&dir)))
             }
             ["bus", "pci", "drivers", drv, "bind"] => {
                 let dir = self.function_dir(value)?;
@@ -628,12 +644,15 @@ impl SysfsOps for FakeKernel {
                         format!("{} has driver_override {o}", file_name(&dir)),
                     ));
                 }
-                self.attach(&dir, drv)
+                self.attach(&dir, drv)?;
+                host_log(&self.root, &format!("bind {drv} {}", file_name(&dir)))
             }
             ["bus", "pci", "drivers_probe"] => {
                 let dir = self.function_dir(value)?;
                 write_existing(path, value)?;
-                self.probe(&dir)
+                self.probe(&dir)?;
+                let now = bound_driver(&dir)?.unwrap_or_else(|| "-".to_string());
+                host_log(&self.root, &format!("probe {} {now}", file_name(&dir)))
             }
             ["devices", .., "driver_override"] => {
                 let text = value.trim();
@@ -641,6 +660,11 @@ impl SysfsOps for FakeKernel {
                 write_existing(path, &format!("{stored}\n"))
             }
             ["devices", .., "reset"] => {
+                if value.trim() == "1"
+                    && super::gpu_zero::fault_on(&self.root, super::gpu_zero::FakeFault::ResetFails)
+                {
+                    return Err(io::Error::from_raw_os_error(5));
+                }
                 write_existing(path, value)?;
                 if value.trim() == "1" {
                     let bdf = path.parent().map(file_name).unwrap_or_default();
@@ -649,6 +673,7 @@ impl SysfsOps for FakeKernel {
                         .append(true)
                         .open(self.root.join(RESET_LOG))?;
                     writeln!(log, "{bdf}")?;
+                    host_log(&self.root, &format!("reset {bdf}"))?;
                 }
                 Ok(())
             }

@@ -15,6 +15,9 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+/// Where a generated tree keeps its stand-ins for the host's GPU tools (relative to its
+/// root): what a fake node's scrub searches instead of `PATH`.
+pub const FAKE_BIN_DIR: &str = ".passage-fake-bin";
 /// The `nvidia-smi` stand-in a generated tree carries (relative to its root).
 pub const FAKE_NVIDIA_SMI: &str = ".passage-fake-bin/nvidia-smi";
 /// Its state: one `BDF 0|1` line per GPU.

@@ -2,7 +2,7 @@
 //! gets none of the host's: a demo node must never reset a real GPU or write to a real
 //! disk because an operator scrubbed one of its pretend devices.
 
-use crate::fake::FAKE_DEV_DIR;
+use crate::fake::{FAKE_BIN_DIR, FAKE_DEV_DIR};
 use crate::host::{FAKE_MARKER, SysfsOps};
 use std::path::{Path, PathBuf};
 
@@ -31,6 +31,8 @@ pub struct ScrubEnv {
     pub search_path: Vec<PathBuf>,
     /// Where the block device nodes are (`/dev` on a host).
     pub dev_dir: PathBuf,
+    /// How long one driver bind, unbind or probe of a scrub may take.
+    pub driver_timeout: std::time::Duration,
 }
 
 impl ScrubEnv {
@@ -44,6 +46,7 @@ impl ScrubEnv {
             gpu_zero_helper: None,
             search_path,
             dev_dir: PathBuf::from("/dev"),
+            driver_timeout: super::vendor::DRIVER_WRITE_TIMEOUT,
         }
     }
 
@@ -55,15 +58,20 @@ impl ScrubEnv {
             gpu_zero_helper: None,
             search_path: Vec::new(),
             dev_dir: dev_dir.to_path_buf(),
+            driver_timeout: super::vendor::DRIVER_WRITE_TIMEOUT,
         }
     }
 
     /// [`ScrubEnv::host`] for a real sysfs; for a generated tree, [`ScrubEnv::isolated`]
-    /// over the tree's own stand-in block devices.
+    /// over the tree's own stand-in block devices, with the tree's stand-in tools (its
+    /// zeroing helper, its `nvidia-smi` where it has one) as the only programs.
     pub fn for_sysfs(ops: &dyn SysfsOps) -> Self {
         let root = ops.root();
         if root.join(FAKE_MARKER).exists() {
-            ScrubEnv::isolated(&root.join(FAKE_DEV_DIR))
+            ScrubEnv {
+                search_path: vec![root.join(FAKE_BIN_DIR)],
+                ..ScrubEnv::isolated(&root.join(FAKE_DEV_DIR))
+            }
         } else {
             ScrubEnv::host()
         }

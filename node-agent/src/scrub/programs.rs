@@ -18,9 +18,13 @@
 //! needs no arguments beyond `--bdf` and reads nothing from stdin.
 //!
 //! Exit [`GPU_ZERO_NO_DRIVER`] (3) means the host has no CUDA driver library
-//! (`libcuda.so.1`) and nothing was done: the step is reported skipped with the helper's
-//! line, as when the helper itself is not installed. Every other non-zero exit, or a
-//! death by signal, fails the step and the device is quarantined.
+//! (`libcuda.so.1`) and nothing was done: the step fails, reported as skipped (this node
+//! cannot clear GPU memory) with the helper's line, as when the helper itself is not
+//! installed. Every other non-zero exit, or a death by signal, fails the step. Either way
+//! the device is quarantined: a GPU whose memory was not cleared never goes back to the
+//! pool unless an operator chose so (the variant's `scrub_policy: reset-only`, under which
+//! the control plane sends no zeroing step at all). On success the helper's last stdout
+//! line (its summary: bytes zeroed and verified, time, rate) is the step's detail.
 //!
 //! The workspace's own helper is the `passage-gpu-zero` crate (`node-agent/gpu-zero/`):
 //! it loads `libcuda.so.1` at run time, clears with `cuMemsetD32` and reads back into
@@ -29,7 +33,7 @@
 
 use super::Outcome;
 use super::env::{GPU_ZERO_HELPER, NVIDIA_SMI, ScrubEnv};
-use super::process::{describe_failure, run};
+use super::process::{describe_failure, run, run_capturing, truncate};
 use passage_model::PciAddress;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -57,23 +61,37 @@ pub(super) fn nvidia_reset(env: &ScrubEnv, addr: PciAddress) -> Outcome {
 
 pub(super) fn zero_gpu_memory(env: &ScrubEnv, addr: PciAddress) -> Outcome {
     let Some(helper) = env.program(env.gpu_zero_helper.as_deref(), GPU_ZERO_HELPER) else {
-        return Outcome::Skipped(format!(
-            "no CUDA helper ({GPU_ZERO_HELPER}) on this node; GPU memory not zeroed"
-        ));
+        return Outcome::Unable(format!("{GPU_ZERO_HELPER} not found"));
     };
     let bdf = addr.to_string();
-    let r = run(&helper, &["--bdf", &bdf], GPU_ZERO_TIMEOUT);
-    if let Ok(f) = &r
+    let r = run_capturing(&helper, &["--bdf", &bdf], GPU_ZERO_TIMEOUT);
+    if let Ok((f, _)) = &r
         && f.status.code() == Some(GPU_ZERO_NO_DRIVER)
     {
-        return Outcome::Skipped(if f.stderr.is_empty() {
+        return Outcome::Unable(if f.stderr.is_empty() {
             format!("{GPU_ZERO_HELPER} found no CUDA driver; GPU memory not zeroed")
         } else {
             f.stderr.clone()
         });
     }
+    // The helper's summary (bytes zeroed and verified, time, rate) is its last line on
+    // stdout; the report keeps it.
+    let (r, summary) = match r {
+        Ok((f, out)) => (
+            Ok(f),
+            out.lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map(truncate),
+        ),
+        Err(e) => (Err(e), None),
+    };
     match describe_failure(GPU_ZERO_HELPER, r, GPU_ZERO_TIMEOUT) {
-        None => Outcome::Done(Some(format!("zeroed and verified by {}", helper.display()))),
+        None => {
+            Outcome::Done(Some(summary.unwrap_or_else(|| {
+                format!("zeroed and verified by {}", helper.display())
+            })))
+        }
         Some(why) => Outcome::Failed(why),
     }
 }

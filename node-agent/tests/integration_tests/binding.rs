@@ -169,7 +169,7 @@ fn bindings_survive_a_restart_and_are_reapplied() {
 fn scrub_resets_and_verifies() {
     let w = world(2);
     let ops = open_sysfs(&w.root).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[0]);
+    let r = scrub(&ops, &w.gpus[0]);
     assert!(r.ok, "{r:?}");
     assert_eq!(
         r.steps.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
@@ -182,18 +182,18 @@ fn scrub_resets_and_verifies() {
     // and the driver check is not run.
     let dir = w.root.join(w.gpus[1].to_string().trim_start_matches('/'));
     std::fs::remove_file(dir.join("reset")).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[1]);
+    let r = scrub(&ops, &w.gpus[1]);
     assert!(r.ok, "{r:?}");
     assert_eq!(r.steps[0].name, "bus_reset");
     std::fs::remove_file(dir.parent().unwrap().join("reset")).unwrap();
-    let r = scrub(ops.as_ref(), &w.gpus[1]);
+    let r = scrub(&ops, &w.gpus[1]);
     assert!(!r.ok);
     assert_eq!(r.steps.len(), 1);
     assert!(!r.steps[0].ok);
     assert!(r.steps[0].detail.as_deref().unwrap().contains("reset"));
 
     let ghost: DevicePath = "/devices/pci0000:00/0000:00:09.0".parse().unwrap();
-    let r = scrub(ops.as_ref(), &ghost);
+    let r = scrub(&ops, &ghost);
     assert!(!r.ok && r.steps.iter().all(|s| !s.ok));
 }
 
@@ -370,6 +370,46 @@ fn executor_boots_a_vm_in_one_task() {
             assert_eq!(driver_via_cli(&w.root, d), "vfio-pci");
         }
     }
+
+    // Each passed function was reset before the launch, once: the replayed boot found
+    // the VM running and left its devices alone.
+    let log = std::fs::read_to_string(w.root.join(node_agent::fake::HOST_LOG)).unwrap();
+    for d in &vm.devices {
+        let bdf = d.address().to_string();
+        let lines: Vec<&str> = log.lines().collect();
+        let reset = lines.iter().position(|l| *l == format!("reset {bdf}"));
+        let bound = lines
+            .iter()
+            .position(|l| *l == format!("probe {bdf} vfio-pci"));
+        assert!(bound.is_some() && reset.is_some() && bound < reset, "{log}");
+        assert_eq!(
+            lines
+                .iter()
+                .filter(|l| **l == format!("reset {bdf}"))
+                .count(),
+            1
+        );
+    }
+
+    // A reset that fails fails the launch, named.
+    node_agent::fake::set_fault(&w.root, node_agent::fake::FakeFault::ResetFails, true).unwrap();
+    let failing = spec(vec![w.gpus[2].clone()]);
+    let r = exec.execute(&Task::BootVm {
+        vm: failing.clone(),
+        vgpu_types: Default::default(),
+    });
+    assert!(!r.ok);
+    let error = r.error.unwrap();
+    assert!(
+        error.starts_with("start_vm: reset of ") && error.contains("before launch failed"),
+        "{error}"
+    );
+    assert_eq!(hv.running(), vec![vm.uuid], "not started");
+    node_agent::fake::set_fault(&w.root, node_agent::fake::FakeFault::ResetFails, false).unwrap();
+    exec.execute(&Task::UnbindPassthrough {
+        vm_uuid: failing.uuid,
+        devices: failing.devices.clone(),
+    });
 
     // A device that is not there fails the bind: the error names that part, and the VM
     // is not started.

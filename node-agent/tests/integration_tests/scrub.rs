@@ -4,7 +4,10 @@
 //! and regular files standing in for NVMe block devices.
 
 use node_agent::agent::Executor;
-use node_agent::fake::{FAKE_DEV_DIR, FAKE_NVME_BYTES, FakeSpec, GpuModel, RESET_LOG, generate};
+use node_agent::fake::{
+    FAKE_DEV_DIR, FAKE_GPU_MEMORY_BYTES, FAKE_GPU_ZERO, FAKE_NVME_BYTES, FakeFault, FakeSpec,
+    GpuModel, HOST_LOG, RESET_LOG, generate, gpu_memory, set_busy, set_fault,
+};
 use node_agent::host::{Binder, SysfsOps, open_sysfs};
 use node_agent::hypervisor::SimHypervisor;
 use node_agent::scrub::{ScrubEnv, default_pipeline, scrub_with};
@@ -94,7 +97,7 @@ impl World {
     }
 
     fn run(&self, dev: &DevicePath, steps: &[ScrubAction], env: &ScrubEnv) -> ScrubReport {
-        scrub_with(self.ops.as_ref(), dev, steps, env)
+        scrub_with(&self.ops, dev, steps, env)
     }
 
     fn resets(&self) -> String {
@@ -351,12 +354,11 @@ fn command_is_killed_at_its_timeout() {
 fn zero_gpu_memory_uses_the_helper() {
     let w = World::new();
     let gpu = &w.gpus[1];
-    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &w.env());
-    assert!(r.ok && r.steps[0].skipped, "{r:?}");
-    assert_eq!(
-        detail(&r, 0),
-        "no CUDA helper (passage-gpu-zero) on this node; GPU memory not zeroed"
-    );
+    // No helper at all: the node cannot clear the GPU, and the step fails as skipped.
+    let bare = ScrubEnv::isolated(&w.out("dev"));
+    let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &bare);
+    assert!(!r.ok && !r.steps[0].ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(detail(&r, 0), "passage-gpu-zero not found");
 
     let args = w.out("zero-args");
     script(
@@ -369,6 +371,14 @@ fn zero_gpu_memory_uses_the_helper() {
     let r = w.run(gpu, &[ScrubAction::ZeroGpuMemory {}], &env);
     assert!(r.ok && !r.steps[0].skipped, "{r:?}");
     assert_eq!(names(&r), ["zero_gpu_memory"]);
+    assert_eq!(
+        detail(&r, 0),
+        format!(
+            "zeroed and verified by {}",
+            w.bin().join("passage-gpu-zero").display()
+        ),
+        "a helper that prints no summary"
+    );
     assert_eq!(
         fs::read_to_string(&args).unwrap().trim(),
         format!("--bdf {}", gpu.address())
@@ -385,7 +395,7 @@ fn zero_gpu_memory_uses_the_helper() {
 }
 
 #[test]
-fn zero_gpu_memory_without_the_cuda_driver_is_skipped() {
+fn zero_gpu_memory_without_the_cuda_driver_fails_as_skipped() {
     let w = World::new();
     let gpu = &w.gpus[0];
     let mut env = w.env();
@@ -397,16 +407,16 @@ fn zero_gpu_memory_without_the_cuda_driver_is_skipped() {
     ));
     let steps = [ScrubAction::ZeroGpuMemory {}, ScrubAction::VerifyDriver {}];
     let r = w.run(gpu, &steps, &env);
-    assert!(r.ok && r.steps[0].ok && r.steps[0].skipped, "{r:?}");
-    assert_eq!(names(&r), ["zero_gpu_memory", "verify_driver"]);
+    assert!(!r.ok && !r.steps[0].ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(names(&r), ["zero_gpu_memory"], "the pipeline stops there");
     assert_eq!(
         detail(&r, 0),
         "CUDA driver (libcuda.so.1) not found; GPU memory not zeroed"
     );
-    // Exit 3 with nothing said: still skipped, with the agent's own words.
+    // Exit 3 with nothing said: the same, with the agent's own words.
     env.gpu_zero_helper = Some(script(&w.bin(), "no-driver-quiet", "exit 3"));
     let r = w.run(gpu, &steps, &env);
-    assert!(r.ok && r.steps[0].skipped, "{r:?}");
+    assert!(!r.ok && r.steps[0].skipped, "{r:?}");
     assert_eq!(
         detail(&r, 0),
         "passage-gpu-zero found no CUDA driver; GPU memory not zeroed"
@@ -434,6 +444,195 @@ fn zero_gpu_memory_without_the_cuda_driver_is_skipped() {
             "{name}: {r:?}"
         );
         assert_eq!(names(&r), ["zero_gpu_memory"], "{name}");
+    }
+}
+
+/// The generated tree's stand-in helper really clears the fake GPU's memory (a file) and
+/// reads it back, answers as `passage-gpu-zero` does, and takes each injected fault.
+#[test]
+fn the_trees_zeroing_helper_clears_its_gpus_memory() {
+    let w = World::new();
+    let gpu = &w.gpus[0];
+    let bdf = gpu.address().to_string();
+    let mem = gpu_memory(&w.root, &bdf);
+    let zero = [ScrubAction::ZeroGpuMemory {}];
+    // First use: the helper makes the GPU's memory, full of the last tenant's bytes.
+    let r = w.run(gpu, &zero, &w.env());
+    assert!(r.ok && !r.steps[0].skipped, "{r:?}");
+    assert_eq!(
+        fs::metadata(&mem).unwrap().len(),
+        FAKE_GPU_MEMORY_BYTES,
+        "made on first use"
+    );
+    // A tenant's data, larger than the default: all of it is zeroed and checked.
+    fill(&mem, MIB);
+    let r = w.run(gpu, &zero, &w.env());
+    assert!(r.ok, "{r:?}");
+    assert_eq!(
+        detail(&r, 0),
+        format!(
+            "{bdf} (Passage fake GPU): zeroed and verified 0.0 of 0.0 GiB in 0.0 s (0.0 GiB/s)"
+        )
+    );
+    let data = fs::read(&mem).unwrap();
+    assert_eq!(data.len(), MIB);
+    assert!(data.iter().all(|&b| b == 0));
+
+    // A byte that stays set after clearing: the read-back finds it (exit 4).
+    set_fault(&w.root, FakeFault::GpuZeroVerifyFails, true).unwrap();
+    fill(&mem, MIB);
+    let r = w.run(gpu, &zero, &w.env());
+    assert!(!r.ok && !r.steps[0].skipped, "{r:?}");
+    assert!(
+        detail(&r, 0).contains(
+            "(exit status: 4): GPU memory is not zero after clearing: byte 0x5a at device address 0x80000"
+        ),
+        "{r:?}"
+    );
+    set_fault(&w.root, FakeFault::GpuZeroVerifyFails, false).unwrap();
+
+    // No helper, no CUDA driver: this node cannot clear the GPU.
+    set_fault(&w.root, FakeFault::GpuZeroMissing, true).unwrap();
+    set_fault(&w.root, FakeFault::GpuZeroMissing, true).unwrap();
+    assert!(!w.root.join(FAKE_GPU_ZERO).exists());
+    let r = w.run(gpu, &zero, &w.env());
+    assert!(!r.ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(detail(&r, 0), "passage-gpu-zero not found");
+    set_fault(&w.root, FakeFault::GpuZeroMissing, false).unwrap();
+    set_fault(&w.root, FakeFault::NoCudaDriver, true).unwrap();
+    let r = w.run(gpu, &zero, &w.env());
+    assert!(!r.ok && r.steps[0].skipped, "{r:?}");
+    assert_eq!(
+        detail(&r, 0),
+        "CUDA driver (libcuda.so.1) not found; GPU memory not zeroed"
+    );
+    set_fault(&w.root, FakeFault::NoCudaDriver, false).unwrap();
+    assert!(w.run(gpu, &zero, &w.env()).ok);
+
+    // CUDA reaches a GPU only through NVIDIA's driver: on vfio-pci the helper finds none.
+    let state = w.dir.path().join("state");
+    let binder = Binder::new(w.ops.clone(), &state);
+    binder.bind_passthrough(&w.gpus[1]).unwrap();
+    let out = std::process::Command::new(w.root.join(FAKE_GPU_ZERO))
+        .args(["--bdf", &w.gpus[1].address().to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no CUDA device at"));
+    binder.unbind_passthrough(&w.gpus[1]).unwrap();
+
+    // Its arguments are checked as the real helper's are.
+    let helper = w.root.join(FAKE_GPU_ZERO);
+    for bad in [
+        &["--bdf"][..],
+        &["--bdf", "3b:00.0"],
+        &["--bdf", "0000:3b:00.0;x"],
+    ] {
+        let out = std::process::Command::new(&helper)
+            .args(bad)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+    }
+}
+
+/// On a passthrough host the GPU waits on vfio-pci: the zeroing step lends it to NVIDIA's
+/// driver, zeroes it there and gives it back, in that order, each move bounded in time; a
+/// host without NVIDIA's driver cannot clear it.
+#[test]
+fn zeroing_lends_the_gpu_to_the_vendor_driver_and_takes_it_back() {
+    let w = World::new();
+    let gpu = &w.gpus[1];
+    let bdf = gpu.address().to_string();
+    let state = w.dir.path().join("state");
+    let binder = Binder::new(w.ops.clone(), &state);
+    binder.bind_passthrough(gpu).unwrap();
+    let log_before = fs::read_to_string(w.root.join(HOST_LOG)).unwrap_or_default();
+    let steps = [
+        ScrubAction::Reset {},
+        ScrubAction::ZeroGpuMemory {},
+        ScrubAction::VerifyDriver {},
+    ];
+    let r = w.run(gpu, &steps, &w.env());
+    assert!(r.ok, "{r:?}");
+    assert_eq!(
+        names(&r),
+        [
+            "reset",
+            "bind_vendor_driver",
+            "zero_gpu_memory",
+            "bind_back",
+            "verify_driver"
+        ]
+    );
+    assert_eq!(
+        detail(&r, 1),
+        format!("{bdf} lent to nvidia (from vfio-pci)")
+    );
+    assert_eq!(detail(&r, 3), format!("{bdf} back on vfio-pci"));
+    let log = fs::read_to_string(w.root.join(HOST_LOG)).unwrap();
+    let seq: Vec<&str> = log[log_before.len()..].lines().collect();
+    assert_eq!(
+        seq,
+        [
+            format!("reset {bdf}"),
+            format!("unbind vfio-pci {bdf}"),
+            format!("probe {bdf} nvidia"),
+            format!("zero {bdf}"),
+            format!("unbind nvidia {bdf}"),
+            format!("bind vfio-pci {bdf}"),
+        ]
+    );
+    let dir = w.dir_of(gpu);
+    assert_eq!(
+        fs::read_to_string(dir.join("driver_override"))
+            .unwrap()
+            .trim(),
+        "vfio-pci",
+        "its override is back too"
+    );
+
+    // A GPU its driver will not let go of: the bound ends the step, reported.
+    set_busy(&w.root, &bdf, true).unwrap();
+    let mut env = w.env();
+    env.driver_timeout = Duration::from_millis(300);
+    let t = Instant::now();
+    let r = w.run(gpu, &steps, &env);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(!r.ok, "{r:?}");
+    assert_eq!(names(&r).last(), Some(&"bind_back"));
+    assert!(detail(&r, 3).contains("did not finish within"), "{r:?}");
+    set_busy(&w.root, &bdf, false).unwrap();
+
+    // No NVIDIA driver on the host: this node cannot clear the GPU.
+    let other = &w.gpus[0];
+    wait_off_driver(&w, gpu, "nvidia");
+    binder.unbind_passthrough(gpu).unwrap();
+    binder
+        .bind_passthrough_many(&[gpu.clone(), other.clone()])
+        .unwrap();
+    let drivers = w.root.join("bus/pci/drivers");
+    fs::rename(drivers.join("nvidia"), drivers.join("nvidia.gone")).unwrap();
+    let r = w.run(other, &steps, &w.env());
+    assert!(!r.ok && r.steps[1].skipped, "{r:?}");
+    assert_eq!(names(&r), ["reset", "zero_gpu_memory"]);
+    assert!(
+        detail(&r, 1).starts_with("the nvidia driver is not loaded"),
+        "{r:?}"
+    );
+}
+
+/// Waits until the fake kernel's late unbind (left behind by a bounded write) is done:
+/// `dev` is off `driver`.
+fn wait_off_driver(w: &World, dev: &DevicePath, driver: &str) {
+    let t = Instant::now();
+    while node_agent::host::bound_driver(&w.dir_of(dev))
+        .unwrap()
+        .as_deref()
+        == Some(driver)
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -600,7 +799,13 @@ fn task_scrub_uses_default_pipelines() {
         names(&reports[0]),
         ["reset", "nvidia_reset", "zero_gpu_memory", "verify_driver"]
     );
-    assert!(reports[0].steps[1].skipped && reports[0].steps[2].skipped);
+    // No nvidia-smi in a tree without vGPUs; the tree's zeroing helper clears the GPU.
+    assert!(reports[0].steps[1].skipped && !reports[0].steps[2].skipped);
+    assert!(
+        detail(&reports[0], 2).contains(": zeroed and verified 0.0 of 0.0 GiB in "),
+        "{:?}",
+        reports[0]
+    );
     assert_eq!(
         names(&reports[1]),
         ["wipe_nvme_labels", "reset", "verify_driver"]

@@ -30,7 +30,12 @@ pub async fn record(State(ctx): State<Ctx>, req: Request, next: Next) -> Respons
     }
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
-    if let Err(e) = services::audit::record(&ctx, actor, method.clone(), path.clone(), status).await
+    let detail = resp
+        .extensions()
+        .get::<services::audit::AuditDetail>()
+        .map(|d| d.0.clone());
+    if let Err(e) =
+        services::audit::record(&ctx, actor, method.clone(), path.clone(), status, detail).await
     {
         tracing::warn!(error = %e, %method, %path, "could not write the audit log");
     }

@@ -177,8 +177,12 @@ pub async fn create_variant(
     caller: Caller,
     ApiJson(v): ApiJson<Variant>,
 ) -> ApiResult<Response> {
-    let v = catalog::create_variant(&ctx, &caller, v).await?;
-    Ok((StatusCode::CREATED, Json(v)).into_response())
+    let (v, detail) = catalog::create_variant(&ctx, &caller, v).await?;
+    let mut resp = (StatusCode::CREATED, Json(v)).into_response();
+    if let Some(d) = detail {
+        resp.extensions_mut().insert(d);
+    }
+    Ok(resp)
 }
 
 #[utoipa::path(get, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 200, description = "The variant", body = Variant), ErrorResponses), security(("bearer" = [])))]
@@ -197,7 +201,12 @@ pub async fn put_variant(
     Path(name): Path<String>,
     ApiJson(v): ApiJson<Variant>,
 ) -> ApiResult<Response> {
-    Ok(Json(catalog::put_variant(&ctx, &caller, &name, v).await?).into_response())
+    let (v, detail) = catalog::put_variant(&ctx, &caller, &name, v).await?;
+    let mut resp = Json(v).into_response();
+    if let Some(d) = detail {
+        resp.extensions_mut().insert(d);
+    }
+    Ok(resp)
 }
 
 #[utoipa::path(delete, path = "/variants/{name}", tag = "variants", params(("name" = String, Path, description = "The variant's name")), responses((status = 204, description = "Deleted"), ErrorResponses), security(("bearer" = [])))]

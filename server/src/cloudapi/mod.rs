@@ -245,7 +245,7 @@ async fn authenticate(
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
     let actor = Some((account.uuid, account.login));
-    if let Err(e) = audit::record(&ctx, actor, method.clone(), path.clone(), status).await {
+    if let Err(e) = audit::record(&ctx, actor, method.clone(), path.clone(), status, None).await {
         tracing::warn!(error = %e, %method, %path, "could not write the audit log");
     }
     resp

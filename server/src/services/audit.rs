@@ -13,19 +13,26 @@ pub const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
 /// Records written together at most.
 const MAX_BATCH: usize = 256;
 
+/// What a call changed that its method and path do not say, for its audit record: a
+/// handler puts it in its response's extensions, and the audit middleware takes it.
+#[derive(Clone, Debug)]
+pub struct AuditDetail(pub String);
+
 pub struct Pending {
     record: AuditRecord,
     written: oneshot::Sender<Result<(), String>>,
 }
 
 /// Appends a call that `actor` (uuid and login) made and that answered `status` to the
-/// audit log, timed now; returns once it is stored.
+/// audit log, timed now, with what it changed where its path does not say; returns once
+/// it is stored.
 pub async fn record(
     ctx: &Ctx,
     actor: Option<(AccountId, String)>,
     method: String,
     path: String,
     status: u16,
+    detail: Option<String>,
 ) -> Result<(), String> {
     let record = AuditRecord {
         at: crate::store::now_ms(),
@@ -33,6 +40,7 @@ pub async fn record(
         method,
         path,
         status,
+        detail,
     };
     let (written, done) = oneshot::channel();
     ctx.audit

@@ -1,10 +1,12 @@
 //! Variants and packages: what the fleet offers.
 
 use super::Ctx;
+use super::audit::AuditDetail;
 use super::auth::Caller;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{devices, packages, variants};
 use passage_model::api::{CreatePackage, Package};
+use passage_model::variant::ScrubPolicy;
 use passage_model::{PackageId, Variant};
 
 fn check_variant(v: &Variant) -> ApiResult<()> {
@@ -83,7 +85,35 @@ async fn resolve_parent(ctx: &Ctx, v: &mut Variant) -> ApiResult<()> {
     Ok(())
 }
 
-pub async fn create_variant(ctx: &Ctx, caller: &Caller, mut v: Variant) -> ApiResult<Variant> {
+/// What the audit log says of a variant's scrub policy set or changed (the method and
+/// path alone would not tell that an operator chose to leave GPU memory uncleared).
+fn policy_detail(old: Option<ScrubPolicy>, new: &Variant) -> Option<AuditDetail> {
+    let was = old.unwrap_or_default();
+    if old.is_some() && was == new.scrub_policy {
+        return None;
+    }
+    if old.is_none() && new.scrub_policy == ScrubPolicy::Full {
+        return None;
+    }
+    let effect = match new.scrub_policy {
+        ScrubPolicy::ResetOnly => "GPU memory is no longer cleared between tenants",
+        ScrubPolicy::Full => "GPU memory is zeroed and verified between tenants",
+    };
+    Some(AuditDetail(format!(
+        "variant {:?}: scrub_policy {} -> {} ({effect})",
+        new.name,
+        was.as_str(),
+        new.scrub_policy.as_str()
+    )))
+}
+
+/// Creates a variant; answers it and, when its scrub policy is not the default, what
+/// the audit log records of that.
+pub async fn create_variant(
+    ctx: &Ctx,
+    caller: &Caller,
+    mut v: Variant,
+) -> ApiResult<(Variant, Option<AuditDetail>)> {
     caller.require_operator()?;
     check_variant(&v)?;
     resolve_parent(ctx, &mut v).await?;
@@ -92,7 +122,8 @@ pub async fn create_variant(ctx: &Ctx, caller: &Caller, mut v: Variant) -> ApiRe
     if v.is_vf() {
         crate::workflows::sriov::spawn_everywhere(ctx, true);
     }
-    Ok(variants::get(&ctx.db, &v.name).await?)
+    let detail = policy_detail(None, &v);
+    Ok((variants::get(&ctx.db, &v.name).await?, detail))
 }
 
 /// A name no variant can have names none: 404 before the store sees it.
@@ -100,12 +131,14 @@ fn known_shape(name: &str) -> ApiResult<()> {
     passage_model::variant::validate_name(name).map_err(|_| ApiError::not_found("variant"))
 }
 
+/// Replaces a variant; answers it and, when its scrub policy changed, what the audit log
+/// records of that.
 pub async fn put_variant(
     ctx: &Ctx,
     caller: &Caller,
     name: &str,
     mut v: Variant,
-) -> ApiResult<Variant> {
+) -> ApiResult<(Variant, Option<AuditDetail>)> {
     caller.require_operator()?;
     known_shape(name)?;
     check_variant(&v)?;
@@ -139,7 +172,12 @@ pub async fn put_variant(
     if old.is_vf() || v.is_vf() {
         crate::workflows::sriov::spawn_everywhere(ctx, true);
     }
-    Ok(variants::get(&ctx.db, name).await?)
+    if old.scrub_policy != v.scrub_policy {
+        tracing::info!(variant = %name, from = old.scrub_policy.as_str(),
+            to = v.scrub_policy.as_str(), by = %caller.account.login, "scrub policy changed");
+    }
+    let detail = policy_detail(Some(old.scrub_policy), &v);
+    Ok((variants::get(&ctx.db, name).await?, detail))
 }
 
 pub async fn get_variant(ctx: &Ctx, caller: &Caller, name: &str) -> ApiResult<Variant> {

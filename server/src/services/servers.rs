@@ -10,7 +10,7 @@ use passage_model::api::{
     AssignableDevice, CreateJoinToken, DeviceRow, JoinToken, Server, ServerResources, ServerStatus,
     ServerVm, Sysinfo, SysinfoDevice, UpdateServer, Vm,
 };
-use passage_model::variant::DeviceType;
+use passage_model::variant::{DeviceType, ScrubPolicy};
 use passage_model::{DeviceState, ServerId};
 use std::collections::{BTreeMap, HashMap};
 
@@ -25,12 +25,13 @@ pub fn status(ctx: &Ctx, last_heartbeat: Option<chrono::DateTime<Utc>>) -> Serve
     }
 }
 
-/// Variant name → device type, for `assignable_devices`' `type`.
-async fn variant_kinds(ctx: &Ctx) -> ApiResult<BTreeMap<String, DeviceType>> {
+/// Variant name → device type and scrub policy, for `assignable_devices`' `type` and
+/// `scrub_policy`.
+async fn variant_kinds(ctx: &Ctx) -> ApiResult<BTreeMap<String, (DeviceType, ScrubPolicy)>> {
     Ok(variants::list(&ctx.db)
         .await?
         .into_iter()
-        .map(|v| (v.name, v.kind))
+        .map(|v| (v.name, (v.kind, v.scrub_policy)))
         .collect())
 }
 
@@ -70,7 +71,7 @@ fn assemble(
     rec: servers::ServerRecord,
     devs: &[devices::DeviceRecord],
     on_server: Vec<Vm>,
-    kinds: &BTreeMap<String, DeviceType>,
+    kinds: &BTreeMap<String, (DeviceType, ScrubPolicy)>,
     resources: Option<ServerResources>,
 ) -> Server {
     let pci_devices = devs
@@ -99,14 +100,20 @@ fn assemble(
         .iter()
         .filter_map(|d| {
             let variant = d.variant.clone()?;
+            let (kind, scrub_policy) = kinds
+                .get(&variant)
+                .copied()
+                .unwrap_or((DeviceType::Other, ScrubPolicy::Full));
             Some(AssignableDevice {
                 id: d.pci.id.clone(),
                 state: d.state,
-                kind: kinds.get(&variant).copied().unwrap_or(DeviceType::Other),
+                kind,
                 variant,
                 used_by: d.used_by,
                 numa_node: d.pci.numa_node,
                 taint: d.taint.clone(),
+                scrub_policy,
+                state_reason: d.state_reason.clone(),
             })
         })
         .collect();
@@ -235,9 +242,21 @@ pub async fn list_devices(
 ) -> ApiResult<Page<DeviceRow, DeviceKey>> {
     caller.require_staff()?;
     let page = devices::page(&ctx.db, filter, req).await?;
+    let kinds = if page.items.is_empty() {
+        BTreeMap::new()
+    } else {
+        variant_kinds(ctx).await?
+    };
     Ok(page.map(|l| {
         let d = l.device;
+        let scrub_policy = d
+            .variant
+            .as_ref()
+            .and_then(|v| kinds.get(v))
+            .map_or(ScrubPolicy::Full, |k| k.1);
         DeviceRow {
+            scrub_policy,
+            state_reason: d.state_reason,
             address: d.pci.address(),
             id: d.pci.id,
             server_uuid: d.server_uuid,

@@ -27,6 +27,9 @@ pub struct MoveReq {
     /// device this job moved to `cleaning` before and that is `cleaning` still is answered
     /// as moved (`cleaning` to `cleaning`, nothing written): its scrub is to run again.
     pub job: Option<JobId>,
+    /// What the devices show as their `state_reason` after the move; `None` clears it,
+    /// except on a move to `quarantined`, which shows `reason`.
+    pub note: Option<String>,
 }
 
 impl MoveReq {
@@ -44,7 +47,14 @@ impl MoveReq {
             vm,
             reason: reason.to_string(),
             job: None,
+            note: None,
         }
+    }
+
+    /// This request with `note` as the moved devices' `state_reason`.
+    pub fn with_note(mut self, note: Option<String>) -> Self {
+        self.note = note;
+        self
     }
 
     /// The start of `job`'s scrub of those of `ids` that are dirty (and of those it left
@@ -65,7 +75,7 @@ pub struct Moved {
     pub to: DeviceState,
 }
 
-/// Rows per statement at most: six values each, far below either database's limit.
+/// Rows per statement at most: seven values each, far below either database's limit.
 pub(super) const CHUNK: usize = 500;
 
 /// A device's row as the read found it.
@@ -92,6 +102,8 @@ pub(super) struct Planned {
     released_from: Option<String>,
     generation: i64,
     job: Option<String>,
+    /// Its `state_reason` after the move.
+    note: Option<String>,
     /// False for a scrub taken up again: answered, not written.
     pub(super) write: bool,
 }
@@ -174,6 +186,7 @@ pub(super) fn plan(
                 released_from: None,
                 generation: c.generation,
                 job,
+                note: None,
                 write: false,
             });
             continue;
@@ -187,6 +200,11 @@ pub(super) fn plan(
         let released_from = (from.is_held() && !to.is_held())
             .then(|| c.used_by.clone())
             .flatten();
+        // A quarantined device always says why, for the operator who must act on it.
+        let note = r
+            .note
+            .clone()
+            .or_else(|| (to == DeviceState::Quarantined).then(|| r.reason.clone()));
         planned.push(Planned {
             req: *i,
             server: server.clone(),
@@ -197,6 +215,7 @@ pub(super) fn plan(
             released_from,
             generation: c.generation,
             job,
+            note,
             write: true,
         });
     }
@@ -217,12 +236,13 @@ pub(super) fn update_sql(now: i64, writes: &[&Planned]) -> (String, Vec<Arg>) {
             text(&p.used_by),
             Arg::Int(p.generation),
             text(&p.job),
+            text(&p.note),
         ]
     }));
     (
         format!(
             "UPDATE devices SET state = v.column3, used_by = v.column4, \
-             generation = devices.generation + 1, updated_at = $1, \
+             generation = devices.generation + 1, updated_at = $1, state_reason = v.column7, \
              scrub_job = CASE WHEN v.column3 = 'cleaning' THEN v.column6 \
                ELSE devices.scrub_job END \
              FROM (VALUES {}) AS v \
@@ -230,7 +250,7 @@ pub(super) fn update_sql(now: i64, writes: &[&Planned]) -> (String, Vec<Arg>) {
              AND devices.generation = v.column5 \
              RETURNING server_uuid, id, variant, \
              CAST(CASE WHEN missing = 0 AND taint IS NULL THEN 1 ELSE 0 END AS BIGINT)",
-            value_rows(2, writes.len(), 6)
+            value_rows(2, writes.len(), 7)
         ),
         args,
     )

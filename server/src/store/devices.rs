@@ -24,6 +24,9 @@ pub struct DeviceRecord {
     pub used_by: Option<VmId>,
     pub missing: bool,
     pub taint: Option<String>,
+    /// Why it is in its state, where the state alone does not say (see
+    /// `device_moves::MoveReq::note`).
+    pub state_reason: Option<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -45,10 +48,12 @@ struct DeviceRow {
     missing: i64,
     taint: Option<String>,
     details: Option<String>,
+    state_reason: Option<String>,
 }
 
 pub(crate) const COLS: &str = "server_uuid, id, vendor, device, subvendor, subsystem, revision, \
-    class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint, details";
+    class, driver, numa_node, iommu_group, variant, state, used_by, missing, taint, details, \
+    state_reason";
 
 impl DeviceRow {
     fn into_record(self) -> StoreResult<DeviceRecord> {
@@ -76,6 +81,7 @@ impl DeviceRow {
             used_by: self.used_by.map(|u| parse_uuid(&u, "vm")).transpose()?,
             missing: self.missing != 0,
             taint: self.taint,
+            state_reason: self.state_reason,
         })
     }
 }
@@ -124,23 +130,37 @@ pub async fn variants_of(
     Ok(rows.into_iter().collect())
 }
 
-/// The scrub pipeline of each of `ids` on `server` whose variant names one, read with the
+/// What a scrub needs to know of one device: its variant's type, pipeline and scrub
+/// policy, its vendor, and the hostname of its server (for the reasons it may be
+/// quarantined with).
+#[derive(Clone, Debug)]
+pub struct ScrubPlan {
+    pub kind: passage_model::variant::DeviceType,
+    pub pipeline: Option<Vec<passage_model::protocol::ScrubAction>>,
+    pub policy: passage_model::variant::ScrubPolicy,
+    pub vendor: String,
+    pub hostname: String,
+}
+
+/// The [`ScrubPlan`] of each of `ids` on `server` that has a variant, read with the
 /// devices in one statement: a scrub reads nothing else of its devices or the catalog.
-pub async fn scrub_pipelines(
+pub async fn scrub_plans(
     db: &Db,
     server: ServerId,
     ids: &[String],
-) -> StoreResult<HashMap<String, Vec<passage_model::protocol::ScrubAction>>> {
+) -> StoreResult<HashMap<String, ScrubPlan>> {
     if ids.is_empty() {
         return Ok(HashMap::new());
     }
     let sql = format!(
-        "SELECT d.id, v.scrub FROM devices d JOIN variants v ON v.name = d.variant \
-         WHERE d.server_uuid = $1 AND d.id IN ({}) AND v.scrub IS NOT NULL",
+        "SELECT d.id, v.scrub, v.kind, v.scrub_policy, d.vendor, s.hostname FROM devices d \
+         JOIN variants v ON v.name = d.variant JOIN servers s ON s.uuid = d.server_uuid \
+         WHERE d.server_uuid = $1 AND d.id IN ({})",
         page::marks(2, ids.len())
     );
     let server_s = server.to_string();
-    let rows: Vec<(String, String)> = on_read!(db, |p| {
+    type Row = (String, Option<String>, String, String, String, String);
+    let rows: Vec<Row> = on_read!(db, |p| {
         let mut q = sqlx::query_as(&sql).bind(&server_s);
         for id in ids {
             q = q.bind(id);
@@ -148,7 +168,22 @@ pub async fn scrub_pipelines(
         q.fetch_all(p).await
     })?;
     rows.into_iter()
-        .map(|(id, scrub)| Ok((id, serde_json::from_str(&scrub).map_err(corrupt)?)))
+        .map(|(id, scrub, kind, policy, vendor, hostname)| {
+            let plan = ScrubPlan {
+                kind: passage_model::variant::DeviceType::parse(&kind)
+                    .ok_or_else(|| corrupt(&kind))?,
+                pipeline: scrub
+                    .as_deref()
+                    .map(serde_json::from_str)
+                    .transpose()
+                    .map_err(corrupt)?,
+                policy: passage_model::variant::ScrubPolicy::parse(&policy)
+                    .ok_or_else(|| corrupt(&policy))?,
+                vendor,
+                hostname,
+            };
+            Ok((id, plan))
+        })
         .collect()
 }
 

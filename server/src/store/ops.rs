@@ -15,6 +15,7 @@ pub struct AuditRecord {
     pub method: String,
     pub path: String,
     pub status: u16,
+    pub detail: Option<String>,
 }
 
 /// Appends `records` to the audit log, in order, in one statement.
@@ -22,7 +23,7 @@ pub async fn audit(db: &Db, records: &[AuditRecord]) -> StoreResult<()> {
     if records.is_empty() {
         return Ok(());
     }
-    let mut args = Vec::with_capacity(records.len() * 6);
+    let mut args = Vec::with_capacity(records.len() * 7);
     for r in records {
         let (uuid, login) = match &r.actor {
             Some((u, l)) => (Arg::Text(u.to_string()), Arg::Text(l.clone())),
@@ -35,11 +36,12 @@ pub async fn audit(db: &Db, records: &[AuditRecord]) -> StoreResult<()> {
             Arg::Text(r.method.clone()),
             Arg::Text(r.path.clone()),
             Arg::Int(i64::from(r.status)),
+            r.detail.clone().map_or(Arg::Null, Arg::Text),
         ]);
     }
     let sql = format!(
-        "INSERT INTO audit_log (at, actor, actor_login, method, path, status) VALUES {}",
-        super::page::value_rows(1, records.len(), 6)
+        "INSERT INTO audit_log (at, actor, actor_login, method, path, status, detail) VALUES {}",
+        super::page::value_rows(1, records.len(), 7)
     );
     on_write!(db, |p| bind_args!(sqlx::query(&sql), &args)
         .execute(p)
@@ -49,9 +51,17 @@ pub async fn audit(db: &Db, records: &[AuditRecord]) -> StoreResult<()> {
 }
 
 pub async fn audit_log(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<AuditEntry>, i64)> {
-    type Row = (i64, Option<String>, Option<String>, String, String, i64);
+    type Row = (
+        i64,
+        Option<String>,
+        Option<String>,
+        String,
+        String,
+        i64,
+        Option<String>,
+    );
     let rows: Vec<Row> = on_read!(db, |p| sqlx::query_as(
-        "SELECT at, actor, actor_login, method, path, status FROM audit_log \
+        "SELECT at, actor, actor_login, method, path, status, detail FROM audit_log \
              ORDER BY seq DESC LIMIT $1 OFFSET $2"
     )
     .bind(limit)
@@ -63,7 +73,7 @@ pub async fn audit_log(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Aud
         .await)?;
     let items = rows
         .into_iter()
-        .map(|(at, actor, actor_login, method, path, status)| {
+        .map(|(at, actor, actor_login, method, path, status, detail)| {
             Ok(AuditEntry {
                 at: to_time(at),
                 actor: actor
@@ -74,6 +84,7 @@ pub async fn audit_log(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Aud
                 method,
                 path,
                 status: u16::try_from(status).unwrap_or(0),
+                detail,
             })
         })
         .collect::<StoreResult<_>>()?;

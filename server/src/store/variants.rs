@@ -3,7 +3,7 @@
 use super::{Db, StoreError, StoreResult, corrupt, now_ms, unique_as_conflict};
 use crate::{on_read, on_write};
 use passage_model::Variant;
-use passage_model::variant::DeviceType;
+use passage_model::variant::{DeviceType, ScrubPolicy};
 
 #[derive(sqlx::FromRow)]
 pub(crate) struct VariantRow {
@@ -21,6 +21,7 @@ pub(crate) struct VariantRow {
     max_per_gpu: Option<i64>,
     num_vfs: Option<i64>,
     mix: i64,
+    scrub_policy: String,
 }
 
 impl VariantRow {
@@ -58,6 +59,8 @@ impl VariantRow {
                 .transpose()
                 .map_err(corrupt)?,
             mix: self.mix != 0,
+            scrub_policy: ScrubPolicy::parse(&self.scrub_policy)
+                .ok_or_else(|| corrupt(&self.scrub_policy))?,
             scrub: self
                 .scrub
                 .as_deref()
@@ -70,7 +73,7 @@ impl VariantRow {
 }
 
 const COLS: &str = "name, kind, vendor, device, subvendor, subsystem, revision, description, scrub, \
-    parent, vgpu_type, max_per_gpu, num_vfs, mix";
+    parent, vgpu_type, max_per_gpu, num_vfs, mix, scrub_policy";
 
 /// A page, newest first, and the total.
 pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>, i64)> {
@@ -95,8 +98,8 @@ pub async fn page(db: &Db, limit: i64, offset: i64) -> StoreResult<(Vec<Variant>
 /// Every variant, read inside a transaction that classifies devices (`LIST_ALL`'s rows
 /// through [`views`]).
 pub(crate) const LIST_ALL: &str = "SELECT name, kind, vendor, device, subvendor, subsystem, \
-     revision, description, scrub, parent, vgpu_type, max_per_gpu, num_vfs, mix FROM variants \
-     ORDER BY name";
+     revision, description, scrub, parent, vgpu_type, max_per_gpu, num_vfs, mix, scrub_policy \
+     FROM variants ORDER BY name";
 
 pub(crate) fn views(rows: Vec<VariantRow>) -> StoreResult<Vec<Variant>> {
     rows.into_iter().map(VariantRow::into_view).collect()
@@ -125,7 +128,7 @@ pub async fn get(db: &Db, name: &str) -> StoreResult<Variant> {
 pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     on_write!(db, |p| sqlx::query(&format!(
         "INSERT INTO variants ({COLS}, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $14, $15, $9)"
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $10, $11, $12, $13, $14, $15, $16, $9)"
     ))
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -142,6 +145,7 @@ pub async fn insert(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(v.max_per_gpu.map(i64::from))
     .bind(v.num_vfs.map(i64::from))
     .bind(i64::from(v.mix))
+    .bind(v.scrub_policy.as_str())
     .execute(p)
     .await
     .map(|r| r.rows_affected()))
@@ -153,7 +157,8 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     let n = on_write!(db, |p| sqlx::query(
         "UPDATE variants SET kind = $2, vendor = $3, device = $4, subvendor = $5, \
          subsystem = $6, revision = $7, description = $8, scrub = $9, parent = $10, \
-         vgpu_type = $11, max_per_gpu = $12, num_vfs = $13, mix = $14 WHERE name = $1"
+         vgpu_type = $11, max_per_gpu = $12, num_vfs = $13, mix = $14, scrub_policy = $15 \
+         WHERE name = $1"
     )
     .bind(&v.name)
     .bind(v.kind.as_str())
@@ -169,6 +174,7 @@ pub async fn update(db: &Db, v: &Variant) -> StoreResult<()> {
     .bind(v.max_per_gpu.map(i64::from))
     .bind(v.num_vfs.map(i64::from))
     .bind(i64::from(v.mix))
+    .bind(v.scrub_policy.as_str())
     .execute(p)
     .await
     .map(|r| r.rows_affected()))?;

@@ -8,6 +8,7 @@ mod cloudapi;
 mod console;
 mod durable;
 mod e2e;
+mod gpu_clearing;
 mod guest_console;
 mod guest_metadata;
 mod guest_power;

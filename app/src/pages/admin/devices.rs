@@ -56,7 +56,12 @@ fn DeviceTable(rows: Vec<DeviceRow>) -> impl IntoView {
                             <td><a href=format!("/admin/servers/{}", d.server_uuid)>{d.hostname.clone()}</a></td>
                             <td><code title=id.clone()>{d.address.to_string()}</code></td>
                             <td>{d.variant.clone().unwrap_or_default()}</td>
-                            <td><Badge state=d.state.as_str()/></td>
+                            <td>
+                                <Badge state=d.state.as_str()/>
+                                {d.state_reason.clone().map(|r| {
+                                    view! { " " <span class="state-reason">{r}</span> }
+                                })}
+                            </td>
                             <td>{d.used_by.map(|v| view! { <VmLink uuid=v/> })}</td>
                             <td>{d.numa_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into())}</td>
                             <td><code>{d.driver.clone().unwrap_or_else(|| "-".into())}</code></td>

@@ -206,6 +206,9 @@ fn ServerDetail(s: Server) -> impl IntoView {
                                     let title = t.clone();
                                     view! { " " <span class="taint" title=title>"tainted: " {t}</span> }
                                 })}
+                                {d.state_reason.clone().map(|r| {
+                                    view! { " " <span class="state-reason">{r}</span> }
+                                })}
                             </td>
                             <td>{d.used_by.map(|v| view! { <VmLink uuid=v/> })}</td>
                             <td>{d.numa_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into())}</td>
