@@ -142,8 +142,15 @@ pub async fn audit(
     path: &str,
     status: u16,
 ) {
-    if let Err(e) =
-        super::audit::record(ctx, actor, method.to_string(), path.to_string(), status).await
+    if let Err(e) = super::audit::record(
+        ctx,
+        actor,
+        method.to_string(),
+        path.to_string(),
+        status,
+        None,
+    )
+    .await
     {
         tracing::warn!(error = %e, %path, "could not write the audit log");
     }
