@@ -180,7 +180,7 @@ pub(crate) fn pipeline_for(plan: &ScrubPlan) -> Option<Vec<ScrubAction>> {
     match plan.policy {
         ScrubPolicy::Full => {
             let mut steps = plan.pipeline.clone()?;
-            let zeroes = steps.iter().any(|a| *a == ScrubAction::ZeroGpuMemory {});
+            let zeroes = steps.contains(&ScrubAction::ZeroGpuMemory {});
             if !zeroes && steps.len() < MAX_SCRUB_STEPS {
                 let at = match steps.last() {
                     Some(ScrubAction::VerifyDriver {}) => steps.len() - 1,
