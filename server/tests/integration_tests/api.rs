@@ -670,12 +670,19 @@ async fn work_until(
         seen.push(t.task.clone());
         let mut result = TaskResult::success();
         if let Task::Scrub { devices, .. } = &t.task {
+            // As an agent reports a GPU's scrub: its memory zeroed and read back.
             result.scrub_reports = devices
                 .iter()
                 .map(|d| ScrubReport {
                     device: d.clone(),
                     ok: true,
-                    steps: Vec::new(),
+                    steps: vec![passage_model::protocol::ScrubStep {
+                        name: "zero_gpu_memory".into(),
+                        ok: true,
+                        duration_ms: 1,
+                        detail: None,
+                        skipped: false,
+                    }],
                 })
                 .collect();
         }
