@@ -203,16 +203,25 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
     )
     .await
     .ok(201);
-    // The owner's key signs CloudAPI for the `triton` CLI.
-    let triton = triton_cli().map(|cli| TritonUser::new(&cli, &base, "admin"));
+    // A tenant owns the VM; its key signs CloudAPI for the `triton` CLI. The operator
+    // stops, starts and reboots it through /v1.
+    op.post::<passage_model::api::Account>(
+        "/v1/accounts",
+        &json!({"login":"owner","password":"owner-password","role":"tenant"}),
+    )
+    .await
+    .ok(201);
+    let owner = Client::at(&base, Some(&login(&base, "owner", "owner-password").await));
+    let triton = triton_cli().map(|cli| TritonUser::new(&cli, &base, "owner"));
     if let Some((_, public)) = &triton {
-        op.post::<SshKey>("/v1/keys", &json!({"name": "laptop", "key": public}))
+        owner
+            .post::<SshKey>("/v1/keys", &json!({"name": "laptop", "key": public}))
             .await
             .ok(201);
     }
     let (_agent, _guests) = qemu_node(&db, &base, &op).await;
 
-    let vm: Vm = op
+    let vm: Vm = owner
         .post(
             "/v1/vms",
             &json!({"image":"debian-test","alias":"power","package":"power-1x",
