@@ -7,7 +7,7 @@
 //!
 //! 1. a `/v1` stop, then a `/v1` start;
 //! 2. a `/v1` reboot: one job, a clean stop and a start;
-//! 3. `triton instance reboot -w` through CloudAPI, signed with the owner's key;
+//! 3. `triton instance reboot` through CloudAPI, signed with the owner's key;
 //! 4. a `/v1` stop and start again; 5. a `/v1` reboot again.
 //!
 //! Each stop's job step says the guest shut down (the ACPI power button), not that it was
@@ -243,6 +243,8 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
         assert!(left.bytes > 0, "boot {cycle} made no host keys: {left:?}");
         // Nothing the guest made is synced: the file a moment ago, the host keys earlier
         // in this boot, which began about 40 s ago. The guest goes down at once.
+        // `triton instance reboot -w` waits on CloudAPI's ListMachineAudit, which Passage
+        // does not answer yet: the CLI reboots without `-w` and the test waits.
         let how = match cycle {
             1 | 4 => "reboot",
             2 if triton.is_some() => "triton",
@@ -252,18 +254,13 @@ async fn a_clean_stop_keeps_the_guests_writes_and_a_reboot_boots_again() {
             "triton" => {
                 let (user, _) = triton.as_ref().unwrap();
                 let out = user
-                    .run(&["instance", "reboot", "-w", &vm.uuid.to_string()])
+                    .run(&["instance", "reboot", &vm.uuid.to_string()])
                     .await
                     .ok();
-                assert!(out.contains("Rebooted instance"), "{out}");
+                assert!(out.contains("Rebooting instance"), "{out}");
                 let v: Vm = op.get(&path).await.ok(200);
-                assert_eq!(v.state, VmState::Running);
-                let j: Job = op
-                    .get(&format!("/v1/jobs/{}", v.job_uuid.unwrap()))
-                    .await
-                    .ok(200);
+                let j = succeeded(&op, v.job_uuid.unwrap(), Duration::from_secs(900)).await;
                 assert_eq!(j.name, "reboot");
-                assert_eq!(j.state, JobState::Succeeded, "{j:?}");
                 j
             }
             "reboot" => {
